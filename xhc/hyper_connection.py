@@ -1,0 +1,460 @@
+"""One hyper-connection per wrapped sublayer: HC and the mHC family (spec §1.3, §1.6, §2.0–§2.e).
+
+A framework wraps a branch F (attention or MLP, *including* its own norm) like this::
+
+    u, ctx = hc.read(X)          # X: [..., N, C]  ->  u: [..., C]
+    y = F(u)                     # the framework's own branch, on one stream's width
+    X = hc.write(X, y, ctx)      # X': [..., N, C]
+
+and, around the whole stack, ``X = expand_streams(e, N)`` after the embedding and
+``h = reduce_streams(X, ...)`` (or :class:`StreamReadout`) before the final norm.
+
+Equations (spec §1.3 and §2.0), per token, X ∈ R^{N×C}:
+
+=================================  ============================================================
+:func:`dynamic_logits`             z_g = α_g · (RMSNorm(vec X) W_g) + b_g     (static: z_g = b_g)
+:func:`pre_weights`                h_pre  = σ(z_pre)                          ∈ (0, 1)^N
+:func:`post_weights`               h_post = 2σ(z_post)                        ∈ (0, 2)^N
+:meth:`HyperConnection.mixing`     H_res  = Φ(z_res)  (Sinkhorn / lite / Krom / I; §2.b–§2.e)
+:func:`read_streams`               u   = Σ_j h_pre[j] · X_j
+:func:`write_streams`              X'_i = Σ_j H_res[i,j] · X_j + Σ_q h_post[i,q] · V_q
+:func:`hc_dynamic_coefficients`    HC tanh form ([HC] Alg. 2, §2.a)
+=================================  ============================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
+from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix, sinkhorn
+from xhc.norms import fp32, layer_norm_streams, rms_norm_flat
+
+PEFT_READ_LOGIT = 8.0  # [PEFT] one-hot read-in bias (spec §2.g)
+PEFT_PERM_LOGIT = -12.0  # [PEFT] lite/Krom non-identity logit
+PEFT_DIAG_LOGIT = 8.0  # [PEFT] dynamic Sinkhorn diagonal bias
+
+
+# ================================================================================================
+# Equations (pure functions)
+# ================================================================================================
+def logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def near_one_hot_read_bias(n: int, hot: int, delta: float = 0.01) -> torch.Tensor:
+    """b_pre with σ(b)[hot] = 1 − (n−1)δ and δ elsewhere: Σ h_pre = 1 exactly (spec §2.0).  ``[n]``."""
+    b = torch.full((n,), logit(delta), dtype=torch.float64)
+    b[hot] = logit(1.0 - (n - 1) * delta)
+    return b.float()
+
+
+def uniform_read_bias(n: int) -> torch.Tensor:
+    """b_pre = −ln(n−1): h_pre = 1/n on every stream (spec §3.4, §5.4).  ``[n]``."""
+    return torch.full((n,), -math.log(n - 1) if n > 1 else 0.0)
+
+
+def peft_read_bias(n: int, hot: int) -> torch.Tensor:
+    """[PEFT] dynamic read-in: +8 on the hot stream, the rest sharing 1 − σ(8) (spec §2.g)."""
+    rest = (1.0 - 1.0 / (1.0 + math.exp(-PEFT_READ_LOGIT))) / (n - 1)
+    b = torch.full((n,), logit(rest), dtype=torch.float64)
+    b[hot] = PEFT_READ_LOGIT
+    return b.float()
+
+
+def dynamic_logits(
+    x_hat: torch.Tensor, W: torch.Tensor, alpha: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
+    """z = α · (x̂ W) + b  (spec §2.0).
+
+    ``x_hat``: ``[..., N·C]`` fp32;  ``W``: ``[d, N·C]`` (torch ``Linear`` layout);  ``alpha``: ``[1]``;
+    ``b``: ``[d]``  ->  ``[..., d]`` fp32.
+    """
+    return alpha * F.linear(x_hat, fp32(W)) + b
+
+
+def pre_weights(z_pre: torch.Tensor) -> torch.Tensor:
+    """h_pre = σ(z_pre)  ([mHC] Eq. 8).  ``[..., N]``."""
+    return torch.sigmoid(z_pre)
+
+
+def post_weights(z_post: torch.Tensor) -> torch.Tensor:
+    """h_post = 2σ(z_post)  ([mHC] Eq. 8).  ``[..., N]``."""
+    return 2.0 * torch.sigmoid(z_post)
+
+
+def read_streams(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """u = Σ_j h_pre[j] · X_j, accumulated in fp32, cast once to X's dtype (spec §1.3, §1.5).
+
+    ``h_pre``: ``[..., N]``;  ``X``: ``[..., N, C]``  ->  ``[..., C]``.
+    """
+    u = torch.einsum("...n,...nc->...c", h_pre, fp32(X))
+    return u.to(X.dtype)
+
+
+def write_streams(
+    X: torch.Tensor, H_res: Optional[torch.Tensor], h_post: torch.Tensor, V: torch.Tensor
+) -> torch.Tensor:
+    """X'_i = Σ_j H_res[i,j] X_j + Σ_q h_post[i,q] V_q  (spec §1.3; H_res multiplies from the left).
+
+    ``X``: ``[..., N, C]``;  ``H_res``: ``[..., N, N]`` or ``None`` (= I);  ``h_post``: ``[..., N, K]``;
+    ``V``: ``[..., K, C]``  ->  ``[..., N, C]`` in X's dtype (fp32 accumulation, one cast).
+    """
+    Xf = fp32(X)
+    mixed = Xf if H_res is None else torch.einsum("...ij,...jc->...ic", H_res, Xf)
+    out = mixed + torch.einsum("...iq,...qc->...ic", h_post, fp32(V))
+    return out.to(X.dtype)
+
+
+def expand_streams(e: torch.Tensor, n: int) -> torch.Tensor:
+    """Entry: X^(0)_i = e for every stream (spec §1.6).  ``[..., C]`` -> ``[..., N, C]``."""
+    return e.unsqueeze(-2).expand(*e.shape[:-1], n, e.shape[-1]).contiguous()
+
+
+def reduce_streams(X: torch.Tensor, mode: str = "sum", logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exit (spec §1.6): ``sum`` (default), ``mean``, or ``softmax`` readout with N ``logits``.
+
+    ``X``: ``[..., N, C]`` -> ``[..., C]`` in X's dtype.
+    """
+    if mode == "sum":
+        return X.sum(-2)
+    if mode == "mean":
+        return X.mean(-2)
+    if mode == "softmax":
+        if logits is None:
+            raise ValueError("reduce_streams(mode='softmax') needs the readout logits")
+        w = torch.softmax(fp32(logits), -1)
+        return torch.einsum("n,...nc->...c", w, fp32(X)).to(X.dtype)
+    raise ValueError(f"reduce_streams mode={mode!r}: allowed values are sum, mean, softmax")
+
+
+def hc_dynamic_coefficients(
+    X: torch.Tensor,
+    a_pre: torch.Tensor,
+    S_res: torch.Tensor,
+    a_post: torch.Tensor,
+    w_pre: Optional[torch.Tensor],
+    W_r: Optional[torch.Tensor],
+    w_post: Optional[torch.Tensor],
+    s_alpha: Optional[torch.Tensor],
+    s_beta: Optional[torch.Tensor],
+    use_tanh: bool = True,
+    eps: float = 1e-6,
+):
+    """[HC] coefficients (spec §2.a).  Static when the dynamic weights are ``None``.
+
+    h_pre[i]   = a_pre[i]   + s_α · tanh(X̄_i · w_pre)
+    H_res[j,i] = S_res[j,i] + s_α · tanh(X̄_i · W_r[:, j])      (column i is predicted from stream i)
+    h_post[i]  = a_post[i]  + s_β · tanh(X̄_i · w_post)
+
+    ``X``: ``[..., N, C]``  ->  (h_pre ``[..., N]``, H_res ``[..., N, N]``, h_post ``[..., N]``), fp32.
+    """
+    if w_pre is None:
+        return fp32(a_pre), fp32(S_res), fp32(a_post)
+    act = torch.tanh if use_tanh else (lambda t: t)
+    Xbar = layer_norm_streams(X, eps)  # [..., N, C]
+    h_pre = a_pre + s_alpha * act(Xbar @ fp32(w_pre))  # [..., N]
+    H_res = S_res + s_alpha * act(Xbar @ fp32(W_r)).transpose(-1, -2)  # [..., N(j), N(i)]
+    h_post = a_post + s_beta * act(Xbar @ fp32(w_post))
+    return h_pre, H_res, h_post
+
+
+# ================================================================================================
+# Module
+# ================================================================================================
+@dataclass
+class HCContext:
+    """What :meth:`HyperConnection.read` hands to :meth:`HyperConnection.write` (fp32 tensors)."""
+
+    h_pre: Optional[torch.Tensor]  # [..., N] (None when ablated: uniform 1/N)
+    h_post: Optional[torch.Tensor]  # [..., N] (None when ablated: ones)
+    H_res: Optional[torch.Tensor]  # [..., N, N] (None: identity)
+
+
+class HyperConnection(nn.Module):
+    """Hyper-connection around one sublayer, for ``variant ∈ {hc, mhc, mhc_lite, kromhc, identity}``.
+
+    Args:
+        cfg: the model's :class:`~xhc.config.HCConfig`.
+        hidden_size: C, the width of one stream.
+        layer_index: ℓ, the global 0-based *sublayer* index (attention of layer i is 2i, its MLP
+            2i+1); the near-one-hot read starts on stream ℓ mod N (spec §2.0, §8 #9).
+
+    Parameters (all fp32; biases and gates 1-D so no-weight-decay rules catch them):
+
+    ==============================  ====================  =========================================
+    name                            shape                 present when
+    ==============================  ====================  =========================================
+    ``b_pre``, ``b_post``           ``[N]``               mHC family, group not ablated
+    ``b_res``                       ``[R]``               mhc / mhc_lite / kromhc, not ablated
+    ``W_pre``, ``W_post``           ``[N, N·C]``          dynamic, group not ablated
+    ``W_res``                       ``[R, N·C]``          dynamic, R > 0
+    ``alpha_pre/post/res``          ``[1]``               dynamic, group present
+    ``norm_weight``                 ``[N·C]``             dynamic and ``mapping_norm_affine``
+    ``a_pre``, ``a_post``           ``[N]``               hc
+    ``S_res``                       ``[N, N]``            hc
+    ``w_pre``, ``w_post``; ``W_r``  ``[C]``; ``[C, N]``   hc, dynamic
+    ``s_alpha``, ``s_beta``         ``[1]``               hc, dynamic
+    ==============================  ====================  =========================================
+    """
+
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0):
+        super().__init__()
+        if cfg.variant not in MHC_FAMILY + ("hc",):
+            raise HCConfigError(
+                f"HCConfig.variant={cfg.variant!r} is not handled by HyperConnection: "
+                f"use one of hc, {', '.join(MHC_FAMILY)} (xHC variants use xhc.xhc.XHCSublayer)"
+            )
+        self.cfg = cfg
+        self.n = cfg.n
+        self.hidden_size = hidden_size
+        self.layer_index = layer_index
+        n, nc = cfg.n, cfg.n * hidden_size
+        z = lambda *shape: nn.Parameter(torch.zeros(*shape))  # noqa: E731
+        if cfg.variant == "hc":
+            self.a_pre = None if cfg.ablate_pre else z(n)
+            self.S_res = None if cfg.ablate_res else z(n, n)
+            self.a_post = None if cfg.ablate_post else z(n)
+            if cfg.dynamic:
+                self.w_pre = None if cfg.ablate_pre else z(hidden_size)
+                self.W_r = None if cfg.ablate_res else z(hidden_size, n)
+                self.w_post = None if cfg.ablate_post else z(hidden_size)
+                self.s_alpha = z(1) if not (cfg.ablate_pre and cfg.ablate_res) else None
+                self.s_beta = None if cfg.ablate_post else z(1)
+        else:
+            R = cfg.num_res_logits
+            self.R = R
+            self.b_pre = None if cfg.ablate_pre else z(n)
+            self.b_post = None if cfg.ablate_post else z(n)
+            self.b_res = z(R) if R > 0 else None
+            if cfg.dynamic:
+                self.W_pre = None if cfg.ablate_pre else z(n, nc)
+                self.W_post = None if cfg.ablate_post else z(n, nc)
+                self.W_res = z(R, nc) if R > 0 else None
+                self.alpha_pre = None if cfg.ablate_pre else z(1)
+                self.alpha_post = None if cfg.ablate_post else z(1)
+                self.alpha_res = z(1) if R > 0 else None
+                self.norm_weight = nn.Parameter(torch.ones(nc)) if cfg.mapping_norm_affine else None
+        self.reset_parameters()
+
+    # --------------------------------------------------------------------------------------------
+    @property
+    def _read_hot(self) -> int:
+        return self.layer_index % self.n
+
+    def _read_init(self) -> str:
+        mode = self.cfg.read_init
+        return "one_hot" if mode == "auto" else mode
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise per spec §2.0 (``preset='spec'``) or [PEFT] (``preset='peft_paper'``, §2.g)."""
+        cfg, n = self.cfg, self.n
+        for p in self.parameters():
+            p.zero_()
+        if getattr(self, "norm_weight", None) is not None:
+            self.norm_weight.fill_(1.0)
+        if cfg.variant == "hc":
+            return self._reset_hc()
+        static_uniform = cfg.preset == "peft_paper" and cfg.variant == "mhc" and not cfg.dynamic
+        if self.b_pre is not None:
+            if static_uniform or self._read_init() == "uniform":
+                self.b_pre.copy_(uniform_read_bias(n))
+            elif cfg.preset == "peft_paper":
+                self.b_pre.copy_(peft_read_bias(n, self._read_hot))
+            else:
+                self.b_pre.copy_(near_one_hot_read_bias(n, self._read_hot, cfg.read_delta))
+        if self.b_res is not None:
+            self.b_res.copy_(self._res_bias_init(static_uniform))
+        for name in ("alpha_pre", "alpha_post", "alpha_res"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).fill_(cfg.gate_init)
+        if cfg.init_noise > 0:
+            self._add_init_noise(cfg.init_noise)
+
+    def _res_bias_init(self, static_uniform: bool) -> torch.Tensor:
+        cfg, n = self.cfg, self.n
+        peft = cfg.preset == "peft_paper"
+        if cfg.variant == "mhc":
+            if static_uniform:
+                return torch.zeros(n * n)  # H_res = 11ᵀ/n ([PEFT] static Sinkhorn)
+            if peft:
+                return (PEFT_DIAG_LOGIT * torch.eye(n)).flatten()  # ≡ −8 off-diagonal
+            return (cfg.res_offdiag_init * (1 - torch.eye(n))).flatten()
+        off = PEFT_PERM_LOGIT if peft else cfg.res_offdiag_init
+        b = torch.full((self.R,), off)
+        if cfg.variant == "mhc_lite":
+            b[0] = 0.0  # r = 0 is the identity permutation
+        else:  # kromhc: [identity, swap] per factor
+            b[0::2] = 0.0
+        return b
+
+    def _add_init_noise(self, sigma: float) -> None:
+        """[PEFT] static Sinkhorn: N(0, σ²) on every logit, then renormalise h_pre to sum 1."""
+        g = torch.Generator().manual_seed(1234 + self.layer_index)
+        for name in ("b_pre", "b_post", "b_res"):
+            p = getattr(self, name, None)
+            if p is not None:
+                p.add_(sigma * torch.randn(p.shape, generator=g))
+        if getattr(self, "b_pre", None) is not None:
+            h = torch.sigmoid(self.b_pre.double())
+            h = h / h.sum()
+            self.b_pre.copy_((torch.log(h) - torch.log1p(-h)).float())
+
+    def _reset_hc(self) -> None:
+        cfg, n = self.cfg, self.n
+        if self.a_pre is not None:
+            if self._read_init() == "uniform":
+                self.a_pre.fill_(1.0 / n)
+            else:
+                self.a_pre[self._read_hot] = 1.0  # e_{ℓ mod N}
+        if self.S_res is not None:
+            self.S_res.copy_(torch.eye(n))
+        if self.a_post is not None:
+            self.a_post.fill_(1.0)
+        for name in ("s_alpha", "s_beta"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).fill_(cfg.gate_init)
+
+    # --------------------------------------------------------------------------------------------
+    def coefficients(self, X: torch.Tensor):
+        """(h_pre, h_post, H_res) for the state ``X``: ``[..., N, C]``; ``None`` marks a neutral form."""
+        cfg = self.cfg
+        if cfg.variant == "hc":
+            return self._hc_coefficients(X)
+        z_pre, z_post, z_res = self._logits(X)
+        h_pre = None if z_pre is None else pre_weights(z_pre)
+        h_post = None if z_post is None else post_weights(z_post)
+        H_res = None if z_res is None else self.mixing(z_res)
+        return h_pre, h_post, H_res
+
+    def _logits(self, X: torch.Tensor):
+        """(z_pre, z_post, z_res) with shapes [..., N], [..., N], [..., R] (fp32)."""
+        groups = [(self.b_pre, "pre"), (self.b_post, "post"), (self.b_res, "res")]
+        if not self.cfg.dynamic:
+            batch = X.shape[:-2]
+            return [None if b is None else fp32(b).expand(*batch, b.shape[0]) for b, _ in groups]
+        x_hat = rms_norm_flat(X.flatten(-2), self.cfg.norm_eps)  # [..., N·C]
+        if self.norm_weight is not None:
+            x_hat = x_hat * fp32(self.norm_weight)
+        present = [(b, getattr(self, f"W_{g}"), getattr(self, f"alpha_{g}")) for b, g in groups if b is not None]
+        W = torch.cat([w for _, w, _ in present], 0)
+        proj = F.linear(x_hat, fp32(W))  # one GEMM for all groups: [..., d_total]
+        out, start = [], 0
+        it = iter(present)
+        for b, _ in groups:
+            if b is None:
+                out.append(None)
+                continue
+            _, w, alpha = next(it)
+            out.append(alpha * proj[..., start : start + w.shape[0]] + b)  # z_g = α_g·(x̂W_g) + b_g
+            start += w.shape[0]
+        return out
+
+    def mixing(self, z_res: torch.Tensor) -> torch.Tensor:
+        """H_res = Φ(z_res) (spec §2.0 table), optional residual-logit dropout, optional row clamp."""
+        cfg, n = self.cfg, self.n
+        if self.training and cfg.res_logit_dropout > 0:
+            z_res = _residual_logit_dropout(z_res, cfg.res_logit_dropout, cfg.variant, n)
+        if cfg.variant == "mhc":
+            H = sinkhorn(
+                z_res.unflatten(-1, (n, n)), cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order,
+                recompute=cfg.sinkhorn_recompute,
+            )
+            return clamp_rows(H) if cfg.row_sum_clamp else H
+        if cfg.variant == "mhc_lite":
+            return mhc_lite_mix(z_res, n)
+        return kromhc_mix(z_res, n)
+
+    def _hc_coefficients(self, X: torch.Tensor):
+        n, batch = self.n, X.shape[:-2]
+        a_pre = self.a_pre if self.a_pre is not None else torch.full((n,), 1.0 / n, device=X.device)
+        S_res = self.S_res if self.S_res is not None else torch.eye(n, device=X.device)
+        a_post = self.a_post if self.a_post is not None else torch.ones(n, device=X.device)
+        dyn = self.cfg.dynamic
+        h_pre, H_res, h_post = hc_dynamic_coefficients(
+            X, fp32(a_pre), fp32(S_res), fp32(a_post),
+            getattr(self, "w_pre", None) if dyn else None,
+            getattr(self, "W_r", None) if dyn else None,
+            getattr(self, "w_post", None) if dyn else None,
+            getattr(self, "s_alpha", None), getattr(self, "s_beta", None),
+            use_tanh=self.cfg.hc_tanh, eps=self.cfg.norm_eps,
+        )
+        if dyn:  # ablated groups keep their neutral constant, no dynamic part
+            if self.cfg.ablate_pre:
+                h_pre = fp32(a_pre).expand(*batch, n)
+            if self.cfg.ablate_res:
+                H_res = None
+            if self.cfg.ablate_post:
+                h_post = fp32(a_post).expand(*batch, n)
+        elif self.cfg.ablate_res:
+            H_res = None
+        if H_res is not None and H_res.dim() == 2:
+            H_res = H_res.expand(*batch, n, n)
+        if h_pre.dim() == 1:
+            h_pre = h_pre.expand(*batch, n)
+        if h_post.dim() == 1:
+            h_post = h_post.expand(*batch, n)
+        return h_pre, h_post, H_res
+
+    # --------------------------------------------------------------------------------------------
+    def read(self, X: torch.Tensor):
+        """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""
+        h_pre, h_post, H_res = self.coefficients(X)
+        h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, device=X.device)
+        return read_streams(h_read, X), HCContext(h_pre, h_post, H_res)
+
+    def write(self, X: torch.Tensor, y: torch.Tensor, ctx: HCContext, seq=None) -> torch.Tensor:
+        """``X``: ``[..., N, C]``, branch output ``y``: ``[..., C]`` -> X' ``[..., N, C]``.
+
+        ``seq`` is accepted for interface parity with xHC (the mHC family is per token).
+        """
+        h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], device=X.device)
+        return write_streams(X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2))
+
+    def forward(self, X: torch.Tensor, branch) -> torch.Tensor:
+        """Convenience: ``write(X, branch(u), ctx)`` with ``u, ctx = read(X)``."""
+        u, ctx = self.read(X)
+        return self.write(X, branch(u), ctx)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return f"variant={c.variant}, n={c.n}, dynamic={c.dynamic}, C={self.hidden_size}, layer_index={self.layer_index}"
+
+
+def _residual_logit_dropout(z: torch.Tensor, p: float, variant: str, n: int) -> torch.Tensor:
+    """[PEFT] App. C.3: set random residual logits to −inf before Φ (training only).
+
+    Identity entries are never dropped (mHC diagonal, lite permutation 0, Krom 'identity' logit),
+    so no row or column can be fully masked.
+    """
+    drop = torch.rand_like(z) < p
+    keep = torch.zeros(z.shape[-1], dtype=torch.bool, device=z.device)
+    if variant == "mhc":
+        keep.view(n, n).fill_diagonal_(True)
+    elif variant == "mhc_lite":
+        keep[0] = True
+    else:
+        keep[0::2] = True
+    return z.masked_fill(drop & ~keep, float("-inf"))
+
+
+class StreamReadout(nn.Module):
+    """Exit reduction (spec §1.6): ``sum``, ``mean`` or a learned ``softmax`` readout (N logits, init 0)."""
+
+    def __init__(self, n: int, mode: str = "sum"):
+        super().__init__()
+        if mode not in ("sum", "mean", "softmax"):
+            raise HCConfigError(f"HCConfig.reduction={mode!r} is invalid: allowed values are sum, mean, softmax")
+        self.n, self.mode = n, mode
+        self.logits = nn.Parameter(torch.zeros(n)) if mode == "softmax" else None
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        """``X``: ``[..., N, C]`` -> ``[..., C]``."""
+        return reduce_streams(X, self.mode, self.logits)
