@@ -147,7 +147,7 @@ def hc_dynamic_coefficients(
     use_tanh: bool = True,
     eps: float = 1e-6,
 ):
-    """[HC] coefficients (spec §2.a).  Static when the dynamic weights are ``None``.
+    """[HC] coefficients (spec §2.a).  A group is static when its dynamic weight is ``None``.
 
     h_pre[i]   = a_pre[i]   + s_α · tanh(X̄_i · w_pre)
     H_res[j,i] = S_res[j,i] + s_α · tanh(X̄_i · W_r[:, j])      (column i is predicted from stream i)
@@ -155,13 +155,17 @@ def hc_dynamic_coefficients(
 
     ``X``: ``[..., N, C]``  ->  (h_pre ``[..., N]``, H_res ``[..., N, N]``, h_post ``[..., N]``), fp32.
     """
-    if w_pre is None:
-        return fp32(a_pre), fp32(S_res), fp32(a_post)
+    h_pre, H_res, h_post = fp32(a_pre), fp32(S_res), fp32(a_post)
+    if w_pre is None and W_r is None and w_post is None:
+        return h_pre, H_res, h_post
     act = torch.tanh if use_tanh else (lambda t: t)
     Xbar = layer_norm_streams(X, eps)  # [..., N, C]
-    h_pre = a_pre + s_alpha * act(Xbar @ fp32(w_pre))  # [..., N]
-    H_res = S_res + s_alpha * act(Xbar @ fp32(W_r)).transpose(-1, -2)  # [..., N(j), N(i)]
-    h_post = a_post + s_beta * act(Xbar @ fp32(w_post))
+    if w_pre is not None:
+        h_pre = h_pre + s_alpha * act(Xbar @ fp32(w_pre))  # [..., N]
+    if W_r is not None:
+        H_res = H_res + s_alpha * act(Xbar @ fp32(W_r)).transpose(-1, -2)  # [..., N(j), N(i)]
+    if w_post is not None:
+        h_post = h_post + s_beta * act(Xbar @ fp32(w_post))
     return h_pre, H_res, h_post
 
 
@@ -386,14 +390,7 @@ class HyperConnection(nn.Module):
             getattr(self, "s_alpha", None), getattr(self, "s_beta", None),
             use_tanh=self.cfg.hc_tanh, eps=self.cfg.norm_eps,
         )
-        if dyn:  # ablated groups keep their neutral constant, no dynamic part
-            if self.cfg.ablate_pre:
-                h_pre = fp32(a_pre).expand(*batch, n)
-            if self.cfg.ablate_res:
-                H_res = None
-            if self.cfg.ablate_post:
-                h_post = fp32(a_post).expand(*batch, n)
-        elif self.cfg.ablate_res:
+        if self.cfg.ablate_res:  # ablated groups have no parameters: neutral constants above
             H_res = None
         if H_res is not None and H_res.dim() == 2:
             H_res = H_res.expand(*batch, n, n)
