@@ -434,3 +434,40 @@ def test_traffic_identity_and_static():
     assert (t.read, t.write) == (4 * N + 1, 2 * N + 1)
     s = memory_traffic_per_sublayer(MHC4.replace(dynamic=False))
     assert (s.read, s.write) == (4 * N + 1, 3 * N + 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI (python -m tools.accounting)
+# ------------------------------------------------------------------------------------------------
+def test_cli_json_default_paper_configs(capsys):
+    import json
+
+    from tools.accounting import main
+    assert main(["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    rows = {(r["size"], r["method"]): r for r in d["rows"]}
+    assert len(rows) == 4 * 6
+    assert rows[("18B", "xhc")]["params_per_layer_dominant"] == 2_652_672
+    assert rows[("28B", "mhc16")]["params_per_layer_dominant"] == 23_592_960
+    assert rows[("18B", "mhc4")]["f_hc_per_token"] == 6 * 405_504 * 28
+    assert rows[("10B", "flash4")]["traffic_C"] == 40
+    assert rows[("2.5B", "vanilla")]["params_total"] == 0
+    # overhead is F_HC over the named F_vanilla convention
+    r = rows[("28B", "xhc")]
+    assert r["overhead_pct"] == pytest.approx(100 * r["f_hc_per_token"] / r["f_vanilla_per_token"])
+
+
+def test_cli_custom_config(capsys):
+    import json
+
+    from tools.accounting import main
+    main(["--variant", "xhc", "--n", "8", "--k", "2", "--m", "1", "--kernels", "4", "8",
+          "--hidden", "100", "--layers", "3", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    custom = rows[-1]
+    N, k, K_r, sk, C = 8, 2, 3, 12, 100
+    assert custom["params_per_layer_dominant"] == (4 * N * N + 2 * k ** 3 + k * k + k * k * K_r + sk) * C
+    assert custom["overhead_pct"] is None  # no expert width given: no F_vanilla
+    main(["--sizes", "18B"])
+    out = capsys.readouterr().out
+    assert "xhc" in out and "megatron" in out and "implied F_v" in out
