@@ -1,0 +1,631 @@
+"""Temporal feature augmentation of xHC MLP/MoE sublayers (spec §3.2, §3.6; §8 #18, #22, #23).
+
+After an MLP/MoE sublayer, xHC writes K_r = r + 1 components per token instead of y alone:
+
+    g_j[t, c] = Σ_{i=0}^{κ_j−1} w_j[i, c] · y[t−i, c]            j = 1..r   (causal depthwise conv)
+    V[t]      = [y[t], g_1[t], …, g_r[t]]                          ∈ R^{K_r × C}
+
+where y[t'] = 0 for t' < 0 and for t' in an earlier document of a packed sequence.
+
+Layout is Megatron's: ``y`` is ``[s, b, C]`` (sequence first), ``V`` is ``[s, b, K_r, C]``.
+All maths runs in fp32 (float64 stays float64 for reference tests and gradcheck).
+
+What this file provides
+=======================
+
+=========================================  ==========================================================
+:func:`causal_dwconv`                      the equation for one kernel (with halo rows and resets)
+:func:`temporal_conv`                      all r kernels at once (one grouped conv), ``[s,b,r,C]``
+:class:`TemporalAugmentation`              the module: parameters, ``forward(y, seq) -> V``, decode
+:class:`SequenceContext`                   where the local rows sit (SP / CP / THD layouts, resets)
+``pos_in_doc_from_*``                      document positions from what Megatron passes
+:func:`sp_segments`, :func:`cp_segments`,  global row ranges held by one rank, for
+:func:`thd_cp_segments`                    :attr:`SequenceContext.segments`
+=========================================  ==========================================================
+
+Documents (spec §3.6 "Packed documents")
+----------------------------------------
+``pos_in_doc[t, b]`` is the index of token t inside its document (0 at a document start).  Tap i at
+position t is used only if ``pos_in_doc[t] ≥ i``.  The rule reads the *receiving* token's position
+only, so it covers the halo rows received from other ranks without shipping their positions: a
+halo row at distance i is used exactly when the local token is at least i tokens into its document.
+
+Sequence / context parallelism (spec §3.6 "SP", "CP", "General rule")
+--------------------------------------------------------------------
+Every layout gives, at every global position, exactly the single-rank result (forward and
+gradients).  With H = κ_max − 1:
+
+* **SP** (``SequenceContext.group`` set, ``segments`` None): rank t of the group holds the t-th
+  consecutive slice.  One autograd function sends the last H rows to rank t+1 and receives H rows
+  from rank t−1 (rank 0: zeros); backward sends the halo gradient back, where it is added to dy.
+  Needs ≥ H local tokens per rank.
+* **General** (``segments`` set; CP load-balanced, CP+SP, THD+CP): the local rows are a list of
+  contiguous global ranges.  Every rank publishes, per segment, its last H rows (one small
+  all-gather over the group); each segment's halo is assembled row by row from the tails that hold
+  global positions start−H .. start−1; backward all-reduces the tail gradients so each owner gets
+  its share.  Any segment length works (a short segment's halo simply comes from several tails).
+
+Decoding (spec §3.6 "Decoding")
+-------------------------------
+:meth:`TemporalAugmentation.step` takes new rows plus a rolling cache of the previous H outputs
+``[b, H, C]`` and returns V and the updated cache; token-by-token decoding equals the full forward.
+Passing ``SequenceContext(decode_cache={})`` makes :meth:`forward` do the same, keyed by module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from xhc.norms import fp32
+
+CONV_DOC_RESET = ("auto", "always", "never")
+DEFAULT_KERNEL_SIZES = (4, 8, 12)
+
+Segments = Tuple[Tuple[int, int], ...]
+"""Contiguous global row ranges ``(start, length)`` held by one rank, in local row order."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence context
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class SequenceContext:
+    """Where this rank's local tokens sit in the global sequence (used only by the temporal conv).
+
+    Build one per micro-batch and pass the same object to every sublayer (it caches the
+    general-layout exchange plan).
+    """
+
+    pos_in_doc: Optional[Tensor] = None
+    """``[s, b]`` long: index of each local token inside its document (0 at a document start);
+    None = no document resets.  See the ``pos_in_doc_from_*`` helpers."""
+    group: Optional["dist.ProcessGroup"] = None
+    """Ranks holding pieces of the same sequences.  With ``segments=None``: ranks holding
+    consecutive slices in group-rank order (SP: the TP group).  With ``segments``: every rank that
+    holds any piece (CP: the CP group; CP+SP: the TP×CP group).  None = this rank holds all."""
+    segments: Optional[Segments] = None
+    """Global ``(start, length)`` ranges of the local rows, in local order (see :func:`cp_segments`,
+    :func:`thd_cp_segments`); None = the plain SP layout.  Needs ``group``."""
+    decode_cache: Optional[dict] = None
+    """Decoding: a dict ``{module: [b, H, C] cache}`` the modules read and update; ``{}`` starts a
+    sequence.  Incompatible with ``group``."""
+    _plans: Dict[int, Tuple[int, Tensor]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Document positions from what Megatron passes
+# ----------------------------------------------------------------------------------------------
+def pos_in_doc_from_position_ids(position_ids: Tensor, sp_rank: int = 0, sp_size: int = 1) -> Tensor:
+    """``pos_in_doc`` from Megatron position ids built with ``reset_position_ids=True``.
+
+    Megatron's GPTDataset restarts position ids at 0 after every EOD token, so they *are* the
+    positions inside the documents; only the layout differs (``[b, s]`` there, ``[s, b]`` here).
+
+    Args:
+        position_ids: ``[b, S]`` integer position ids (after any CP split, before the SP split).
+        sp_rank, sp_size: return only rows ``[sp_rank·S/sp_size, (sp_rank+1)·S/sp_size)``.
+
+    Returns:
+        ``[S / sp_size, b]`` long.
+    """
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}: expected Megatron's [b, s]")
+    return _sp_slice(position_ids.t().long(), sp_rank, sp_size, "position_ids").contiguous()
+
+
+def pos_in_doc_from_eod(tokens: Tensor, eod_token: int, sp_rank: int = 0, sp_size: int = 1) -> Tensor:
+    """``pos_in_doc`` from token ids: a new document starts after every EOD token.
+
+    Same boundaries as Megatron's ``reset_attention_mask=True`` (the EOD token ends its document);
+    use it when attention is reset but position ids are not.
+
+    Args:
+        tokens: ``[b, S]`` token ids.
+        eod_token: id of the end-of-document token.
+
+    Returns:
+        ``[S / sp_size, b]`` long.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)}: expected Megatron's [b, s]")
+    b, S = tokens.shape
+    t = torch.arange(S, device=tokens.device).expand(b, S)
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eod_token
+    last_start = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+    return _sp_slice((t - last_start).t(), sp_rank, sp_size, "tokens").contiguous()
+
+
+def pos_in_doc_from_cu_seqlens(cu_seqlens: Tensor, total_tokens: Optional[int] = None) -> Tensor:
+    """``pos_in_doc`` for the packed THD format (Megatron ``PackedSeqParams.cu_seqlens_q``).
+
+    Document d occupies rows ``[cu_seqlens[d], cu_seqlens[d+1])``; rows past the last boundary
+    (padding up to ``total_tokens``) form one extra document.  Under CP pass
+    ``cu_seqlens_q_padded`` and select the local rows with :func:`take_segments` and
+    :func:`thd_cp_segments`.
+
+    Args:
+        cu_seqlens: ``[n_docs + 1]`` cumulative lengths starting at 0.
+        total_tokens: number of packed rows T (default ``cu_seqlens[-1]``).
+
+    Returns:
+        ``[T, 1]`` long (THD activations are ``[T, 1, C]``).
+    """
+    cu = cu_seqlens.long().flatten()
+    if cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens={cu.tolist()}: must start at 0 and be non-decreasing")
+    T = int(cu[-1]) if total_tokens is None else int(total_tokens)
+    if T < int(cu[-1]):
+        raise ValueError(f"total_tokens={T} is smaller than cu_seqlens[-1]={int(cu[-1])}")
+    t = torch.arange(T, device=cu.device)
+    doc = torch.searchsorted(cu, t, right=True) - 1  # last boundary ≤ t
+    return (t - cu[doc])[:, None]
+
+
+def _sp_slice(x: Tensor, rank: int, size: int, name: str) -> Tensor:
+    if size == 1:
+        return x
+    if x.shape[0] % size != 0 or not 0 <= rank < size:
+        raise ValueError(f"{name}: {x.shape[0]} rows cannot be split over sp_size={size} (rank {rank})")
+    n = x.shape[0] // size
+    return x[rank * n : (rank + 1) * n]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: which global rows a rank holds
+# ----------------------------------------------------------------------------------------------
+def _merge(segs: List[Tuple[int, int]]) -> Segments:
+    out: List[Tuple[int, int]] = []
+    for start, length in segs:
+        if length <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return tuple(out)
+
+
+def sp_segments(seq_len: int, sp_size: int, sp_rank: int) -> Segments:
+    """Plain SP: rank t holds rows ``[t·S/sp, (t+1)·S/sp)``."""
+    if seq_len % sp_size != 0:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    n = seq_len // sp_size
+    return ((sp_rank * n, n),)
+
+
+def cp_segments(seq_len: int, cp_size: int, cp_rank: int, sp_size: int = 1, sp_rank: int = 0) -> Segments:
+    """Megatron's load-balanced CP layout, optionally followed by an SP split.
+
+    The sequence of ``seq_len`` rows is cut into 2·cp chunks; CP rank r holds chunks r and
+    2cp−1−r, concatenated (``get_batch_on_this_cp_rank``).  SP then gives TP rank q the q-th
+    consecutive slice of that concatenation.
+    """
+    if seq_len % (2 * cp_size) != 0 or (seq_len // cp_size) % sp_size != 0:
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by 2*cp_size={2 * cp_size} and by cp_size*sp_size={cp_size * sp_size}"
+        )
+    ch = seq_len // (2 * cp_size)
+    local = [(cp_rank * ch, ch), ((2 * cp_size - 1 - cp_rank) * ch, ch)]  # rows [0,ch) then [ch,2ch)
+    m = 2 * ch // sp_size
+    lo, hi = sp_rank * m, (sp_rank + 1) * m
+    segs = []
+    for k, (start, length) in enumerate(local):
+        a, b = max(lo, k * ch), min(hi, (k + 1) * ch)
+        if a < b:
+            segs.append((start + a - k * ch, b - a))
+    return _merge(segs)
+
+
+def thd_cp_segments(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Segments:
+    """CP layout of the packed THD format (Transformer Engine's ``thd_get_partitioned_indices``).
+
+    Each sequence (padded length L, divisible by 2·cp) is cut into 2·cp chunks; CP rank r holds
+    chunks r and 2cp−1−r of every sequence, sequence by sequence.
+    """
+    cu = [int(v) for v in cu_seqlens_padded.flatten().tolist()]
+    segs = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        L = b - a
+        if L % (2 * cp_size) != 0:
+            raise ValueError(f"cu_seqlens_padded: sequence length {L} is not divisible by 2*cp_size={2 * cp_size}")
+        ch = L // (2 * cp_size)
+        segs += [(a + cp_rank * ch, ch), (a + (2 * cp_size - 1 - cp_rank) * ch, ch)]
+    return _merge(segs)
+
+
+def take_segments(x: Tensor, segments: Segments, dim: int = 0) -> Tensor:
+    """The local rows of a global tensor: ``x`` rows of each segment, concatenated along ``dim``."""
+    return torch.cat([x.narrow(dim, start, length) for start, length in segments], dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# The equation (spec §3.2)
+# ----------------------------------------------------------------------------------------------
+def _fit_halo(halo: Optional[Tensor], H: int, like: Tensor) -> Tensor:
+    """``[H, b, C]``: the last H rows of ``halo``, zero-filled at the front when it is shorter."""
+    s, b, C = like.shape
+    if halo is None:
+        return like.new_zeros(H, b, C)
+    if halo.dim() != 3 or halo.shape[1:] != like.shape[1:]:
+        raise ValueError(f"halo has shape {tuple(halo.shape)}: expected [h, {b}, {C}] rows preceding y")
+    halo = halo.to(like.dtype)
+    if halo.shape[0] >= H:
+        return halo[halo.shape[0] - H :]
+    return torch.cat([like.new_zeros(H - halo.shape[0], b, C), halo], 0)
+
+
+def _stack_kernels(weights: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``[r, κ_max, C]``: w_j zero-extended over taps i ≥ κ_j (no gradient reaches the padding)."""
+    kmax = max(w.shape[0] for w in weights)
+    return torch.stack([F.pad(w.to(dtype), (0, 0, 0, kmax - w.shape[0])) for w in weights])
+
+
+def _temporal_conv(
+    y: Tensor,
+    weights: Sequence[Tensor],
+    halos: Sequence[Optional[Tensor]],
+    lengths: Sequence[int],
+    pos_in_doc: Optional[Tensor],
+) -> Tensor:
+    """All kernels over local rows made of contiguous segments, each with its own halo.
+
+    ``y``: ``[s, b, C]``; ``halos[k]``: rows preceding segment k (or None);
+    ``lengths``: segment lengths (sum = s).  Returns ``G``: ``[s, b, r, C]``, fp32/f64.
+    """
+    s, b, C = y.shape
+    y = fp32(y)
+    r = len(weights)
+    if r == 0:
+        return y.new_zeros(s, b, 0, C)
+    W = _stack_kernels(weights, y.dtype)  # [r, κmax, C], W[j, i, c] = w_j[i, c]
+    kmax = W.shape[1]
+    H = kmax - 1
+
+    # Padded input: [halo_1, seg_1, halo_2, seg_2, ...], each halo exactly H rows.
+    parts: List[Tensor] = []
+    for halo, seg in zip(halos, y.split(list(lengths), 0)):
+        parts += [_fit_halo(halo, H, seg), seg]
+    xpad = torch.cat(parts, 0) if len(parts) > 2 or H > 0 else y  # [L, b, C]
+
+    # One grouped conv for all kernels: out channel c·r + j sees input channel c.
+    # conv1d is a cross-correlation, out[o] = Σ_k weight[k]·xpad[o + k], so weight[k] = w[κmax−1−k].
+    weight = W.flip(1).permute(2, 0, 1).reshape(C * r, 1, kmax)
+    out = F.conv1d(xpad.permute(1, 2, 0), weight, groups=C)  # [b, C·r, L − H]; out[o] ends at row o+H
+    if len(lengths) > 1:
+        offs = [0]
+        for n in lengths[:-1]:
+            offs.append(offs[-1] + H + n)
+        out = torch.cat([out[..., o : o + n] for o, n in zip(offs, lengths)], -1)
+    G = out.view(b, C, r, s).permute(3, 0, 2, 1)  # [s, b, r, C]
+
+    if pos_in_doc is not None and H > 0:
+        # Document resets: only tokens with pos_in_doc < H have a tap to drop; recompute those
+        # exactly (tap i kept iff pos_in_doc[t] ≥ i) and overwrite the conv output there.
+        t_idx, b_idx = (pos_in_doc < H).nonzero(as_tuple=True)
+        if t_idx.numel() > 0:
+            seg_id = torch.repeat_interleave(
+                torch.arange(len(lengths), device=y.device), torch.tensor(list(lengths), device=y.device)
+            )
+            row = torch.arange(s, device=y.device) + H * (seg_id + 1)  # row of y[t] inside xpad
+            taps = torch.arange(kmax, device=y.device)
+            win = xpad[row[t_idx][:, None] - taps, b_idx[:, None]]  # [n, κmax, C]; column i = y[t−i]
+            keep = (pos_in_doc[t_idx, b_idx][:, None] >= taps).to(y.dtype)  # [n, κmax]
+            g = torch.einsum("nic,jic->njc", win * keep[..., None], W)  # [n, r, C]
+            G = G.index_put((t_idx, b_idx), g)
+    return G
+
+
+def temporal_conv(
+    y: Tensor,
+    weights: Sequence[Tensor],
+    halo: Optional[Tensor] = None,
+    pos_in_doc: Optional[Tensor] = None,
+) -> Tensor:
+    """``G[:, :, j] = causal_dwconv(y, weights[j], halo, pos_in_doc)`` for all j in one grouped conv.
+
+    Returns ``[s, b, r, C]`` in fp32 (float64 stays float64).
+    """
+    return _temporal_conv(y, weights, [halo], [y.shape[0]], pos_in_doc)
+
+
+def causal_dwconv(
+    y: Tensor,
+    w: Tensor,
+    halo: Optional[Tensor] = None,
+    pos_in_doc: Optional[Tensor] = None,
+) -> Tensor:
+    """g[t, c] = Σ_{i=0}^{κ−1} w[i, c] · y[t−i, c]   (spec §3.2, one kernel).
+
+    Args:
+        y: ``[s, b, C]`` branch output (any float dtype).
+        w: ``[κ, C]``; ``w[i, c]`` multiplies ``y[t−i, c]``.
+        halo: ``[h, b, C]`` rows immediately before ``y[0]`` (another rank's tail, or a decode
+            cache); its last κ−1 rows are used, missing rows are zeros.  None = all zeros.
+        pos_in_doc: ``[s, b]``; tap i at position t is used only if ``pos_in_doc[t] ≥ i``.
+
+    Returns:
+        ``[s, b, C]`` in fp32 (float64 stays float64).
+    """
+    return temporal_conv(y, [w], halo, pos_in_doc)[:, :, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Halo exchange (spec §3.6)
+# ----------------------------------------------------------------------------------------------
+class _SPHaloExchange(torch.autograd.Function):
+    """SP layout: forward sends the last H rows to rank+1 and receives H rows from rank−1 (rank 0:
+    zeros); backward sends the halo gradient back to rank−1 and adds what rank+1 returns to dy."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, H: int, group) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.H, ctx.group, ctx.rank, ctx.world, ctx.shape = H, group, rank, world, y.shape
+        tail = y[y.shape[0] - H :].contiguous()
+        halo = torch.zeros_like(tail)
+        ops = []
+        if rank + 1 < world:
+            ops.append(dist.P2POp(dist.isend, tail, dist.get_global_rank(group, rank + 1), group))
+        if rank > 0:
+            ops.append(dist.P2POp(dist.irecv, halo, dist.get_global_rank(group, rank - 1), group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        return halo
+
+    @staticmethod
+    def backward(ctx, d_halo: Tensor):
+        d_halo = d_halo.contiguous()
+        d_tail = torch.zeros_like(d_halo)
+        ops = []
+        if ctx.rank > 0:
+            ops.append(dist.P2POp(dist.isend, d_halo, dist.get_global_rank(ctx.group, ctx.rank - 1), ctx.group))
+        if ctx.rank + 1 < ctx.world:
+            ops.append(dist.P2POp(dist.irecv, d_tail, dist.get_global_rank(ctx.group, ctx.rank + 1), ctx.group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        dy = d_halo.new_zeros(ctx.shape)
+        dy[ctx.shape[0] - ctx.H :] = d_tail
+        return dy, None, None
+
+
+class _AllGatherStack(torch.autograd.Function):
+    """``[...]`` -> ``[world, ...]``; backward all-reduces the gradient and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x, group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def _exchange_plan(segments: Segments, H: int, group, device) -> Tuple[int, Tensor]:
+    """Gather every rank's segments; for each local halo row find the tail row that holds it.
+
+    Returns ``(n_max, idx)``: ``n_max`` = most segments on any rank (tails are padded to it) and
+    ``idx[k, h]`` = flat row of the gathered tails ``[world, n_max, H]`` holding global position
+    ``start_k − H + h``, or ``world·n_max·H`` (an appended zero row) for positions before 0.
+    """
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(segments)], dtype=torch.long, device=device)
+    counts = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(counts, n, group=group)
+    n_max = max(int(c) for c in counts)
+    meta = torch.full((n_max, 2), -1, dtype=torch.long, device=device)
+    meta[: len(segments)] = torch.tensor(segments, dtype=torch.long, device=device).view(-1, 2)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+
+    owners = sorted(
+        (start, start + length, rk, k)
+        for rk, m in enumerate(metas)
+        for k, (start, length) in enumerate(m.tolist())
+        if length > 0
+    )
+    starts = [o[0] for o in owners]
+    for a, b in zip(owners[:-1], owners[1:]):
+        if a[1] > b[0]:
+            raise ValueError(f"SequenceContext.segments overlap across ranks: rows {a[:2]} and {b[:2]}")
+    zero_row = world * n_max * H
+    idx = []
+    for start, _ in segments:
+        row_idx = []
+        for p in range(start - H, start):
+            if p < 0:
+                row_idx.append(zero_row)
+                continue
+            o = bisect.bisect_right(starts, p) - 1
+            if o < 0 or not owners[o][0] <= p < owners[o][1]:
+                raise ValueError(
+                    f"SequenceContext.segments: global row {p} (needed before segment start {start}) "
+                    "is held by no rank of the group; pass every piece's rank in group"
+                )
+            o_start, o_end, rk, k = owners[o]
+            row_idx.append((rk * n_max + k) * H + p - (o_end - H))
+        idx.append(row_idx)
+    return n_max, torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def _segment_halos(y: Tensor, seq: SequenceContext, H: int) -> List[Tensor]:
+    """General layout: one halo ``[H, b, C]`` per local segment, via a tiny all-gather."""
+    s, b, C = y.shape
+    if H not in seq._plans:
+        seq._plans[H] = _exchange_plan(seq.segments, H, seq.group, y.device)
+    n_max, idx = seq._plans[H]
+    tails = [_fit_halo(seg, H, seg) for seg in y.split([n for _, n in seq.segments], 0)]
+    tails += [y.new_zeros(H, b, C)] * (n_max - len(tails))
+    gathered = _AllGatherStack.apply(torch.stack(tails), seq.group)  # [world, n_max, H, b, C]
+    flat = torch.cat([gathered.reshape(-1, b, C), y.new_zeros(1, b, C)], 0)
+    return list(flat[idx.flatten()].view(len(seq.segments), H, b, C))
+
+
+# ----------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------
+class TemporalAugmentation(nn.Module):
+    """V = [y, g_1, …, g_r] for one MLP/MoE sublayer (spec §3.2, §3.6).
+
+    Parameters ``conv[j]``: ``[κ_j, C]`` fp32, ``w_j[i, c]`` multiplies ``y[t−i, c]``, no bias,
+    initialised like PyTorch's depthwise Conv1d: uniform ±1/√κ_j (spec §8 #18).
+
+    Args:
+        hidden_size: C.
+        kernel_sizes: κ_1..κ_r (each ≥ 1); ``()`` gives V = [y].
+        conv_doc_reset: ``"auto"`` resets at document starts whenever ``seq.pos_in_doc`` is given
+            (the caller gives it exactly when attention is reset); ``"never"`` ignores it;
+            ``"always"`` requires it.
+    """
+
+    def __init__(self, hidden_size: int, kernel_sizes: Sequence[int] = DEFAULT_KERNEL_SIZES, conv_doc_reset: str = "auto"):
+        super().__init__()
+        kernel_sizes = tuple(int(k) for k in kernel_sizes)
+        if hidden_size < 1:
+            raise ValueError(f"TemporalAugmentation hidden_size={hidden_size}: must be >= 1")
+        if any(k < 1 for k in kernel_sizes):
+            raise ValueError(f"TemporalAugmentation kernel_sizes={kernel_sizes}: every kernel size must be >= 1")
+        if conv_doc_reset not in CONV_DOC_RESET:
+            raise ValueError(
+                f"TemporalAugmentation conv_doc_reset={conv_doc_reset!r}: allowed values are {', '.join(CONV_DOC_RESET)}"
+            )
+        self.hidden_size = hidden_size
+        self.kernel_sizes = kernel_sizes
+        self.conv_doc_reset = conv_doc_reset
+        self.conv = nn.ParameterList([nn.Parameter(torch.empty(k, hidden_size)) for k in kernel_sizes])
+        self.reset_parameters()
+
+    @property
+    def num_components(self) -> int:
+        """K_r = r + 1."""
+        return len(self.kernel_sizes) + 1
+
+    @property
+    def halo_size(self) -> int:
+        """H = κ_max − 1 rows of history needed per position (0 without kernels)."""
+        return max(self.kernel_sizes, default=1) - 1
+
+    def reset_parameters(self) -> None:
+        """PyTorch's depthwise Conv1d default: kaiming_uniform(a=√5) with fan_in = κ, i.e. U(±1/√κ)."""
+        with torch.no_grad():
+            for w in self.conv:
+                bound = 1.0 / math.sqrt(w.shape[0])
+                w.uniform_(-bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, kernel_sizes={self.kernel_sizes}, conv_doc_reset={self.conv_doc_reset!r}"
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check(self, y: Tensor) -> None:
+        if y.dim() != 3 or y.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"TemporalAugmentation input has shape {tuple(y.shape)}: expected [s, b, {self.hidden_size}]"
+            )
+
+    def _doc_positions(self, pos_in_doc: Optional[Tensor], y: Tensor) -> Optional[Tensor]:
+        if self.conv_doc_reset == "never":
+            return None
+        if pos_in_doc is None:
+            if self.conv_doc_reset == "always":
+                raise ValueError(
+                    "TemporalAugmentation conv_doc_reset='always' needs SequenceContext.pos_in_doc "
+                    "([s, b] positions inside each document; see pos_in_doc_from_position_ids / "
+                    "pos_in_doc_from_cu_seqlens), or set conv_doc_reset='auto'"
+                )
+            return None
+        if tuple(pos_in_doc.shape) != tuple(y.shape[:2]):
+            raise ValueError(
+                f"SequenceContext.pos_in_doc has shape {tuple(pos_in_doc.shape)}: expected [s, b] = "
+                f"{tuple(y.shape[:2])} (Megatron position_ids are [b, s]: transpose them)"
+            )
+        return pos_in_doc
+
+    def _components(self, y, halos, lengths, pos) -> Tensor:
+        G = _temporal_conv(y, list(self.conv), halos, lengths, pos)
+        return torch.cat([fp32(y)[:, :, None, :], G], 2)
+
+    # -- training / prefill ----------------------------------------------------------------
+    def forward(self, y: Tensor, seq: Optional[SequenceContext] = None) -> Tensor:
+        """``y``: ``[s, b, C]`` -> ``V``: ``[s, b, 1 + r, C]`` = [y, g_1, …, g_r], fp32 (f64 stays)."""
+        self._check(y)
+        pos = self._doc_positions(seq.pos_in_doc if seq is not None else None, y)
+        H, s = self.halo_size, y.shape[0]
+        if seq is not None and seq.decode_cache is not None:
+            if seq.group is not None:
+                raise ValueError("SequenceContext.decode_cache cannot be combined with SequenceContext.group")
+            V, seq.decode_cache[self] = self._step(y, seq.decode_cache.get(self), pos)
+            return V
+        if seq is None or seq.group is None:
+            if seq is not None and seq.segments is not None:
+                raise ValueError("SequenceContext.segments needs SequenceContext.group (the ranks holding the other rows)")
+            return self._components(y, [None], [s], pos)
+        if seq.segments is not None:
+            total = sum(n for _, n in seq.segments)
+            if total != s or any(n < 1 for _, n in seq.segments):
+                raise ValueError(
+                    f"SequenceContext.segments={seq.segments} cover {total} rows but y has {s}; "
+                    "lengths must be >= 1 and sum to the local sequence length"
+                )
+            if H == 0:
+                return self._components(y, [None] * len(seq.segments), [n for _, n in seq.segments], pos)
+            return self._components(y, _segment_halos(y, seq, H), [n for _, n in seq.segments], pos)
+        if H == 0 or dist.get_world_size(seq.group) == 1:
+            return self._components(y, [None], [s], pos)
+        if s < H:
+            raise ValueError(
+                f"TemporalAugmentation: the sequence-parallel halo needs >= kappa_max-1 = {H} local tokens "
+                f"per rank, got s={s}; use a longer sequence or fewer SP ranks, or pass "
+                "SequenceContext.segments (the general exchange has no minimum)"
+            )
+        return self._components(y, [_SPHaloExchange.apply(y, H, seq.group)], [s], pos)
+
+    # -- decoding --------------------------------------------------------------------------
+    def init_cache(self, batch_size: int, dtype=torch.float32, device=None) -> Tensor:
+        """An empty rolling cache ``[b, H, C]`` (zeros = nothing before the first token)."""
+        return torch.zeros(batch_size, self.halo_size, self.hidden_size, dtype=dtype, device=device)
+
+    @staticmethod
+    def clear_cache(cache: Tensor, new_document: Tensor) -> Tensor:
+        """Zero the cache of the batch elements that start a new document (``new_document``: [b] bool)."""
+        return cache.masked_fill(new_document.view(-1, 1, 1), 0)
+
+    def step(
+        self, y: Tensor, cache: Optional[Tensor] = None, pos_in_doc: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        """Decode one token or a chunk given the previous outputs.
+
+        Args:
+            y: ``[s_new, b, C]`` new branch outputs.
+            cache: ``[b, H, C]`` the H outputs before ``y`` (None = start of a sequence).
+            pos_in_doc: ``[s_new, b]`` (optional, same rule as :meth:`forward`; with it the cache
+                need not be cleared at a document start).
+
+        Returns:
+            ``(V [s_new, b, 1 + r, C], new cache [b, H, C])`` (the cache is detached, in y's dtype).
+        """
+        self._check(y)
+        return self._step(y, cache, self._doc_positions(pos_in_doc, y))
+
+    def _step(self, y, cache, pos) -> Tuple[Tensor, Tensor]:
+        H = self.halo_size
+        s, b, C = y.shape
+        if cache is not None and tuple(cache.shape) != (b, H, C):
+            raise ValueError(f"decode cache has shape {tuple(cache.shape)}: expected [b, H, C] = {(b, H, C)}")
+        halo = y.new_zeros(H, b, C) if cache is None else cache.transpose(0, 1).to(y.dtype)
+        V = self._components(y, [halo], [s], pos)
+        history = torch.cat([halo, y], 0)
+        return V, history[history.shape[0] - H :].transpose(0, 1).detach().contiguous()
