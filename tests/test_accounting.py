@@ -149,6 +149,29 @@ def test_mhc_dynamic_per_sublayer():
         assert hc_params_per_sublayer(cfg, C, False).total == n * C * (n * n + 2 * n) + n * n + 2 * n + 3
 
 
+def test_xhc_rejects_static_and_norm_gain():
+    """xHC is dynamic only and has no mapping-norm gain (as the modules)."""
+    with pytest.raises(AccountingError, match="dynamic"):
+        hc_params_per_layer(XHC.replace(dynamic=False), 64)
+    with pytest.raises(AccountingError, match="mapping_norm_affine"):
+        hc_params_per_window(FLASH4.replace(mapping_norm_affine=True), 64)
+
+
+def test_xhc_ablations_and_attention_temporal():
+    """Ablated xHC mappings drop their projection, bias and gate; attn_temporal gives the
+    attention sublayer K = r + 1 write-back columns and its own convs (§3.1 rows)."""
+    N, k, C = 16, 4, 10
+    full = hc_params_per_sublayer(XHC, C, False).total
+    assert full - hc_params_per_sublayer(XHC.replace(ablate_pre=True), C, False).total == N * C * N + N + 1
+    assert full - hc_params_per_sublayer(XHC.replace(ablate_res=True), C, False).total == k * C * k * k + k * k + 1
+    assert full - hc_params_per_sublayer(XHC.replace(ablate_post=True), C, False).total == k * C * k + k + 1
+    at = hc_params_per_sublayer(XHC.replace(attn_temporal=True), C, False).total
+    assert at - full == (k * C * k * 3 + k * 3) + 24 * C
+    # no dense read: the read sees the k active streams, W_pre ∈ R^{kC×k}
+    assert full - hc_params_per_sublayer(XHC.replace(dense_read=False), C, False).total \
+        == (N * C * N + N) - (k * C * k + k)
+
+
 def test_vanilla_and_disabled_are_zero():
     for cfg in (VANILLA, MHC4.replace(disabled=True), XHC.replace(disabled=True)):
         assert hc_params_total(cfg, 2048, 16).total == 0

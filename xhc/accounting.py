@@ -46,7 +46,7 @@ from xhc.config import MHC_FAMILY, XHC_FAMILY, HCConfig
 
 __all__ = [
     "ParamCount", "hc_params_per_sublayer", "hc_params_per_layer", "hc_params_per_window",
-    "hc_params_total", "readout_params", "window_layers", "dominant_coeff_per_window",
+    "hc_params_total", "hc_params_flash4_layers", "readout_params", "window_layers", "dominant_coeff_per_window",
     "dominant_coeff_per_layer", "dominant_params_per_layer",
     "FlopsBreakdown", "training_flops_per_token", "sinkhorn_flops",
     "TrafficRow", "TrafficTable", "TrafficSummary", "memory_traffic_per_sublayer",
@@ -158,8 +158,10 @@ def _xhc_read_params(cfg: HCConfig, C: int) -> ParamCount:
     """Dense read h_pre (§3.4): W_pre ∈ R^{N·C×N}, b_pre ∈ R^N, α_pre.
 
     With ``dense_read=False`` (ablation, §7.1) the read sees only the k active streams:
-    W_pre ∈ R^{k·C×k}, b_pre ∈ R^k, α_pre.
+    W_pre ∈ R^{k·C×k}, b_pre ∈ R^k, α_pre.  ``ablate_pre``: none.
     """
+    if cfg.ablate_pre:  # h_pre ≡ 1/n, no parameters
+        return _ZERO
     width = cfg.n if cfg.dense_read else cfg.k
     return ParamCount(matrix=width * C * width, bias=width, gate=1)
 
@@ -171,13 +173,19 @@ def _xhc_router_params(cfg: HCConfig, C: int) -> ParamCount:
 
 
 def _xhc_res_params(cfg: HCConfig, C: int) -> ParamCount:
-    """Active residual mixing: W_res ∈ R^{k·C×k²}, b_res ∈ R^{k²}, α_res (§3.1)."""
+    """Active residual mixing: W_res ∈ R^{k·C×k²}, b_res ∈ R^{k²}, α_res (§3.1); none with
+    ``ablate_res`` (H_res ≡ I_k)."""
+    if cfg.ablate_res:
+        return _ZERO
     k = cfg.k
     return ParamCount(matrix=k * C * k * k, bias=k * k, gate=1)
 
 
 def _xhc_post_params(cfg: HCConfig, C: int, K: int) -> ParamCount:
-    """Write-back: W_post ∈ R^{k·C×k·K}, b_post ∈ R^{k·K}, α_post (§3.1)."""
+    """Write-back: W_post ∈ R^{k·C×k·K}, b_post ∈ R^{k·K}, α_post (§3.1); none with
+    ``ablate_post`` (H_post ≡ 1)."""
+    if cfg.ablate_post:
+        return _ZERO
     k = cfg.k
     return ParamCount(matrix=k * C * k * K, bias=k * K, gate=1)
 
@@ -200,26 +208,41 @@ def _xhc_sublayer_params(cfg: HCConfig, C: int, is_mlp: bool) -> ParamCount:
 def _flash_sublayer_params(cfg: HCConfig, C: int, is_mlp: bool) -> ParamCount:
     """xHC-Flash attributed to sublayers (§4.1): the attention sublayer owns the shared router,
     its pre-mapping and H_post^A (no H_res); the MLP sublayer owns its pre-mapping (generated at
-    window entry), H_res^M, H_post^M and the convs."""
+    window entry), H_res^M, H_post^M and the convs.  With ``attn_temporal`` the attention
+    sublayer has K_A = r + 1 components and its own convs."""
+    K = _xhc_components(cfg, is_mlp)
+    p = _xhc_read_params(cfg, C) + _xhc_post_params(cfg, C, K) + (_conv_params(cfg, C) if K > 1 else _ZERO)
     if is_mlp:
-        return _xhc_read_params(cfg, C) + _xhc_res_params(cfg, C) \
-            + _xhc_post_params(cfg, C, _xhc_components(cfg, True)) + _conv_params(cfg, C)
-    return _xhc_router_params(cfg, C) + _xhc_read_params(cfg, C) + _xhc_post_params(cfg, C, 1)
+        return p + _xhc_res_params(cfg, C)
+    return p + _xhc_router_params(cfg, C)
 
 
-def _flash4_window_params(cfg: HCConfig, C: int) -> ParamCount:
-    """Flash-4sub, one two-layer window A1, M1, A2, M2 (§4.2): one router, four pre-mappings,
-    H_post for each sublayer, H_res only at M2, convs at M1 and M2."""
-    K_r = _xhc_components(cfg, True)
-    return (_xhc_router_params(cfg, C) + _xhc_read_params(cfg, C).scale(4)
-            + _xhc_post_params(cfg, C, 1).scale(2) + _xhc_post_params(cfg, C, K_r).scale(2)
-            + _xhc_res_params(cfg, C) + _conv_params(cfg, C).scale(2))
+def _flash4_layer_params(cfg: HCConfig, C: int, second: bool) -> ParamCount:
+    """One layer of a Flash-4sub window (§4.2).
+
+    First layer (2g): the window entry's router and four pre-mappings, H_post^{A1}, H_post^{M1}
+    and M1's convs.  Second layer (2g+1): H_post^{A2}, H_res^{M2}, H_post^{M2} and M2's convs.
+    """
+    K_A, K_M = _xhc_components(cfg, False), _xhc_components(cfg, True)
+    sublayers = _xhc_post_params(cfg, C, K_A) + _xhc_post_params(cfg, C, K_M) + _conv_params(cfg, C)
+    if K_A > 1:
+        sublayers = sublayers + _conv_params(cfg, C)
+    if second:
+        return sublayers + _xhc_res_params(cfg, C)
+    return sublayers + _xhc_router_params(cfg, C) + _xhc_read_params(cfg, C).scale(4)
 
 
-def _check_flash(cfg: HCConfig) -> None:
-    if cfg.variant in ("xhc_flash", "xhc_flash4") and cfg.attn_temporal:
-        raise AccountingError(f"HCConfig.attn_temporal=True with variant {cfg.variant!r}: the Flash "
-                              "accounting assumes K=1 after attention (§4); set attn_temporal: false")
+def hc_params_flash4_layers(cfg: HCConfig, C: int) -> Tuple[ParamCount, ParamCount]:
+    """(first layer, second layer) of a Flash-4sub window; their sum is the window (§4.2)."""
+    return _flash4_layer_params(cfg, C, False), _flash4_layer_params(cfg, C, True)
+
+
+def _check_xhc(cfg: HCConfig) -> None:
+    """xHC is dynamic only and has no mapping-norm gain (the modules reject these too)."""
+    if cfg.is_xhc and not cfg.dynamic:
+        raise AccountingError("HCConfig.dynamic=False is not defined for xHC; set dynamic: true")
+    if cfg.is_xhc and cfg.mapping_norm_affine:
+        raise AccountingError("HCConfig.mapping_norm_affine=True is an mHC-family option; set it to false for xHC")
 
 
 def hc_params_per_sublayer(cfg: HCConfig, C: int, is_mlp: bool) -> ParamCount:
@@ -231,7 +254,7 @@ def hc_params_per_sublayer(cfg: HCConfig, C: int, is_mlp: bool) -> ParamCount:
     """
     if not cfg.enabled:
         return _ZERO
-    _check_flash(cfg)
+    _check_xhc(cfg)
     if cfg.variant == "hc":
         return _hc_params(cfg, C)
     if cfg.variant in MHC_FAMILY:
@@ -253,9 +276,10 @@ def hc_params_per_window(cfg: HCConfig, C: int) -> ParamCount:
     """Parameters of one grouping window (:func:`window_layers` layers; readout excluded)."""
     if not cfg.enabled:
         return _ZERO
-    _check_flash(cfg)
+    _check_xhc(cfg)
     if cfg.variant == "xhc_flash4":
-        return _flash4_window_params(cfg, C)
+        first, second = hc_params_flash4_layers(cfg, C)
+        return first + second
     return hc_params_per_sublayer(cfg, C, False) + hc_params_per_sublayer(cfg, C, True)
 
 
@@ -312,7 +336,8 @@ def dominant_coeff_per_window(cfg: HCConfig) -> int:
         return 0
     N, k = cfg.n, cfg.k
     K_r, sk = len(_kernel_sizes(cfg)) + 1, sum(_kernel_sizes(cfg))
-    plain_xhc = cfg.dense_read and not cfg.attn_temporal and cfg.k > cfg.m
+    plain_xhc = (cfg.dense_read and not cfg.attn_temporal and cfg.k > cfg.m
+                 and not (cfg.ablate_pre or cfg.ablate_res or cfg.ablate_post))
     if cfg.variant == "mhc" and cfg.dynamic and not (cfg.ablate_pre or cfg.ablate_post or cfg.ablate_res):
         return 4 * N ** 2 + 2 * N ** 3
     if cfg.variant == "xhc" and plain_xhc:
@@ -437,33 +462,37 @@ def _window_extras(cfg: HCConfig, C: int) -> FlopsBreakdown:
             norms=(3 * N * C if v == "hc" else 2 * N * C) if cfg.dynamic else 0,
         )
         res_map, mixing, norms = 2 * per["res_map"], 2 * per["mixing"], 2 * per["norms"]
-    elif v == "xhc":
-        read_w = N if cfg.dense_read else k
-        for is_mlp in (False, True):
-            K = _xhc_components(cfg, is_mlp)
-            res_map += _res_map_flops(cfg, k)
-            mixing += 2 * read_w * C + 2 * k * k * C + 2 * k * K * C + 2 * k * C
-            norms += router_ln + (2 * N * C if cfg.dense_read else 0) + 2 * k * C
-            gs += _gs_flops(cfg, K, C)
-    elif v == "xhc_flash":
-        K_r = _xhc_components(cfg, True)
-        res_map = _res_map_flops(cfg, k)
-        mixing = (4 * N * C                       # two base readouts
-                  + 2 * k * C + 2 * k * C         # attention write-back (K = 1), p scaling + add
-                  + 2 * C                         # MLP-input correction inp_M + β·y_A
-                  + 2 * k * k * C                 # MLP residual mixing
-                  + 2 * k * K_r * C + 2 * k * C)  # MLP write-back
-        norms = router_ln + 2 * N * C + 2 * (2 * k * C)
-        gs = _gs_flops(cfg, K_r, C)
-    elif v == "xhc_flash4":
-        K_r = _xhc_components(cfg, True)
-        res_map = _res_map_flops(cfg, k)
-        mixing = (4 * 2 * N * C                           # four split reads (base + active part)
-                  + 2 * (2 * k * C + 2 * k * C)           # A1, A2 write-back
-                  + 2 * (2 * k * K_r * C + 2 * k * C)     # M1, M2 write-back
-                  + 2 * k * k * C)                        # M2 residual mixing
-        norms = router_ln + 2 * N * C + 4 * (2 * k * C)
-        gs = 2 * _gs_flops(cfg, K_r, C)
+    elif v in XHC_FAMILY:
+        K_A, K_M = _xhc_components(cfg, False), _xhc_components(cfg, True)
+        mixes = not cfg.ablate_res
+        sk = _res_map_flops(cfg, k) if mixes else 0
+
+        def write(K: int, res: bool) -> int:  # [H_res·X_a] + H_post·V + p scaling and add
+            return (2 * k * k * C if res else 0) + 2 * k * K * C + 2 * k * C
+
+        if v == "xhc":
+            read_w = N if cfg.dense_read else k
+            for K in (K_A, K_M):
+                res_map += sk
+                mixing += 2 * read_w * C + write(K, mixes)
+                norms += router_ln + (2 * N * C if cfg.dense_read else 0) + 2 * k * C
+                gs += _gs_flops(cfg, K, C)
+        elif v == "xhc_flash":
+            res_map = sk
+            mixing = (2 * 2 * N * C                    # two base readouts
+                      + write(K_A, False)              # attention write-back, no H_res
+                      + 2 * K_A * C                    # MLP-input correction inp_M + Σ_t β_t·V^A_t
+                      + write(K_M, mixes))             # MLP mixing and write-back
+            norms = router_ln + 2 * N * C + 2 * (2 * k * C)
+            gs = _gs_flops(cfg, K_A, C) + _gs_flops(cfg, K_M, C)
+        else:  # xhc_flash4
+            res_map = sk
+            mixing = (4 * 2 * N * C                    # four split reads (non-active base + active part)
+                      + 2 * write(K_A, False)          # A1, A2
+                      + write(K_M, False)              # M1 (no H_res)
+                      + write(K_M, mixes))             # M2
+            norms = router_ln + 2 * N * C + 4 * (2 * k * C)
+            gs = 2 * (_gs_flops(cfg, K_A, C) + _gs_flops(cfg, K_M, C))
     return FlopsBreakdown(res_map=res_map, mixing=mixing, norms=norms, gram_schmidt=gs)
 
 
@@ -484,7 +513,6 @@ def training_flops_per_token(cfg: HCConfig, C: int, num_layers: int) -> FlopsBre
     """
     if not cfg.enabled:
         return FlopsBreakdown()
-    _check_flash(cfg)
     if cfg.variant == "xhc_flash4":
         pairs, odd = divmod(num_layers, 2)
         out = _window_flops(cfg, C).scale(pairs)
@@ -610,6 +638,8 @@ def _xhc_table(cfg: HCConfig, is_mlp: bool) -> TrafficTable:
         TrafficRow("H_post write-back", K, k, k * K, 0),
         TrafficRow("merge & scatter", 2 * k, k),
     ]
+    if cfg.ablate_res:  # H_res ≡ I_k: no mixing pass (derived, as for identity)
+        rows = [row for row in rows if row.operation != "H_res mixing"]
     if r:
         rows.append(TrafficRow("temporal conv", 1, r))
     unit = "MLP sublayer" if is_mlp else "attention sublayer"
@@ -624,7 +654,9 @@ def memory_traffic_flash_layer(cfg: HCConfig) -> TrafficTable:
     scores + 2N pre-coefficients; attention H_post k values; MLP mappings k² + k·K_r; the reads
     of coefficients mirror the xHC table.
     """
-    _check_flash(cfg)
+    if cfg.attn_temporal:
+        raise AccountingError("HCConfig.attn_temporal=True: the §5.3 Flash table assumes K=1 after "
+                              "attention and has no row for attention-side convs; set attn_temporal: false")
     N, k = cfg.n, cfg.k
     K_r = _xhc_components(cfg, True)
     r = K_r - 1
