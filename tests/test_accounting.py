@@ -4,8 +4,6 @@ Expectations are the spec's printed integers and closed-form formulas, written o
 independently of :mod:`xhc.accounting`.
 """
 
-import math
-
 import pytest
 
 from xhc.accounting import (

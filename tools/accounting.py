@@ -193,15 +193,16 @@ def conventions_report(shapes: List[BackboneShape]) -> str:
             paper = PAPER["overhead_pct"].get((s.name, name))
             implied = f"{f / (paper / 100) / 1e9:>13.2f}" if paper else f"{'':>13}"
             lines.append(f"{'':<6}{name:<8}" + "".join(f"{100 * f / fv[c]:>20.2f}" for c in conv_names)
-                         + (f"{paper:>8g}" if paper else f"{'':>8}") + implied)
+                         + (f"{paper:>8.1f}" if paper else f"{'':>8}") + implied)
     sweep = [s for s in shapes if s.name == "2.5B"]
     for s in sweep:  # [xHC] Fig. 1: going from N=4 to N=16 at 2.5B
         f = lambda cfg: training_flops_per_token(cfg, s.hidden, s.num_layers).f_hc  # noqa: E731
         d_mhc = f(ARMS["mhc16"]) - f(ARMS["mhc4"])
         d_xhc = f(ARMS["xhc"]) - f(HCConfig(variant="xhc", n=4, k=2, m=1))
-        lines.append(f"{s.name:<6}{'N4→16':<8}" + "".join(
-            f"{f'{100 * d_mhc / vanilla_flops_per_token(s, c):.1f} / {100 * d_xhc / vanilla_flops_per_token(s, c):.1f}':>20}"
-            for c in conv_names) + "   paper: mHC +32 / xHC +4 (ΔF_HC / F_v)")
+        cells = [f"{100 * d_mhc / fv:.1f} / {100 * d_xhc / fv:.1f}"
+                 for fv in (vanilla_flops_per_token(s, c) for c in conv_names)]
+        lines.append(f"{s.name:<6}{'N4→16':<8}" + "".join(f"{cell:>20}" for cell in cells)
+                     + "   paper: mHC +32 / xHC +4 (ΔF_HC / F_v)")
     for c in conv_names:
         lines.append(f"  {c}: {FLOPS_CONVENTIONS[c]}")
     return "\n".join(lines)

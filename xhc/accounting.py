@@ -11,6 +11,7 @@ function                                       what it counts (spec section)
                                                (§2.0, §2.a–§2.e, §3.1)
 :func:`hc_params_per_layer`                    attention + MLP (Flash: one window, §4.1)
 :func:`hc_params_per_window`                   one grouping window (Flash: 1 layer, 4sub: 2)
+:func:`hc_params_flash4_layers`                the two layers of a Flash-4sub window (§4.2)
 :func:`hc_params_total`                        a whole model, readout included (§1.6, §4.3)
 :func:`dominant_coeff_per_window`              the coefficient of C (§5.1, §4.3)
 :func:`dominant_params_per_layer`              that coefficient · C per layer
@@ -330,7 +331,8 @@ def dominant_coeff_per_window(cfg: HCConfig) -> int:
     =============  ===========================================  =========================
 
     Other variants and shapes (HC, lite, Krom, identity, ablations, ``dense_read=False``,
-    k = m without a router) use the itemised count divided by C.  Exactly equal to ``hc_params_per_window(cfg, C).dominant / C``.
+    k = m without a router) use the itemised count divided by C.  Always equal to
+    ``hc_params_per_window(cfg, C).dominant / C``.
     """
     if not cfg.enabled:
         return 0
