@@ -1,0 +1,203 @@
+"""Megatron-Core transformer layer with hyper-connections (spec §1.7).
+
+:class:`HyperConnectionTransformerLayer` is a ``TransformerLayer`` whose two residual adds
+(``self_attn_bda`` and ``mlp_bda``) are replaced by an ``xhc`` hyper-connection::
+
+    X       = expand(h)            if this is global layer 1      [s, b, C] -> [s, b, N, C]
+            = h.view(s, b, N, C)   otherwise                      (between layers: [s, b, N·C])
+    u, ctx  = attn_hc.read(X)                                     [s, b, C]
+    y       = dropout(self_attention(input_layernorm(u)) + bias)  stock Megatron modules
+    X       = attn_hc.write(X, y, ctx)
+    u, ctx  = mlp_hc.read(X)
+    y       = dropout(mlp(pre_mlp_layernorm(u)) + bias)           dense MLP or MoE, stock
+    X       = mlp_hc.write(X, y, ctx, seq)                        seq: temporal conv layout (xHC)
+    out     = reduce(X)  [s, b, C]  if this is the last layer, else X.view(s, b, N·C)
+
+Norms, attention, the MoE router, dispatcher, shared experts and the aux loss are untouched and
+only ever see ``[s, b, C]``.  The Flash variants drive one window module per layer (xHC-Flash) or
+per two layers (Flash-4sub, whose routing state is carried from layer 2g to layer 2g+1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import make_viewless_tensor
+
+from xhc.config import HCConfig, HCConfigError
+from xhc.hyper_connection import expand_streams, reduce_streams
+
+# ------------------------------------------------------------------------------------------------
+# The sequence layout seen by the temporal convolution (xHC only)
+# ------------------------------------------------------------------------------------------------
+_SEQ_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("xhc_sequence_context", default=None)
+
+
+@contextlib.contextmanager
+def sequence_context(seq):
+    """Give every HC layer an explicit :class:`xhc.temporal.SequenceContext` for one forward pass
+    (e.g. built from ``reset_position_ids`` position ids).  Without it, layers derive the document
+    layout from the attention mask or ``packed_seq_params`` they receive, and the SP/CP layout from
+    Megatron's parallel state."""
+    token = _SEQ_OVERRIDE.set(seq)
+    try:
+        yield seq
+    finally:
+        _SEQ_OVERRIDE.reset(token)
+
+
+@dataclass
+class HCTransformerLayerSubmodules(TransformerLayerSubmodules):
+    """Stock submodules plus the two hyper-connection slots (names as in upstream Megatron main).
+
+    Each slot holds a class built as ``cls(hc_config, hidden_size, is_mlp=..., layer_index=ℓ)``,
+    or ``None`` for a stock residual.
+    """
+
+    self_attention_hyper_connection: Optional[Union[ModuleSpec, type]] = None
+    mlp_hyper_connection: Optional[Union[ModuleSpec, type]] = None
+
+
+class HyperConnectionTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` whose residual connections are hyper-connections (spec §1.7).
+
+    Args (beyond ``TransformerLayer``'s):
+        hc_config: the model's :class:`~xhc.config.HCConfig` (given through the spec's ``params``).
+    """
+
+    def __init__(self, config, submodules: HCTransformerLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout=None, hc_config: Optional[HCConfig] = None, **kwargs):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         hidden_dropout=hidden_dropout, **kwargs)
+        if hc_config is None:
+            raise HCConfigError("HyperConnectionTransformerLayer needs hc_config (pass it in the layer spec params)")
+        from models.validation import validate_hc_transformer_config
+
+        validate_hc_transformer_config(config, hc_config)
+        self.hc_config = hc_config
+        self.hc_enabled = hc_config.enabled
+        C = config.hidden_size
+        i = self.layer_number - 1  # global 0-based layer index
+        self.is_first_hc_layer = i == 0
+        self.is_last_hc_layer = self.layer_number == config.num_layers
+        self.self_attention_hyper_connection = None
+        self.mlp_hyper_connection = None
+        if self.hc_enabled:
+            attn_cls = submodules.self_attention_hyper_connection
+            mlp_cls = submodules.mlp_hyper_connection
+            if attn_cls is not None:
+                self.self_attention_hyper_connection = _build_hc(attn_cls, hc_config, C, False, 2 * i)
+            if mlp_cls is not None:
+                self.mlp_hyper_connection = _build_hc(mlp_cls, hc_config, C, True, 2 * i + 1)
+            _mark_hc_parameters(self, config)
+            if self.is_last_hc_layer and hc_config.reduction == "softmax":
+                self.hc_readout_logits = torch.nn.Parameter(torch.zeros(hc_config.n))
+                _mark_param(self.hc_readout_logits, config)
+
+    # --------------------------------------------------------------------------------------------
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None, *,
+                inference_params=None, **kwargs):
+        if not self.hc_enabled:  # `disabled` / vanilla: the stock layer, bit for bit
+            return super().forward(
+                hidden_states, attention_mask=attention_mask, context=context, context_mask=context_mask,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                attention_bias=attention_bias, inference_context=inference_context,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                inference_params=inference_params, **kwargs)
+        if inference_context is None and inference_params is not None:
+            inference_context = inference_params
+        n, C = self.hc_config.n, self.config.hidden_size
+        s, b = hidden_states.shape[0], hidden_states.shape[1]
+        if self.is_first_hc_layer:
+            if hidden_states.shape[-1] != C:
+                raise ValueError(f"layer 1 expects the embedding [s, b, {C}], got {tuple(hidden_states.shape)}")
+            X = expand_streams(hidden_states, n)  # [s, b, N, C]
+        else:
+            if hidden_states.shape[-1] != n * C:
+                raise ValueError(
+                    f"layer {self.layer_number} expects the N-stream state [s, b, {n}·{C}], got "
+                    f"{tuple(hidden_states.shape)}: is the pipeline p2p shape patched (models.pipeline)?")
+            X = hidden_states.view(s, b, n, C)
+        seq = self._sequence_context(attention_mask, packed_seq_params, s, b)
+
+        # ---- attention sublayer ----
+        attn_hc = self.self_attention_hyper_connection
+        u, ctx = attn_hc.read(X)
+        attn_out = self.self_attention(
+            self.input_layernorm(u), attention_mask=attention_mask, inference_context=inference_context,
+            rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset)
+        X = attn_hc.write(X, self._bias_dropout(attn_out), ctx, seq)
+
+        # ---- MLP / MoE sublayer ----
+        mlp_hc = self.mlp_hyper_connection
+        u, ctx = mlp_hc.read(X)
+        mlp_kwargs = {}
+        if kwargs.get("padding_mask") is not None:
+            mlp_kwargs["padding_mask"] = kwargs["padding_mask"]
+        mlp_out = self.mlp(self.pre_mlp_layernorm(u), **mlp_kwargs)
+        X = mlp_hc.write(X, self._bias_dropout(mlp_out), ctx, seq)
+
+        if self.is_last_hc_layer:
+            out = reduce_streams(X, self.hc_config.reduction, getattr(self, "hc_readout_logits", None))
+        else:
+            out = X.reshape(s, b, n * C)
+        out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
+        return out, context
+
+    def _bias_dropout(self, out_with_bias):
+        """y = dropout(out + bias): Megatron's bias-dropout-add without the add (spec §1.3 #3)."""
+        out, bias = out_with_bias
+        if bias is not None:
+            out = out + bias
+        return F.dropout(out, p=self.hidden_dropout, training=self.training)
+
+    def _sequence_context(self, attention_mask, packed_seq_params, s, b):
+        """The temporal conv's view of the local rows: only needed by xHC MLP sublayers."""
+        if not self.hc_config.is_xhc:
+            return None
+        override = _SEQ_OVERRIDE.get()
+        if override is not None:
+            return override
+        from models.sequence import sequence_context_from_megatron
+
+        return sequence_context_from_megatron(self.config, attention_mask, packed_seq_params, s, b,
+                                              self.hc_config.conv_doc_reset)
+
+
+def _build_hc(cls_or_spec, hc_config: HCConfig, hidden_size: int, is_mlp: bool, layer_index: int):
+    cls = cls_or_spec.module if isinstance(cls_or_spec, ModuleSpec) else cls_or_spec
+    params = dict(cls_or_spec.params) if isinstance(cls_or_spec, ModuleSpec) else {}
+    import inspect
+
+    sig = inspect.signature(cls.__init__).parameters
+    kw = dict(params)
+    if "is_mlp" in sig:
+        kw["is_mlp"] = is_mlp
+    return cls(hc_config, hidden_size, layer_index=layer_index, **kw)
+
+
+def _mark_param(p: torch.nn.Parameter, config) -> None:
+    """HC parameters are replicated across TP.  With sequence parallelism every TP rank sees other
+    tokens, so their gradients must be all-reduced over TP: Megatron does that for parameters
+    tagged ``sequence_parallel`` (spec §1.7).  ``is_hyper_connection`` routes them to AdamW under
+    Muon and lets loggers find them."""
+    p.sequence_parallel = bool(config.sequence_parallel)
+    p.is_hyper_connection = True
+
+
+def _mark_hc_parameters(layer, config) -> None:
+    for mod in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
+        if mod is not None:
+            for p in mod.parameters():
+                _mark_param(p, config)

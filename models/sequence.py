@@ -1,0 +1,99 @@
+"""Where the local rows of a Megatron micro-batch sit, for xHC's temporal convolution (spec §3.6).
+
+The convolution is the only part of the hyper-connection maths that is not per token: it needs
+the κ_max − 1 preceding rows, which under sequence parallelism (SP) or context parallelism (CP)
+live on other ranks, and it must reset where attention resets between packed documents.
+:func:`sequence_context_from_megatron` builds the :class:`xhc.temporal.SequenceContext` from what
+a ``TransformerLayer`` receives plus Megatron's parallel state:
+
+- SP (TP > 1 with ``sequence_parallel``): rows are consecutive slices over the TP group.
+- CP: Megatron's load-balanced layout (chunks r and 2cp−1−r), optionally followed by SP.
+- Documents: ``packed_seq_params`` (THD, ``cu_seqlens``) or an attention mask that resets between
+  documents (``reset_attention_mask``); an explicit context from position ids can be installed
+  with :func:`models.hc_layer.sequence_context` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as ps
+
+from xhc.temporal import (
+    SequenceContext,
+    cp_segments,
+    pos_in_doc_from_cu_seqlens,
+    take_segments,
+    thd_cp_segments,
+)
+
+_MASK_CACHE: dict = {}
+
+
+def pos_in_doc_from_attention_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Document positions implied by a causal, document-resetting mask.
+
+    ``mask``: ``[b, 1, S, S]`` (or ``[1, 1, S, S]``) boolean, True = masked (Megatron's convention).
+    Query t attends to keys start(t)..t, so its position in the document is (#visible keys − 1).
+    Returns ``[S, b]`` long.
+    """
+    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}: expected [b, 1, S, S]")
+    visible = (~mask.bool()).sum(-1)[:, 0]  # [b, S]
+    return (visible - 1).clamp_min(0).t().long().contiguous()
+
+
+def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s: int, b: int,
+                                   reset: str = "auto") -> SequenceContext:
+    """Build the temporal conv's :class:`SequenceContext` for local activations ``[s, b, ·]``."""
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    sp = tp if (config.sequence_parallel and tp > 1) else 1
+    sp_rank = ps.get_tensor_model_parallel_rank() if sp > 1 else 0
+    cp_rank = ps.get_context_parallel_rank() if cp > 1 else 0
+
+    pos = None
+    segments = None
+    if packed_seq_params is not None and reset != "never":
+        cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+        if cu is None or cp == 1:
+            cu = packed_seq_params.cu_seqlens_q
+        total = s * sp * cp
+        pos_global = pos_in_doc_from_cu_seqlens(cu, total)  # [T, 1]
+        if cp > 1:
+            segments = thd_cp_segments(cu, cp, cp_rank)
+            if sp > 1:
+                raise NotImplementedError("THD packing with CP and SP together is not supported by the xHC conv")
+        else:
+            segments = ((sp_rank * s, s),) if sp > 1 else None
+        pos = take_segments(pos_global, segments) if segments is not None else pos_global
+    elif attention_mask is not None and reset != "never":
+        if cp > 1:
+            raise NotImplementedError(
+                "an explicit attention mask with context parallelism: pass document positions with "
+                "models.hc_layer.sequence_context(...) instead")
+        key = (id(attention_mask), attention_mask.data_ptr(), tuple(attention_mask.shape))
+        pos_global = _MASK_CACHE.get(key)
+        if pos_global is None:
+            pos_global = pos_in_doc_from_attention_mask(attention_mask)
+            _MASK_CACHE.clear()
+            _MASK_CACHE[key] = pos_global
+        pos = pos_global[sp_rank * s:(sp_rank + 1) * s]
+        if pos.shape[1] != b:
+            pos = pos.expand(s, b)
+    elif reset == "always":
+        raise ValueError("HCConfig.conv_doc_reset='always' needs document boundaries: pass packed_seq_params, "
+                         "a document-resetting attention mask, or models.hc_layer.sequence_context(...)")
+
+    group = None
+    if cp > 1:
+        S = s * sp * cp
+        if segments is None:
+            segments = cp_segments(S, cp, cp_rank, sp, sp_rank)
+        group = ps.get_tensor_and_context_parallel_group() if sp > 1 else ps.get_context_parallel_group()
+    elif sp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        if segments is not None and packed_seq_params is not None:
+            segments = None  # plain SP slices: the consecutive-slice halo is exact
+    return SequenceContext(pos_in_doc=pos, group=group, segments=segments)
