@@ -492,7 +492,12 @@ class TemporalAugmentation(nn.Module):
             ``"always"`` requires it.
     """
 
-    def __init__(self, hidden_size: int, kernel_sizes: Sequence[int] = DEFAULT_KERNEL_SIZES, conv_doc_reset: str = "auto"):
+    def __init__(
+        self,
+        hidden_size: int,
+        kernel_sizes: Sequence[int] = DEFAULT_KERNEL_SIZES,
+        conv_doc_reset: str = "auto",
+    ):
         super().__init__()
         kernel_sizes = tuple(int(k) for k in kernel_sizes)
         if hidden_size < 1:
@@ -501,7 +506,8 @@ class TemporalAugmentation(nn.Module):
             raise ValueError(f"TemporalAugmentation kernel_sizes={kernel_sizes}: every kernel size must be >= 1")
         if conv_doc_reset not in CONV_DOC_RESET:
             raise ValueError(
-                f"TemporalAugmentation conv_doc_reset={conv_doc_reset!r}: allowed values are {', '.join(CONV_DOC_RESET)}"
+                f"TemporalAugmentation conv_doc_reset={conv_doc_reset!r}: "
+                f"allowed values are {', '.join(CONV_DOC_RESET)}"
             )
         self.hidden_size = hidden_size
         self.kernel_sizes = kernel_sizes
@@ -527,7 +533,10 @@ class TemporalAugmentation(nn.Module):
                 w.uniform_(-bound, bound)
 
     def extra_repr(self) -> str:
-        return f"hidden_size={self.hidden_size}, kernel_sizes={self.kernel_sizes}, conv_doc_reset={self.conv_doc_reset!r}"
+        return (
+            f"hidden_size={self.hidden_size}, kernel_sizes={self.kernel_sizes}, "
+            f"conv_doc_reset={self.conv_doc_reset!r}"
+        )
 
     # -- helpers ---------------------------------------------------------------------------
     def _check(self, y: Tensor) -> None:
@@ -571,7 +580,9 @@ class TemporalAugmentation(nn.Module):
             return V
         if seq is None or seq.group is None:
             if seq is not None and seq.segments is not None:
-                raise ValueError("SequenceContext.segments needs SequenceContext.group (the ranks holding the other rows)")
+                raise ValueError(
+                    "SequenceContext.segments needs SequenceContext.group (the ranks holding the other rows)"
+                )
             return self._components(y, [None], [s], pos)
         if seq.segments is not None:
             total = sum(n for _, n in seq.segments)
