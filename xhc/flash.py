@@ -1,0 +1,476 @@
+"""xHC-Flash and xHC-Flash-4sub: one routing decision and one full-state read per window (spec §4).
+
+A *window* is a run of sublayers that share the routing (I, p) and whose pre-mappings are all
+generated from the window-entry state X^(0), in one pass over the N·C state:
+
+* **xHC-Flash** (§4.1): window = one layer (attention A, MLP M).  :class:`XHCFlashLayer`.
+* **xHC-Flash-4sub** (§4.2): window = two layers (A1, M1, A2, M2).  :class:`Flash4Window`, split into
+  :class:`Flash4FirstLayer` (Megatron layer 2g) and :class:`Flash4SecondLayer` (layer 2g+1).
+
+Only the k active streams X_a (``[s, b, k, C]``) are carried between the sublayers; inactive
+streams cannot change inside a window, so one scatter into X^(0) at the end gives the exit state.
+
+Driving a window one sublayer at a time (every transition returns a **new** state object and never
+mutates its input, so a sublayer can be recomputed, e.g. by activation checkpointing)::
+
+    st = flash.begin(X0)                       # routing + both pre-maps + both base readouts
+    y = attention(flash.attn_read(st));   st = flash.attn_write(st, y, seq)
+    y = mlp(flash.mlp_read(st));          X1 = flash.mlp_write(st, y, seq)
+
+    st = first.begin(X0)                       # Flash-4sub; layer 2g
+    y = attn1(first.attn_read(st));   st = first.attn_write(st, y, seq)
+    y = mlp1(first.mlp_read(st));     st = first.mlp_write(st, y, seq)   # hand st to layer 2g+1
+    y = attn2(second.attn_read(st));  st = second.attn_write(st, y, seq)
+    y = mlp2(second.mlp_read(st));    X2 = second.mlp_write(st, y, seq)  # the only scatter
+
+Equations (shape legend of :mod:`xhc.xhc`; per token):
+
+==============================  ==================================================================
+:meth:`XHCFlashLayer.begin`     (I, p), h^A, h^M from X^(0);  inp_A = Σ_i h^A_i X^(0)_i, inp_M likewise
+:func:`flash_mlp_input`         inp_MLP = inp_M + Σ_t β_t·V^A_t,  β_t = Σ_j h^M[I_j]·p_j·H_post^A[j,t]
+:func:`nonactive_base`          base_t = Σ_{i∉I} h^t_i · X^(0)_i                    (4sub, once)
+:func:`split_read`              u_t = base_t + Σ_j h^t[I_j] · X_a[j]               (4sub)
+:func:`~xhc.xhc.sparse_write`   attention / M1: X_a ← X_a + diag(p)·H_post·V (no H_res);
+                                last MLP: X_a ← H_res·X_a + diag(p)·H_post·V;  then one scatter
+==============================  ==================================================================
+
+Every H_post (and the final H_res) is generated from the *current* carried X_a (spec §8 #24).
+With K_A = 1 (attention, default) the correction is the spec's scalar form β·y_A; with
+``attn_temporal`` (K_A = r+1 components after attention) it is applied per component.
+
+Parameters (names; shapes as in :mod:`xhc.xhc`, ``[out, in]`` layout, fp32):
+
+* :class:`XHCFlashLayer`: ``router``, ``pre_A``, ``pre_M`` (``[N, N·C]`` each), ``post_A``
+  (``[k·K_A, k·C]``), ``res_M`` (``[k², k·C]``), ``post_M`` (``[k·K_r, k·C]``), ``temporal_M``
+  (and ``temporal_A`` with ``attn_temporal``).  Dominant count (3N² + k³ + k²(1+K_r) + Σκ)·C (§4.3).
+* :class:`Flash4FirstLayer`: everything generated at window entry — ``router`` and the four
+  pre-mappings ``pre_A1``, ``pre_M1``, ``pre_A2``, ``pre_M2`` — plus ``post_A1``, ``post_M1``,
+  ``temporal_M1``.  :class:`Flash4SecondLayer`: ``post_A2``, ``res_M2``, ``post_M2``, ``temporal_M2``.
+  The entry-time maps live in the first layer so that the window entry reads X^(0) once without
+  reaching into the next layer's module.  Together: (5N² + k³ + 2k²(1+K_r) + 2Σκ)·C (§4.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from xhc.config import HCConfig
+from xhc.norms import fp32, rms_norm_flat
+from xhc.router import StreamRouter
+from xhc.xhc import (
+    PostMapping,
+    ReadMapping,
+    ResMapping,
+    check_xhc_config,
+    entry_mappings,
+    gather_active,
+    make_temporal,
+    mapping_diagnostics,
+    num_components,
+    scatter_active,
+    sparse_write,
+    write_components,
+)
+
+# ================================================================================================
+# Equations
+# ================================================================================================
+
+
+def base_readouts(h: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """inp_t = Σ_i h^t_i · X_i for several read maps in one pass (spec §4.1 base readouts).
+
+    ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``  ->  fp32 ``[..., T, C]``.
+    """
+    return torch.einsum("...tn,...nc->...tc", h, fp32(X))
+
+
+def flash_mlp_input(
+    inp_M: torch.Tensor, h_M_active: torch.Tensor, p: torch.Tensor, H_post_A: torch.Tensor, V_A: torch.Tensor
+) -> torch.Tensor:
+    """inp_MLP = inp_M + Σ_t β_t · V^A_t,  β_t = Σ_j h^M[I_j] · p_j · H_post^A[j, t]  (spec §4.1).
+
+    Exact replacement of a second dense read Σ_i h^M_i X^(A)_i when I, p, h^M are fixed at window
+    entry, nothing mixes before the MLP read and attention writes only the active streams.
+    ``inp_M``: ``[..., C]``;  ``h_M_active``, ``p``: ``[..., k]``;  ``H_post_A``: ``[..., k, K_A]``;
+    ``V_A``: ``[..., K_A, C]``  ->  fp32 ``[..., C]``.
+    """
+    beta = torch.einsum("...j,...jt->...t", h_M_active * p, H_post_A)  # [..., K_A]
+    return fp32(inp_M) + torch.einsum("...t,...tc->...c", beta, V_A)
+
+
+def nonactive_base(h: torch.Tensor, X: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
+    """base_t = Σ_{i∉I} h^t_i · X_i  (spec §4.2 split dense read; computed once at window entry).
+
+    ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``;  ``I``: ``[..., k]``  ->  fp32 ``[..., T, C]``.
+    """
+    active = I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1])
+    h_inactive = h.scatter(-1, active, torch.zeros_like(active, dtype=h.dtype))
+    return base_readouts(h_inactive, X)
+
+
+def split_read(base: torch.Tensor, h_active: torch.Tensor, Xa: torch.Tensor) -> torch.Tensor:
+    """u_t = base_t + Σ_j h^t[I_j] · X_a[j]  (spec §4.2).
+
+    ``base``: ``[..., C]``;  ``h_active``: ``[..., k]``;  ``Xa``: ``[..., k, C]``  ->  fp32 ``[..., C]``.
+    """
+    return base + torch.einsum("...j,...jc->...c", h_active, fp32(Xa))
+
+
+def carried_write(
+    Xa: torch.Tensor,
+    p: torch.Tensor,
+    post: PostMapping,
+    V: torch.Tensor,
+    res: Optional[ResMapping] = None,
+    eps: float = 1e-6,
+):
+    """One window sublayer's write on the carried active streams (spec §4.1, §4.2 "Writes").
+
+    H_post (and H_res when ``res`` is given) come from RMSNorm(vec X_a) of the *current* X_a
+    (spec §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.
+    ``Xa``: ``[..., k, C]``  ->  (new X_a fp32 ``[..., k, C]``, H_res or None, H_post).
+    """
+    xa_hat = rms_norm_flat(Xa.flatten(-2), eps)
+    H_res = res(xa_hat) if res is not None else None
+    H_post = post(xa_hat)
+    return sparse_write(Xa, H_res, p, H_post, V), H_res, H_post
+
+
+def _check_stage(state, expected, what: str) -> None:
+    if state.stage != expected:
+        raise RuntimeError(
+            f"{what} called on a window state at stage {state.stage!r}, expected {expected!r}: drive the "
+            "sublayers in order (begin, attn_read, attn_write, mlp_read, mlp_write)"
+        )
+
+
+# ================================================================================================
+# xHC-Flash: one layer
+# ================================================================================================
+@dataclass
+class FlashState:
+    """State of one xHC-Flash window (plain tensors; transitions return new objects)."""
+
+    X0: torch.Tensor  # [..., N, C] window-entry state, residual dtype
+    I: torch.Tensor  # [..., k] long active streams (fixed first, routed ascending)
+    p: torch.Tensor  # [..., k] fp32 route weights
+    score: torch.Tensor  # [..., N] fp32 router scores (diagnostics)
+    h_pre: torch.Tensor  # [..., 2, N] fp32: h^A, h^M from X^(0)
+    inp: torch.Tensor  # [..., 2, C] fp32: base readouts inp_A, inp_M = Σ_i h_i X^(0)_i
+    Xa: torch.Tensor  # [..., k, C] residual dtype: X^(0)[I] at entry, X_a^(A) after attn_write
+    H_post_A: Optional[torch.Tensor] = None  # [..., k, K_A] fp32 (after attn_write)
+    V_A: Optional[torch.Tensor] = None  # [..., K_A, C] fp32 attention components (after attn_write)
+    stage: str = "entry"  # "entry" -> "attn_done"
+
+
+class XHCFlashLayer(nn.Module):
+    """xHC-Flash window over one transformer layer (spec §4.1).
+
+    Args:
+        cfg: :class:`~xhc.config.HCConfig` with ``variant`` ``xhc_flash`` (or ``xhc_flash4``, whose
+            odd last layer falls back to Flash, §4.3).
+        hidden_size: C.
+        layer_index: global 0-based *transformer layer* index i (sublayers ℓ = 2i, 2i+1); used only
+            by ``read_init='one_hot'`` (hot stream ℓ mod N).
+        fused: router and both pre-projections in one GEMM (:func:`~xhc.xhc.fused_entry_projections`).
+    """
+
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+        super().__init__()
+        check_xhc_config(cfg, ("xhc_flash", "xhc_flash4"))
+        self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
+        self.layer_index, self.fused = layer_index, fused
+        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        C, k = hidden_size, cfg.k
+        read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
+        self.router = StreamRouter(cfg.n, C, k, cfg.m, cfg.router, cfg.norm_eps)
+        self.pre_A = ReadMapping(cfg.n, C, cfg.gate_init, cfg.ablate_pre, read_init, 2 * layer_index, cfg.read_delta)
+        self.pre_M = ReadMapping(cfg.n, C, cfg.gate_init, cfg.ablate_pre, read_init, 2 * layer_index + 1,
+                                 cfg.read_delta)
+        self.post_A = PostMapping(k, self.K_A, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_A = make_temporal(cfg, C, cfg.attn_temporal)
+        self.res_M = None if cfg.ablate_res else ResMapping(k, C, cfg)
+        self.post_M = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_M = make_temporal(cfg, C, True)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for mod in self.children():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+    def hc_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # --------------------------------------------------------------------------------------------
+    def begin(self, X0: torch.Tensor) -> FlashState:
+        """Window entry: routing, h^A and h^M, both base readouts, gather (one pass over X^(0)).
+
+        ``X0``: ``[s, b, N, C]`` (any leading dims)  ->  :class:`FlashState`.
+        """
+        routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
+                                              self.fused)
+        h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
+        return FlashState(X0, routing.I, routing.p, routing.score, h, base_readouts(h, X0),
+                          gather_active(X0, routing.I))
+
+    def attn_read(self, state: FlashState) -> torch.Tensor:
+        """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
+        _check_stage(state, "entry", "XHCFlashLayer.attn_read")
+        return state.inp[..., 0, :].to(state.X0.dtype)
+
+    def attn_write(self, state: FlashState, y: torch.Tensor, seq=None) -> FlashState:
+        """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (spec §4.1 attention sublayer)."""
+        _check_stage(state, "entry", "XHCFlashLayer.attn_write")
+        V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
+        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps)
+        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done")
+
+    def mlp_read(self, state: FlashState) -> torch.Tensor:
+        """u_M = inp_M + β·y_A, the exact correction (spec §4.1)  ->  ``[..., C]`` residual dtype."""
+        _check_stage(state, "attn_done", "XHCFlashLayer.mlp_read")
+        h_M_active = state.h_pre[..., 1, :].gather(-1, state.I)
+        u = flash_mlp_input(state.inp[..., 1, :], h_M_active, state.p, state.H_post_A, state.V_A)
+        return u.to(state.X0.dtype)
+
+    def mlp_write(self, state: FlashState, y: torch.Tensor, seq=None) -> torch.Tensor:
+        """X_a^(M) = H_res^M·X_a^(A) + diag(p)·H_post^M·V, scattered into X^(0): X^(1) ``[..., N, C]``."""
+        _check_stage(state, "attn_done", "XHCFlashLayer.mlp_write")
+        V = write_components(y, self.temporal_M, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
+        Xa, _, _ = carried_write(state.Xa, state.p, self.post_M, V, self.res_M, self.cfg.norm_eps)
+        return scatter_active(state.X0, state.I, Xa)
+
+    def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
+        """Convenience: the whole window with branch callables ``attn(u)``, ``mlp(u)`` -> X^(1)."""
+        st = self.begin(X0)
+        st = self.attn_write(st, attn(self.attn_read(st)), seq)
+        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
+
+    # --------------------------------------------------------------------------------------------
+    def mlp_mixing(self, state: FlashState) -> Optional[torch.Tensor]:
+        """H_res^M ``[..., k, k]`` for a state after attn_write (diagnostics), None when ablated."""
+        if self.res_M is None:
+            return None
+        return self.res_M(rms_norm_flat(state.Xa.flatten(-2), self.cfg.norm_eps))
+
+    def diagnostics(self, state: FlashState) -> dict:
+        """Detached logging tensors (router load ``[N]``, H_res^M distance from I, …); needs a state
+        after :meth:`attn_write` for the H_res entries."""
+        with torch.no_grad():
+            H = self.mlp_mixing(state) if state.stage == "attn_done" else None
+        return mapping_diagnostics(state.I, state.p, self.n, H)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return f"n={c.n}, k={c.k}, m={c.m}, K_A={self.K_A}, K_M={self.K_M}, C={self.hidden_size}, layer_index={self.layer_index}"
+
+
+# ================================================================================================
+# xHC-Flash-4sub: two layers
+# ================================================================================================
+FLASH4_SUBLAYERS = ("A1", "M1", "A2", "M2")
+
+
+@dataclass
+class Flash4State:
+    """State of one Flash-4sub window, carried from Megatron layer 2g to layer 2g+1.
+
+    Plain tensors plus the sublayer counter ``step`` (0 = A1 next … 3 = M2 next); transitions
+    return new objects and never mutate their input.
+    """
+
+    X0: torch.Tensor  # [..., N, C] window-entry state, residual dtype (the exit scatter target)
+    I: torch.Tensor  # [..., k] long active streams
+    p: torch.Tensor  # [..., k] fp32 route weights
+    score: torch.Tensor  # [..., N] fp32 router scores (diagnostics)
+    h_pre: torch.Tensor  # [..., 4, N] fp32: h^t for t = A1, M1, A2, M2, all from X^(0)
+    h_active: torch.Tensor  # [..., 4, k] fp32: h^t[I_j]
+    base: torch.Tensor  # [..., 4, C] fp32: base_t = Σ_{i∉I} h^t_i X^(0)_i
+    Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
+    step: int = 0
+
+    @property
+    def stage(self) -> str:
+        return FLASH4_SUBLAYERS[self.step] if self.step < 4 else "done"
+
+
+def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
+    """u_t of sublayer ``t`` (0..3) by the split read (spec §4.2)  ->  ``[..., C]`` residual dtype."""
+    if state.step != t:
+        raise RuntimeError(
+            f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
+            "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
+        )
+    u = split_read(state.base[..., t, :], state.h_active[..., t, :], state.Xa)
+    return u.to(state.X0.dtype)
+
+
+def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCConfig, seq) -> Flash4State:
+    if state.step != t:
+        raise RuntimeError(
+            f"Flash-4sub write of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
+            "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
+        )
+    V = write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq)
+    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps)
+    return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1)
+
+
+class Flash4FirstLayer(nn.Module):
+    """Flash-4sub parameters and sublayers A1, M1 of a window (Megatron layer 2g; spec §4.2).
+
+    Owns what the window entry generates (router, four pre-mappings) plus H_post^{A1}, H_post^{M1}
+    and M1's temporal convs.  ``layer_index``: the global index 2g of this layer.
+    """
+
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+        super().__init__()
+        check_xhc_config(cfg, ("xhc_flash4",))
+        self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
+        self.layer_index, self.fused = layer_index, fused
+        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        C, k = hidden_size, cfg.k
+        read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
+        self.router = StreamRouter(cfg.n, C, k, cfg.m, cfg.router, cfg.norm_eps)
+        for t, name in enumerate(FLASH4_SUBLAYERS):  # sublayer ℓ = 2·layer_index + t
+            setattr(self, f"pre_{name}", ReadMapping(cfg.n, C, cfg.gate_init, cfg.ablate_pre, read_init,
+                                                     2 * layer_index + t, cfg.read_delta))
+        self.post_A1 = PostMapping(k, self.K_A, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_A1 = make_temporal(cfg, C, cfg.attn_temporal)
+        self.post_M1 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_M1 = make_temporal(cfg, C, True)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for mod in self.children():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+    def hc_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def begin(self, X0: torch.Tensor) -> Flash4State:
+        """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
+        pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
+        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused)
+        h = torch.stack(hs, -2)  # [..., 4, N]
+        I = routing.I
+        h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]
+        return Flash4State(X0, I, routing.p, routing.score, h, h_active, nonactive_base(h, X0, I),
+                           gather_active(X0, I))
+
+    def attn_read(self, state: Flash4State) -> torch.Tensor:
+        return flash4_read(state, 0)
+
+    def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
+        """A1: X_a ← X_a + diag(p)·H_post^{A1}·V."""
+        return _flash4_write(state, 0, y, self.post_A1, self.temporal_A1, None, self.cfg, seq)
+
+    def mlp_read(self, state: Flash4State) -> torch.Tensor:
+        return flash4_read(state, 1)
+
+    def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
+        """M1: X_a ← X_a + diag(p)·H_post^{M1}·V (no H_res); returns the state for layer 2g+1."""
+        return _flash4_write(state, 1, y, self.post_M1, self.temporal_M1, None, self.cfg, seq)
+
+    def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> Flash4State:
+        """Convenience: begin, A1, M1 -> the state to hand to layer 2g+1."""
+        st = self.begin(X0)
+        st = self.attn_write(st, attn(self.attn_read(st)), seq)
+        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
+
+    def diagnostics(self, state: Flash4State) -> dict:
+        return mapping_diagnostics(state.I, state.p, self.n, None)
+
+
+class Flash4SecondLayer(nn.Module):
+    """Flash-4sub sublayers A2, M2 of a window (Megatron layer 2g+1; spec §4.2).
+
+    Owns H_post^{A2}, H_res^{M2}, H_post^{M2} and M2's temporal convs; M2 mixes once and scatters
+    the carried active streams into X^(0).  ``layer_index``: the global index 2g+1 of this layer.
+    """
+
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 1):
+        super().__init__()
+        check_xhc_config(cfg, ("xhc_flash4",))
+        self.cfg, self.n, self.k, self.hidden_size, self.layer_index = cfg, cfg.n, cfg.k, hidden_size, layer_index
+        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        C, k = hidden_size, cfg.k
+        self.post_A2 = PostMapping(k, self.K_A, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_A2 = make_temporal(cfg, C, cfg.attn_temporal)
+        self.res_M2 = None if cfg.ablate_res else ResMapping(k, C, cfg)
+        self.post_M2 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
+        self.temporal_M2 = make_temporal(cfg, C, True)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for mod in self.children():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+    def hc_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def attn_read(self, state: Flash4State) -> torch.Tensor:
+        return flash4_read(state, 2)
+
+    def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
+        """A2: X_a ← X_a + diag(p)·H_post^{A2}·V."""
+        return _flash4_write(state, 2, y, self.post_A2, self.temporal_A2, None, self.cfg, seq)
+
+    def mlp_read(self, state: Flash4State) -> torch.Tensor:
+        return flash4_read(state, 3)
+
+    def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> torch.Tensor:
+        """M2: X_a ← H_res^{M2}·X_a + diag(p)·H_post^{M2}·V, then the window's only scatter -> X ``[..., N, C]``."""
+        st = _flash4_write(state, 3, y, self.post_M2, self.temporal_M2, self.res_M2, self.cfg, seq)
+        return scatter_active(st.X0, st.I, st.Xa)
+
+    def forward(self, state: Flash4State, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
+        """Convenience: A2, M2 on the state from layer 2g -> the window's exit state."""
+        st = self.attn_write(state, attn(self.attn_read(state)), seq)
+        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
+
+    def mlp_mixing(self, state: Flash4State) -> Optional[torch.Tensor]:
+        """H_res^{M2} ``[..., k, k]`` for a state before M2's write (diagnostics), None when ablated."""
+        if self.res_M2 is None:
+            return None
+        return self.res_M2(rms_norm_flat(state.Xa.flatten(-2), self.cfg.norm_eps))
+
+    def diagnostics(self, state: Flash4State) -> dict:
+        """Detached logging tensors; H_res^{M2} entries need a state at stage M2."""
+        with torch.no_grad():
+            H = self.mlp_mixing(state) if state.step == 3 else None
+        return mapping_diagnostics(state.I, state.p, self.n, H)
+
+
+class Flash4Window(nn.Module):
+    """Both halves of a Flash-4sub window, for single-module use and tests (spec §4.2).
+
+    ``first`` belongs to Megatron layer 2g, ``second`` to layer 2g+1; a Megatron integration
+    gives each layer its half and carries the :class:`Flash4State` between the two layer calls.
+    """
+
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+        super().__init__()
+        self.first = Flash4FirstLayer(cfg, hidden_size, layer_index, fused)
+        self.second = Flash4SecondLayer(cfg, hidden_size, layer_index + 1)
+
+    def hc_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.first.reset_parameters()
+        self.second.reset_parameters()
+
+    def forward(self, X0: torch.Tensor, branches: Sequence[Callable], seq=None) -> torch.Tensor:
+        """The whole window with branch callables for A1, M1, A2, M2 -> exit state ``[..., N, C]``."""
+        a1, m1, a2, m2 = branches
+        return self.second(self.first(X0, a1, m1, seq), a2, m2, seq)
