@@ -411,6 +411,15 @@ def test_blend_follows_weights(work, tmp_path):
     assert batch["dataset_id"].shape == (4,) and batch["tokens"].shape == (4, 32)
 
 
+def test_per_split_prefixes(work, tmp_path):
+    cfg = DataConfig.from_dict({"per_split": {"train": [work["prefix"]], "valid": [work["prefix"]]},
+                                "split": None, "cache_dir": str(tmp_path / "c")})
+    train, valid, test = build_datasets(cfg, work["tok"], 32, 1)
+    assert test is None
+    assert set(train.document_index.tolist()) == set(range(len(work["texts"])))  # the whole file
+    assert len(valid) == len(train)
+
+
 def test_mock_data(tmp_path):
     tok = NullTokenizer(1000)
     cfg = DataConfig(mock=True, cache_dir=str(tmp_path / "c"))

@@ -38,7 +38,7 @@ import sysconfig
 import time
 import tokenize
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from training.data._util import DataError, Log, atomic_open, human_bytes, read_json, sha256_file, write_json
 

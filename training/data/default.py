@@ -135,3 +135,28 @@ def prepare_default_data(
     log(f"[data] dataset    {paths['data_prefix']}.bin/.idx  ({data_meta['documents']} docs, {data_meta['tokens']} tokens)")
     log(f"[data] ready in {seconds['total']:.1f}s (built: {', '.join(built) or 'nothing, all up to date'})")
     return result
+
+
+def main(argv=None) -> int:
+    """``python -m training.data.default --out-dir DIR``: prepare the default data and print the paths."""
+    import argparse
+    import sys
+
+    from training.data._util import DataError
+
+    p = argparse.ArgumentParser(prog="python -m training.data.default", description=main.__doc__)
+    p.add_argument("--out-dir", default="data/default")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    p.add_argument("--target-mb", type=float, default=DEFAULT_TARGET_MB)
+    p.add_argument("--workers", type=int, default=2)
+    args = p.parse_args(argv)
+    try:
+        prepare_default_data(args.out_dir, vocab_size=args.vocab_size, target_mb=args.target_mb, workers=args.workers)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

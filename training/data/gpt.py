@@ -18,8 +18,8 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -142,22 +142,20 @@ def _split_ranges(n_docs: int, split: str) -> list[Optional[tuple[int, int]]]:
     return ranges
 
 
-def _check_splits_nonempty(cfg: DataConfig, num_samples: Sequence[Optional[int]]) -> None:
-    """A split asked for samples but given no documents would make Megatron loop forever."""
+def _check_splits_nonempty(cfg: DataConfig) -> None:
+    """A split with a non-zero share but no documents makes Megatron 0.16 loop forever
+    (``GPTDataset._get_num_epochs`` adds 0 tokens per epoch), so refuse it up front."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    def n_docs(prefix: str) -> int:
-        return len(IndexedDataset(prefix, mmap=False))
-
     if cfg.per_split is not None:
-        return  # each split is a whole dataset; emptiness shows up as an empty file
+        return  # each split is a whole dataset
     for prefix in cfg.prefixes:
-        count = n_docs(prefix)
-        for name, rng, want in zip(SPLIT_NAMES, _split_ranges(count, cfg.split), num_samples):
-            if rng is not None and rng[1] <= rng[0] and (want is None or want > 0):
+        count = len(IndexedDataset(prefix, mmap=False))
+        for name, rng in zip(SPLIT_NAMES, _split_ranges(count, cfg.split)):
+            if rng is not None and rng[1] <= rng[0]:
                 raise DataError(
                     f"data config: split {cfg.split!r} leaves the {name} split of {prefix!r} ({count} documents) "
-                    f"empty; use more data, a larger {name} share, or 0 {name} samples"
+                    f"empty; use more data, a larger {name} share, or share 0 for it (e.g. '98,2,0')"
                 )
 
 
@@ -215,7 +213,7 @@ def build_datasets(
         raise DataError(f"data: num_samples needs 3 entries (train, valid, test), got {num_samples}")
     _register_tokenizer_classes()
     if not cfg.mock:
-        _check_splits_nonempty(cfg, num_samples)
+        _check_splits_nonempty(cfg)
 
     blend = blend_per_split = None
     split = None

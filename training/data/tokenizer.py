@@ -21,7 +21,7 @@ import os
 import random
 import time
 from collections import OrderedDict
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from training.data._util import DataError, Log, atomic_open, read_json, sha256_file, write_json
 
