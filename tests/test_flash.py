@@ -94,7 +94,8 @@ def ref_window(X0, branches, router_W, pre_maps, sublayers, cfg):
 def flash_ref_args(f):
     subs = [
         dict(post=spec_map(f.post_A), K=f.K_A, convs=convs(f.temporal_A), res=None),
-        dict(post=spec_map(f.post_M), K=f.K_M, convs=convs(f.temporal_M), res=spec_map(f.res_M)),
+        dict(post=spec_map(f.post_M), K=f.K_M, convs=convs(f.temporal_M),
+             res=spec_map(f.res_M) if f.res_M is not None else None),
     ]
     W = f.router.weight.detach().double().T if f.router.weight is not None else None
     return W, [spec_map(f.pre_A), spec_map(f.pre_M)], subs
@@ -126,6 +127,7 @@ FLASH_CASES = {
     "softmax_router": dict(router="softmax"),
     "attn_temporal": dict(attn_temporal=True),
     "no_gs": dict(gram_schmidt=False),
+    "ablate_res": dict(ablate_res=True),
 }
 
 

@@ -22,8 +22,13 @@ Equations (spec §3.4, §3.5), per token, X ∈ R^{N×C}, x = vec(X):
 :func:`write_components`           V      = GS([y, g_1, …, g_r])  (MLP; attention: V = [y])
 :func:`sparse_write`               X_a'[j] = Σ_q H_res[j,q]·X_a[q] + p_j·Σ_t H_post[j,t]·V_t
 :func:`scatter_active`             X'[I_j] = X_a'[j];  X'[i] = X[i] for i ∉ I   (out-of-place)
+:func:`entry_mappings`             routing and pre-mappings from one state (shared by Flash windows)
 :func:`fused_entry_projections`    router + pre GEMMs as one GEMM on x (§1.5 reordering, §3.5 fusion)
 =================================  ===================================================================
+
+Routing ties go to the lower stream index (:func:`~xhc.router.topk_stable`, a stable sort).
+``read`` and ``write`` accept any leading dims ``[..., N, C]``; sublayers with temporal augmentation
+(MLPs) need ``[s, b, N, C]`` because the convolution runs along s.
 
 Parameters of one :class:`XHCSublayer` (fp32; projections in torch ``Linear`` layout ``[out, in]``,
 the transpose of the spec's ``in × out``; biases and gates 1-D so no-weight-decay rules apply):
