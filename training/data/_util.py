@@ -74,8 +74,9 @@ def read_json(path: str) -> dict | None:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    """``3144501`` -> ``"3.1 MB"`` (decimal units)."""
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000.0
     return f"{n:.1f} GB"
