@@ -90,12 +90,17 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.self_attention_hyper_connection = None
         self.mlp_hyper_connection = None
         if self.hc_enabled:
-            attn_cls = submodules.self_attention_hyper_connection
-            mlp_cls = submodules.mlp_hyper_connection
-            if attn_cls is not None:
+            if hc_config.variant in ("xhc_flash", "xhc_flash4"):
+                self.self_attention_hyper_connection = _build_flash_part(hc_config, C, i, config)
+            else:
+                attn_cls = submodules.self_attention_hyper_connection
+                mlp_cls = submodules.mlp_hyper_connection
+                if attn_cls is None or mlp_cls is None:
+                    raise HCConfigError(f"variant {hc_config.variant!r}: the layer spec has no hyper-connection "
+                                        "slot classes (build specs with models.specs)")
                 self.self_attention_hyper_connection = _build_hc(attn_cls, hc_config, C, False, 2 * i)
-            if mlp_cls is not None:
                 self.mlp_hyper_connection = _build_hc(mlp_cls, hc_config, C, True, 2 * i + 1)
+            self._driver = _make_driver(self)
             _mark_hc_parameters(self, config)
             if self.is_last_hc_layer and hc_config.reduction == "softmax":
                 self.hc_readout_logits = torch.nn.Parameter(torch.zeros(hc_config.n))
@@ -129,24 +134,26 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             X = hidden_states.view(s, b, n, C)
         seq = self._sequence_context(attention_mask, packed_seq_params, s, b)
 
+        drv = self._driver
+        st = drv.begin(X)
+
         # ---- attention sublayer ----
-        attn_hc = self.self_attention_hyper_connection
-        u, ctx = attn_hc.read(X)
+        u = drv.read(st, "attn")
         attn_out = self.self_attention(
             self.input_layernorm(u), attention_mask=attention_mask, inference_context=inference_context,
             rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
             attention_bias=attention_bias, packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset)
-        X = attn_hc.write(X, self._bias_dropout(attn_out), ctx, seq)
+        drv.write(st, "attn", self._bias_dropout(attn_out), seq)
 
         # ---- MLP / MoE sublayer ----
-        mlp_hc = self.mlp_hyper_connection
-        u, ctx = mlp_hc.read(X)
+        u = drv.read(st, "mlp")
         mlp_kwargs = {}
         if kwargs.get("padding_mask") is not None:
             mlp_kwargs["padding_mask"] = kwargs["padding_mask"]
         mlp_out = self.mlp(self.pre_mlp_layernorm(u), **mlp_kwargs)
-        X = mlp_hc.write(X, self._bias_dropout(mlp_out), ctx, seq)
+        drv.write(st, "mlp", self._bias_dropout(mlp_out), seq)
+        X = drv.end(st)
 
         if self.is_last_hc_layer:
             out = reduce_streams(X, self.hc_config.reduction, getattr(self, "hc_readout_logits", None))
@@ -201,3 +208,82 @@ def _mark_hc_parameters(layer, config) -> None:
         if mod is not None:
             for p in mod.parameters():
                 _mark_param(p, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Drivers: one uniform begin/read/write/end over the three shapes of HC module
+# ------------------------------------------------------------------------------------------------
+def _build_flash_part(hc: HCConfig, C: int, i: int, config):
+    """xHC-Flash: one window per layer.  Flash-4sub: layers (2g, 2g+1) share a window; a final odd
+    layer falls back to Flash (spec §4.3, §8 #25).  ``layer_index`` is the layer index i here."""
+    from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
+
+    if hc.variant == "xhc_flash":
+        return XHCFlashLayer(hc, C, layer_index=i)
+    if i % 2 == 1:
+        return Flash4SecondLayer(hc, C, layer_index=i)
+    if i + 1 < config.num_layers:
+        return Flash4FirstLayer(hc, C, layer_index=i)
+    return XHCFlashLayer(hc, C, layer_index=i)
+
+
+class _PairDriver:
+    """HC / mHC family / xHC: one module per sublayer with ``read``/``write``."""
+
+    def __init__(self, layer):
+        self.mods = {"attn": layer.self_attention_hyper_connection, "mlp": layer.mlp_hyper_connection}
+
+    def begin(self, X):
+        return {"X": X}
+
+    def read(self, st, which):
+        u, st["ctx"] = self.mods[which].read(st["X"])
+        return u
+
+    def write(self, st, which, y, seq):
+        st["X"] = self.mods[which].write(st["X"], y, st.pop("ctx"), seq)
+
+    def end(self, st):
+        return st["X"]
+
+
+class _FlashDriver:
+    """xHC-Flash (and Flash-4sub's window halves): a window module driven one sublayer at a time."""
+
+    # Flash-4sub state carried from layer 2g to 2g+1, keyed by (config identity, window index).
+    # A window never crosses a pipeline stage, so the two layers run back to back on this rank.
+    _carry: dict = {}
+
+    def __init__(self, layer):
+        self.mod = layer.self_attention_hyper_connection
+        self.kind = type(self.mod).__name__
+        self.key = (id(layer.config), (layer.layer_number - 1) // 2)
+
+    def begin(self, X):
+        if self.kind == "Flash4SecondLayer":
+            st = self._carry.pop(self.key, None)
+            if st is None or st.X0.data_ptr() != X.data_ptr():
+                raise RuntimeError(
+                    "Flash-4sub: layer 2g+1 did not receive the window state of layer 2g (the two layers of a "
+                    "window must run back to back on one rank; full-layer recompute is not supported)")
+            return {"st": st}
+        return {"st": self.mod.begin(X), "X0": X}
+
+    def read(self, st, which):
+        return (self.mod.attn_read if which == "attn" else self.mod.mlp_read)(st["st"])
+
+    def write(self, st, which, y, seq):
+        fn = self.mod.attn_write if which == "attn" else self.mod.mlp_write
+        st["st"] = fn(st["st"], y, seq)
+
+    def end(self, st):
+        if self.kind == "Flash4FirstLayer":
+            self._carry[self.key] = st["st"]
+            return st["X0"]  # the state is unchanged until the window's single scatter in layer 2g+1
+        return st["st"]
+
+
+def _make_driver(layer):
+    if layer.hc_config.variant in ("xhc_flash", "xhc_flash4"):
+        return _FlashDriver(layer)
+    return _PairDriver(layer)

@@ -52,9 +52,10 @@ def hc_sublayer_classes(hc: HCConfig):
 
         return XHCSublayer, XHCSublayer
     if hc.variant in ("xhc_flash", "xhc_flash4"):
-        from models.flash_slots import flash_slot_classes
+        # The layer picks its window part by position (Flash-4sub pairs layers 2g, 2g+1).
+        from xhc.flash import XHCFlashLayer
 
-        return flash_slot_classes(hc)
+        return XHCFlashLayer, None
     from xhc.hyper_connection import HyperConnection
 
     return HyperConnection, HyperConnection
