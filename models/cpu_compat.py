@@ -33,12 +33,18 @@ The patches:
    imported by name into ``fusions.fused_softmax``) build the causal mask with ``device="cuda"``
    when the caller passes ``attention_mask=None``; CPU copies replace both names.
 
-Configuration that CPU needs (no kernel fusions, no grouped GEMM, CPU initialisation, the
+Configuration that CPU needs (no TE/apex fusions, no grouped GEMM, CPU initialisation, the
 all-gather MoE dispatcher, ...) is returned by :func:`cpu_safe_overrides`; it is *config*, not a
-patch.  Things that stay CUDA-only and are not patched: Megatron's pipeline schedules and
-``DistributedDataParallel`` (drive forward/backward directly and use
-:mod:`models.parallel`'s gradient helpers), CUDA graphs, the all-to-all/flex dispatchers'
-side streams, and the Transformer-Engine / apex modules.
+patch.
+
+With these patches, on CPU/gloo (tested in tests/test_megatron_cpu.py): GPTModel/MoE forward and
+backward under TP+SP, EP, DP; activation recomputation; ``dist_checkpointing`` save/load
+(``torch_dist``) with resharding; Megatron's ``DistributedDataParallel`` +
+``finalize_model_grads``; ``P2PCommunicator`` (see :func:`models.pipeline.gpipe_forward_backward`).
+Still CUDA-only, not patched: the pipeline schedules (``forward_backward_*`` allocate a
+``device="cuda"`` token counter), the optimizer wrappers (``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``) and ``clip_grad_norm_fp32``
+(``device='cuda'`` scalars), CUDA graphs, the alltoall/flex dispatchers, TE/apex modules.
 """
 
 from __future__ import annotations
@@ -177,15 +183,13 @@ def enable_cpu_mode() -> bool:
     _patch(torch.cuda, "synchronize", _cpu_synchronize)
 
     # 2. RNG tracker on CPU generator states.
-    mrandom = _mrandom
-    tracker_cls = CpuRNGStatesTracker
-    _patch(mrandom, "CudaRNGStatesTracker", tracker_cls)
-    _patch(mrandom, "_get_cuda_rng_state", _get_cpu_rng_state)
-    _patch(mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)
-    tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
-    if tracker is not None and not isinstance(tracker, tracker_cls):
+    _patch(_mrandom, "CudaRNGStatesTracker", CpuRNGStatesTracker)
+    _patch(_mrandom, "_get_cuda_rng_state", _get_cpu_rng_state)
+    _patch(_mrandom, "_set_cuda_rng_state", _set_cpu_rng_state)
+    tracker = getattr(_mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    if tracker is not None and not isinstance(tracker, CpuRNGStatesTracker):
         # A CUDA tracker made before CPU mode cannot fork on CPU; replace it with an empty one.
-        _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker_cls())
+        _patch(_mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
 
     # 3. 0.16.x: TE-only names left unbound in moe_utils when TE is missing.
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")

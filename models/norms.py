@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -107,6 +108,12 @@ def _substitute(obj: Any, new: type, memo: dict) -> Any:
         out = copy.copy(obj)
         out.module = _substitute(obj.module, new, memo)
         out.submodules = _substitute(obj.submodules, new, memo)
+    elif isinstance(obj, functools.partial):  # 0.19 builds some submodules with partial(...)
+        out = functools.partial(
+            _substitute(obj.func, new, memo),
+            *(_substitute(a, new, memo) for a in obj.args),
+            **{k: _substitute(v, new, memo) for k, v in obj.keywords.items()},
+        )
     elif isinstance(obj, (list, tuple)):
         out = type(obj)(_substitute(o, new, memo) for o in obj)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -4,11 +4,15 @@
   ``parallel_state`` + Megatron's RNG tracker, on GPU (nccl) or CPU (gloo, via
   :mod:`models.cpu_compat`), under ``torchrun`` or in a plain single process (pytest).
 - :func:`finalize_grads`: what Megatron's ``finalize_model_grads`` does after backward.  With a
-  Megatron-DDP-wrapped model (the GPU path) it *is* ``finalize_model_grads``; for a bare model
-  (CPU: Megatron's DDP allocates CUDA buffers) it runs :func:`allreduce_data_parallel_grads`,
-  :func:`allreduce_sequence_parallel_grads` and :func:`update_router_expert_bias`, which
-  reproduce the corresponding steps of Megatron 0.16.1 (``distributed_data_parallel.py``,
-  ``finalize_model_grads.py``; unchanged in what they compute through 0.19.0).
+  Megatron-DDP-wrapped model it *is* ``finalize_model_grads`` (grads in ``param.main_grad``);
+  for a bare model it runs :func:`allreduce_data_parallel_grads`,
+  :func:`allreduce_sequence_parallel_grads` and :func:`update_router_expert_bias` (grads in
+  ``param.grad``), which reproduce the corresponding steps of Megatron 0.16.1
+  (``distributed_data_parallel.py``, ``finalize_model_grads.py``; unchanged in what they compute
+  through 0.19.0).  Both paths run on CPU: Megatron's DDP (default config, also
+  ``overlap_grad_reduce`` / ``average_in_collective``) works under :mod:`models.cpu_compat` and
+  gives bit-identical grads (tests/dist/stock_gpt_worker.py ``ddp``).  Megatron's *optimizer*
+  wrappers and ``clip_grad_norm_fp32`` do not: they allocate ``device='cuda'`` tensors.
 
 Not covered on the bare-model path: tied embeddings across pipeline stages (the zoo's models
 untie them), per-token loss scaling (``calculate_per_token_loss``), and the global aux loss.

@@ -21,7 +21,10 @@ How to make Megatron's schedules use N·C:
   transfer, one small extra message).  :func:`hc_p2p_shapes` refuses an interleaved config
   without it.
 
-Megatron's schedules need CUDA; on CPU only the shape logic and the (un)installation are tested.
+Megatron's schedules need CUDA (each allocates a ``device="cuda"`` token counter), so for CPU
+tests :func:`gpipe_forward_backward` drives a pipeline by hand with Megatron's own
+``P2PCommunicator`` (gloo) and the same ``schedules.get_tensor_shapes`` lookup, so the N·C
+patch is exercised end to end.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 __all__ = [
     "check_pipeline_config",
+    "gpipe_forward_backward",
     "hc_adjust_tensor_shapes_fn",
     "hc_p2p_shapes",
     "install_hc_p2p_shapes",
@@ -150,3 +154,67 @@ def hc_p2p_shapes(num_streams: int, config: Any = None) -> Iterator[None]:
     finally:
         if num_streams > 1:
             uninstall_hc_p2p_shapes()
+
+
+def gpipe_forward_backward(
+    model: Any,
+    step_fn: Callable[[int, Any], Any],
+    num_microbatches: int,
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    config: Any,
+    forward_only: bool = False,
+) -> List[Any]:
+    """All-forward-then-all-backward pipeline step over Megatron's p2p (for CPU tests).
+
+    ``model``: this stage's module (with ``set_input_tensor``, like ``GPTModel``).
+    ``step_fn(i, model)`` runs micro-batch ``i`` on this stage after the driver has called
+    ``model.set_input_tensor`` with the received activation (``None`` on the first stage) and
+    returns the stage output: the tensor to send, or on the last stage a scalar loss.
+    Receive buffers are shaped by ``schedules.get_tensor_shapes`` (so :func:`hc_p2p_shapes`
+    applies) with dtype ``config.pipeline_dtype``.  The backward pass uses ``loss /
+    num_microbatches``; grads accumulate in ``.grad`` (or ``main_grad`` under Megatron DDP).
+    Returns the last stage's per-micro-batch losses (detached), ``[]`` on other stages.
+    """
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if config.pipeline_dtype is None:
+        raise ValueError("gpipe_forward_backward: set config.pipeline_dtype (e.g. torch.float32)")
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
+    shapes = schedules.get_tensor_shapes(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=None,
+        config=config,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        cp_group=ps.get_context_parallel_group(),
+    )
+    inputs, outputs, losses = [], [], []
+    for i in range(num_microbatches):
+        received = comm.recv_forward(shapes, first)
+        inp = received[0] if isinstance(received, list) else received
+        model.set_input_tensor(inp)
+        out = step_fn(i, model)
+        if last:
+            losses.append(out.detach())
+            out = out / num_microbatches
+        else:
+            comm.send_forward(out, last)
+        inputs.append(inp)
+        outputs.append(out)
+    if forward_only:
+        return losses
+    for inp, out in zip(inputs, outputs):
+        if last:
+            torch.autograd.backward(out)
+        else:
+            grad = comm.recv_backward(shapes, last)
+            torch.autograd.backward(out, grad_tensors=grad[0] if isinstance(grad, list) else grad)
+        if not first:
+            comm.send_backward(inp.grad, first)
+    return losses

@@ -145,16 +145,22 @@ def test_dist_checkpoint_round_trip_single_process(parallel, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Two ranks (torchrun, gloo)
 # ------------------------------------------------------------------------------------------------
+DIST_MODES = ("tp_sp", "ep", "dp", "ddp", "pp", "pp_streams", "ckpt")
+
+
 @pytest.fixture(scope="module")
 def dist_run(run_torchrun):
-    proc = run_torchrun("tests/dist/stock_gpt_worker.py", nproc=2, args=["tp_sp", "ep", "dp", "ckpt"], check=False)
+    proc = run_torchrun("tests/dist/stock_gpt_worker.py", nproc=2, args=list(DIST_MODES), check=False)
     return proc.stdout
 
 
 @cpu_only
-@pytest.mark.parametrize("mode", ["tp_sp", "ep", "dp", "ckpt"])
+@pytest.mark.parametrize("mode", DIST_MODES)
 def test_two_rank_equivalence(dist_run, mode):
     """tp_sp: TP=2+SP == TP=1; ep: EP=2 (+DP=2) == EP=1 full batch; dp: DP=2 == full batch;
+    ddp: Megatron DDP + finalize_model_grads == our finalize_grads (DP=2, TP=2+SP, EP=2);
+    pp: PP=2 via gpipe_forward_backward over Megatron p2p == PP=1 (loss and grads);
+    pp_streams: a toy 2-stage model with [s, b, N·C] edges runs and matches under hc_p2p_shapes(N);
     ckpt: dist_checkpointing TP=2->TP=1 and TP=1->TP=2,EP=2 resharding is exact."""
     assert f"OK {mode}" in dist_run, f"mode {mode} did not pass:\n{dist_run[-6000:]}"
 

@@ -14,6 +14,12 @@ from the same seed; the reference weights are copied into the sharded model with
 - ``ep``: EP=2 (so DP=2 for dense params), each rank gets half of the batch.  The DP-averaged
   loss and grads equal the full-batch reference; the router expert bias update matches.
 - ``dp``: DP=2, each rank gets half of the batch; averaged grads equal the full-batch grads.
+- ``ddp``: Megatron's ``DistributedDataParallel`` + ``finalize_model_grads`` (they run on CPU
+  under :mod:`models.cpu_compat`) agree with our bare-model helpers under DP=2, TP=2+SP, EP=2.
+- ``pp``: PP=2 (4 layers, 2 micro-batches) driven by ``models.pipeline.gpipe_forward_backward``
+  over Megatron's ``P2PCommunicator`` equals PP=1.
+- ``pp_streams``: a toy 2-stage model with ``[s, b, N·C]`` p2p edges matches its single-process
+  composition under ``models.pipeline.hc_p2p_shapes(N)`` (without it the receive fails).
 - ``ckpt``: ``dist_checkpointing`` save under TP=2 (SP) and load into TP=1, and the reverse
   (save TP=1, load TP=2, EP=2): loaded tensors equal the reference exactly.
 
@@ -238,7 +244,142 @@ def run_ckpt():
     return n
 
 
-MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "dp": run_dp, "ckpt": run_ckpt}
+def run_ddp():
+    """Megatron's own DistributedDataParallel + finalize_model_grads (which run on CPU under
+    models.cpu_compat) give the same grads and expert bias as our bare-model finalize_grads."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    n = 0
+    for layout, cfg in (
+        (dict(), dict()),
+        (dict(tp=2), dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        (dict(ep=2), dict(expert_model_parallel_size=2)),
+    ):
+        _init(**layout)
+        config = tiny_moe_config(**cfg)
+        ours, theirs = build_tiny_gpt(config), build_tiny_gpt(config)
+        theirs.load_state_dict(ours.state_dict())
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), theirs)
+        batch = _half_batch() if "tp" not in layout else tiny_batch(BATCH)
+        lm_loss(ours, *batch).backward()
+        finalize_grads(ours)
+        lm_loss(ddp, *batch).backward()
+        finalize_grads(ddp)  # dispatches to megatron.core.distributed.finalize_model_grads
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+            _close(f"{layout} grad {name}", p.grad, q.main_grad)
+            n += 1
+        for (name, a), (_, b) in zip(ours.named_buffers(), theirs.named_buffers()):
+            if name.endswith("expert_bias"):
+                assert torch.equal(a, b) and a.abs().sum() > 0, f"{layout} {name}: {a} vs {b}"
+        destroy_parallel()
+    return n
+
+
+def _stage_name(model, name):
+    """Local name on a pipeline stage -> name in the single-stage reference."""
+    if name.startswith("decoder.layers."):
+        i, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{model.decoder.layers[int(i)].layer_number - 1}.{rest}"
+    return name
+
+
+def run_pp():
+    """PP=2 stock GPT (4 layers, 2 micro-batches) driven by models.pipeline.gpipe_forward_backward
+    over Megatron's P2PCommunicator == the PP=1 model on the full batch."""
+    from models.pipeline import gpipe_forward_backward
+
+    four = dict(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
+    _init()
+    config = tiny_moe_config(**four)
+    ref = build_tiny_gpt(config)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
+    tokens, labels, pos = tiny_batch(BATCH)
+    ref_loss = lm_loss(ref, tokens, labels, pos)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    destroy_parallel()
+
+    _init(pp=2)
+    config = tiny_moe_config(**four, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    first, last = dist.get_rank() == 0, dist.get_rank() == 1
+    model = build_tiny_gpt(config, pre_process=first, post_process=last)
+    assert len(model.decoder.layers) == 2
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[_stage_name(model, name)])
+    mb = BATCH // 2
+
+    def step(i, m):
+        rows = slice(i * mb, (i + 1) * mb)
+        out = m(tokens[rows], pos[rows], None, labels=labels[rows] if last else None)
+        return out.float().mean() if last else out
+
+    losses = gpipe_forward_backward(model, step, 2, seq_length=tokens.shape[1], micro_batch_size=mb, config=config)
+    if last:
+        _close("loss", torch.stack(losses).mean(), ref_loss.detach())
+    n = 0
+    for name, p in model.named_parameters():
+        _close(f"grad {name}", p.grad, ref_grads[_stage_name(model, name)])
+        n += 1
+    destroy_parallel()
+    return n
+
+
+def run_pp_streams():
+    """The N·C p2p patch end to end: a toy 2-stage model whose inter-stage edge is [s, b, N·C]
+    (stage 0 expands C -> N·C, stage 1 reduces); with models.pipeline.hc_p2p_shapes(N) the
+    receive buffers fit and loss/grads equal the single-process composition."""
+    from megatron.core.transformer import TransformerConfig
+
+    from models.pipeline import gpipe_forward_backward, hc_p2p_shapes, p2p_tensor_shape
+
+    C, N, S, B = 8, 4, 6, 2
+    g = torch.Generator().manual_seed(0)
+    w_in, w_mid, w_out = (torch.randn(C, N * C, generator=g) * 0.3, torch.randn(N * C, N * C, generator=g) * 0.3,
+                          torch.randn(N * C, generator=g))  # fmt: skip
+    x = torch.randn(2 * S, B, C, generator=g)  # 2 micro-batches along dim 0 (split below)
+
+    class Stage(torch.nn.Module):
+        def __init__(self, first):
+            super().__init__()
+            self.first = first
+            self.w = torch.nn.Parameter((w_in if first else w_mid).clone())
+            self.input_tensor = None
+
+        def set_input_tensor(self, t):
+            self.input_tensor = t
+
+        def forward(self, xb):
+            if self.first:
+                return torch.tanh(xb @ self.w)  # [S, B, N·C]
+            h = torch.tanh(self.input_tensor @ self.w)
+            return (h @ w_out).pow(2).mean()
+
+    ref = [Stage(True), Stage(False)]
+    ref_losses = []
+    for i in range(2):
+        ref[1].set_input_tensor(ref[0](x[i * S:(i + 1) * S]))
+        ref_losses.append(ref[1](None))
+    torch.stack(ref_losses).mean().backward()
+
+    _init(pp=2)
+    config = TransformerConfig(num_layers=2, hidden_size=C, num_attention_heads=1, pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32)  # fmt: skip
+    rank = dist.get_rank()
+    stage = Stage(rank == 0)
+    with hc_p2p_shapes(N, config):
+        losses = gpipe_forward_backward(stage, lambda i, m: m(x[i * S:(i + 1) * S]), 2, seq_length=S,
+                                        micro_batch_size=B, config=config)  # fmt: skip
+    if rank == 1:
+        assert p2p_tensor_shape(S, B, C, N) == tuple(stage.input_tensor.shape)
+        _close("loss", torch.stack(losses).mean(), torch.stack(ref_losses).mean().detach())
+    _close("grad", stage.w.grad, ref[rank].w.grad)
+    destroy_parallel()
+    return 2
+
+
+MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "dp": run_dp, "ckpt": run_ckpt, "ddp": run_ddp, "pp": run_pp,
+         "pp_streams": run_pp_streams}  # fmt: skip
 
 
 def main(argv):
