@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
@@ -139,19 +141,28 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         # ---- attention sublayer ----
         u = drv.read(st, "attn")
+        ln, ckpt = self._norm(self.input_layernorm, u, self.recompute_input_layernorm)
+        self.input_layernorm_checkpoint = ckpt
         attn_out = self.self_attention(
-            self.input_layernorm(u), attention_mask=attention_mask, inference_context=inference_context,
+            ln, attention_mask=attention_mask, inference_context=inference_context,
             rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
             attention_bias=attention_bias, packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset)
+        if ckpt is not None:  # selective recompute: drop the norm output, recompute it in backward
+            ckpt.discard_output_and_register_recompute(attn_out[0])
         drv.write(st, "attn", self._bias_dropout(attn_out), seq)
 
         # ---- MLP / MoE sublayer ----
         u = drv.read(st, "mlp")
-        mlp_kwargs = {}
-        if kwargs.get("padding_mask") is not None:
-            mlp_kwargs["padding_mask"] = kwargs["padding_mask"]
-        mlp_out = self.mlp(self.pre_mlp_layernorm(u), **mlp_kwargs)
+        ln, ckpt = self._norm(self.pre_mlp_layernorm, u, self.recompute_pre_mlp_layernorm)
+        self.pre_mlp_norm_checkpoint = ckpt
+        mlp = functools.partial(self.mlp, padding_mask=kwargs.get("padding_mask"))
+        if self.recompute_mlp:  # selective recompute of a dense MLP, as the stock layer does
+            mlp_out = tensor_parallel.checkpoint(mlp, False, ln)
+        else:
+            mlp_out = mlp(ln)
+        if ckpt is not None:
+            ckpt.discard_output_and_register_recompute(mlp_out[0])
         drv.write(st, "mlp", self._bias_dropout(mlp_out), seq)
         X = drv.end(st)
 
@@ -161,6 +172,44 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             out = X.reshape(s, b, n * C)
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
         return out, context
+
+    def _norm(self, norm, u, recompute: bool):
+        """The backbone norm, checkpointed without output under selective ``layernorm`` recompute
+        (as the stock layer does).  ``fp8`` is passed as None unless FP8/FP4 is on: Megatron's
+        ``CheckpointWithoutOutput()`` default (``fp8=False``) takes its FP8 branch (it tests
+        ``fp8 is not None``), which needs Transformer Engine."""
+        if not recompute:
+            return norm(u), None
+        ckpt = tensor_parallel.CheckpointWithoutOutput(fp8=True if (self.config.fp8 or self.config.fp4) else None)
+        return ckpt.checkpoint(norm, u), ckpt
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's sharded state dict, with the hyper-connection tensors keyed per global layer.
+
+        For blocks whose layers are homogeneous (no MoE layer pattern, e.g. a dense model) Megatron
+        stacks every layer's tensor under one key with a layer axis.  HC layers are not homogeneous:
+        the softmax readout lives only in the last layer and Flash-4sub alternates two module types,
+        so a stacked key would have missing layer shards and the save fails.  The HC tensors are
+        therefore always keyed ``<block>.layers.<global layer>.<name>`` (the block's non-homogeneous
+        form); backbone tensors keep Megatron's keys, so vanilla checkpoints still line up.
+        """
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        stack = (0, self.layer_number - 1, self.config.num_layers)
+        offsets = tuple(tuple(o) for o in sharded_offsets)
+        if not self.hc_enabled or stack not in offsets:
+            return sd
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        hc_prefixes = tuple(f"{prefix}{n}" for n in ("self_attention_hyper_connection.", "mlp_hyper_connection.",
+                                                      "hc_readout_logits"))
+        unstacked = super().sharded_state_dict(prefix, tuple(o for o in offsets if o != stack), metadata)
+        hc = {k: v for k, v in unstacked.items() if k.startswith(hc_prefixes)}
+        # The block later replaces "<block>.layers.<local>." by "<block>.layers."; inserting the
+        # global index here makes the final key "<block>.layers.<global>.<name>".
+        replace_prefix_for_sharding(hc, prefix, f"{prefix}{self.layer_number - 1}.")
+        sd = {k: v for k, v in sd.items() if not k.startswith(hc_prefixes)}
+        sd.update(hc)
+        return sd
 
     def _bias_dropout(self, out_with_bias):
         """y = dropout(out + bias): Megatron's bias-dropout-add without the add (spec §1.3 #3)."""

@@ -39,6 +39,7 @@ __all__ = [
     "hc_adjust_tensor_shapes_fn",
     "hc_p2p_shapes",
     "install_hc_p2p_shapes",
+    "p2p_num_streams",
     "p2p_shapes_installed",
     "p2p_tensor_shape",
     "scale_tensor_shapes",
@@ -76,6 +77,13 @@ def p2p_tensor_shape(
             f"{'·tp_size' if sequence_parallel else ''}={div}; pick a multiple of {div}"
         )
     return (seq_length // div, micro_batch_size, num_streams * hidden_size)
+
+
+def p2p_num_streams(hc: Any) -> int:
+    """The stream count N that sizes the p2p edges of a model with :class:`~xhc.config.HCConfig`
+    ``hc``: ``hc.n`` when hyper-connections are enabled, 1 for ``variant='none'`` or ``disabled``
+    (stock Megatron shapes).  Pass it to :func:`hc_p2p_shapes`."""
+    return int(hc.n) if hc.enabled else 1
 
 
 def scale_tensor_shapes(shapes: Sequence[Shape], num_streams: int) -> List[Shape]:

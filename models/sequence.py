@@ -15,6 +15,7 @@ a ``TransformerLayer`` receives plus Megatron's parallel state:
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -44,6 +45,19 @@ def pos_in_doc_from_attention_mask(mask: torch.Tensor) -> torch.Tensor:
     return (visible - 1).clamp_min(0).t().long().contiguous()
 
 
+def _cached_mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`pos_in_doc_from_attention_mask`, computed once per mask tensor: every layer of a
+    forward pass receives the same mask object.  The cache holds a weak reference to the mask and
+    compares identity and version, so a new mask allocated at a freed one's address (same
+    ``id``/``data_ptr``) or an in-place edit is never mistaken for the cached one."""
+    hit = _MASK_CACHE.get("entry")
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        return hit[2]
+    pos = pos_in_doc_from_attention_mask(mask)
+    _MASK_CACHE["entry"] = (weakref.ref(mask), mask._version, pos)
+    return pos
+
+
 def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s: int, b: int,
                                    reset: str = "auto") -> SequenceContext:
     """Build the temporal conv's :class:`SequenceContext` for local activations ``[s, b, ·]``."""
@@ -56,8 +70,10 @@ def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s:
     pos = None
     segments = None
     if packed_seq_params is not None and reset != "never":
+        # With padded THD the rows of sequence i start at cu_seqlens_q_padded[i] (CP or not);
+        # cu_seqlens_q holds the unpadded lengths and would misplace every later document start.
         cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-        if cu is None or cp == 1:
+        if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         total = s * sp * cp
         pos_global = pos_in_doc_from_cu_seqlens(cu, total)  # [T, 1]
@@ -73,12 +89,7 @@ def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s:
             raise NotImplementedError(
                 "an explicit attention mask with context parallelism: pass document positions with "
                 "models.hc_layer.sequence_context(...) instead")
-        key = (id(attention_mask), attention_mask.data_ptr(), tuple(attention_mask.shape))
-        pos_global = _MASK_CACHE.get(key)
-        if pos_global is None:
-            pos_global = pos_in_doc_from_attention_mask(attention_mask)
-            _MASK_CACHE.clear()
-            _MASK_CACHE[key] = pos_global
+        pos_global = _cached_mask_positions(attention_mask)
         pos = pos_global[sp_rank * s:(sp_rank + 1) * s]
         if pos.shape[1] != b:
             pos = pos.expand(s, b)

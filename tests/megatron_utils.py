@@ -164,3 +164,76 @@ def load_from_reference(model, reference_state: Dict[str, torch.Tensor], config)
 
 def reference_grads(model) -> Dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyper-connection models (models.specs) and Megatron's document-resetting masks.
+# ---------------------------------------------------------------------------------------------
+def build_tiny_hc_gpt(config, hc, vocab_size: int = VOCAB, seq_len: int = SEQ, pre_process: bool = True,
+                      post_process: bool = True, pg_collection=None):
+    """``GPTModel`` from :func:`models.specs.get_hc_decoder_block_spec` (local backend), otherwise
+    exactly :func:`build_tiny_gpt`.  ``pg_collection`` (optional) selects the pipeline stage by its
+    ``pp`` group's rank, so one process can build every stage (see :class:`FakeGroup`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from models.specs import get_hc_decoder_block_spec
+
+    pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
+    spec = get_hc_decoder_block_spec(config, hc, use_transformer_engine=False, pp_rank=pp_rank)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        pg_collection=pg_collection,
+    )
+
+
+class FakeGroup:
+    """Stand-in for a process group that only answers ``rank()`` and ``size()``: lets one process
+    build the module of pipeline stage ``rank`` (Megatron reads the stage from ``pg_collection.pp``)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def pipeline_stage_collection(pp_rank: int, pp_size: int):
+    """Megatron's process groups with the pipeline group replaced by a :class:`FakeGroup`."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    pg.pp = FakeGroup(pp_rank, pp_size)
+    return pg
+
+
+def document_batch(batch: int, seq_len: int, eod: int, doc_starts, seed: int = 0):
+    """Tokens with EOD tokens at fixed places, and Megatron's own document-resetting attention mask
+    and position ids (``datasets.gpt_dataset._get_ltor_masks_and_position_ids`` with
+    ``reset_attention_mask`` and ``reset_position_ids``).
+
+    ``doc_starts[i]``: positions where a document starts in row i (the token before is EOD).
+    Returns ``tokens, labels [b, s]``, ``mask [b, 1, s, s]`` (True = masked), ``position_ids [b, s]``.
+    """
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    tokens, labels, _ = tiny_batch(batch, seq_len, seed)
+    tokens = tokens.masked_fill(tokens == eod, eod + 1)
+    masks, positions = [], []
+    for i in range(batch):
+        for start in doc_starts[i]:
+            tokens[i, start - 1] = eod
+        mask, _, pos = _get_ltor_masks_and_position_ids(tokens[i], eod, True, True, False, True)
+        masks.append(mask)
+        positions.append(pos)
+    return tokens, labels, torch.stack(masks), torch.stack(positions)
