@@ -493,6 +493,112 @@ def test_resume_is_bitwise(parallel, opt_name):
 
 
 # ------------------------------------------------------------------------------------------------
+# Megatron backend (the GPU path) on CPU
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def megatron_scalars_on_cpu(monkeypatch):
+    """Megatron's FP32Optimizer, grad-norm and clip helpers allocate a few ``device='cuda'``
+    scalars (and assert ``torch.cuda.FloatTensor`` grads); redirect exactly those to the CPU so the
+    optimiser logic itself (Megatron's param groups, AdamW, ChainedOptimizer, our Muon inside
+    FP32Optimizer, our step/skip glue) runs here.  Test-only; restored afterwards."""
+    import types
+
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.utils as mutils
+
+    def on_cpu(fn):
+        def wrapped(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+        return wrapped
+
+    shim = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
+    for n in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(shim, n, on_cpu(getattr(torch, n)))
+    for module in (mopt, mclip, mutils):
+        monkeypatch.setattr(module, "torch", shim)
+
+    def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        coeff = max_norm / (total_norm + 1.0e-6)  # Megatron's rule, without the CUDA-type assert
+        if coeff < 1.0:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.mul_(coeff)
+
+    monkeypatch.setattr(mopt, "clip_grad_by_total_norm_fp32", clip_by_total_norm)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the CUDA scalars")
+@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+def test_megatron_backend_matches_torch_backend(parallel, megatron_scalars_on_cpu, opt_name):
+    """Megatron DDP + ``build_optimizer(use_megatron=True)`` (Megatron's AdamW with our wd
+    overrides; for Muon our Muon in Megatron's FP32Optimizer chained with Megatron's AdamW) takes
+    the same steps as the torch backend on the bare model: grad norms, clipping, the scheduler's
+    per-group LR and ``wd_mult``; a non-finite grad skips the update."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from models.parallel import finalize_grads
+
+    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=False)
+    scfg = ScheduleConfig(kind="cosine", total_steps=3, warmup_steps=1)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(70 + step)
+        t = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+        return t[:, :-1], t[:, 1:], torch.arange(SEQ).expand(2, SEQ)
+
+    runs = {}
+    for backend in ("torch", "megatron"):
+        torch.manual_seed(0)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        preset = load_preset("tiny-moe:mhc", backbone_overrides=TINY)
+        config = build_transformer_config(preset, cpu=True)
+        model = build_model(preset, config, vocab_size=VOCAB, seq_length=SEQ)
+        if backend == "megatron":
+            model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        opt = build_optimizer(model, cfg, use_megatron=backend == "megatron")
+        assert opt.backend == backend
+        sched = build_scheduler(opt, scfg, cfg)
+        norms = []
+        for step in range(3):
+            opt.zero_grad()
+            x, y, pos = batch(step)
+            model(x, pos, None, labels=y).float().mean().backward()
+            if backend == "megatron":
+                finalize_model_grads([model])
+            else:
+                finalize_grads(model)
+            result = opt.step()
+            assert result.updated
+            norms.append(result.grad_norm)
+            sched.step()
+        runs[backend] = (norms, {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()})
+        if backend == "megatron":
+            groups = opt.param_groups
+            assert {g["wd_mult"] for g in groups} == {0.0, 1.0}
+            assert all(g["weight_decay"] == 0.1 * g["wd_mult"] for g in groups)
+            # non-finite grad: skipped, nothing moves
+            opt.zero_grad()
+            x, y, pos = batch(0)
+            model(x, pos, None, labels=y).float().mean().backward()
+            finalize_model_grads([model])
+            model.module.output_layer.weight.main_grad[0, 0] = float("nan")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            result = opt.step()
+            assert result.updated is False and math.isnan(result.grad_norm)
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    (n_torch, p_torch), (n_mega, p_mega) = runs["torch"], runs["megatron"]
+    assert n_mega == pytest.approx(n_torch, rel=1e-6)
+    assert n_torch[0] > cfg.clip_grad  # clipping is active
+    for n, p in p_torch.items():
+        torch.testing.assert_close(p_mega[n], p, rtol=0, atol=1e-2 * cfg.lr, msg=n)
+
+
+# ------------------------------------------------------------------------------------------------
 # Tensor and expert parallelism (2-rank torchrun)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the CPU/gloo path")

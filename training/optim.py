@@ -30,8 +30,9 @@ Backends (:func:`build_optimizer`):
   ``config_overrides``; for Muon, this module's :class:`Muon` inside Megatron's
   ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` chained with Megatron's Adam for the
   rest (Megatron's own Muon needs ``emerging_optimizers``; like it, no distributed optimizer).
-  Written against the 0.16.1 and 0.19.0 sources; it cannot run on CPU (the wrappers allocate
-  CUDA tensors), so only its configuration mapping is tested here.
+  Written against the 0.16.1 and 0.19.0 sources.  The wrappers allocate a few CUDA scalars; with
+  those redirected to the CPU (test-only) the FP32, non-distributed path is checked against the
+  torch backend.  The distributed optimizer and bf16 master weights only run on GPU.
 """
 
 from __future__ import annotations
@@ -586,12 +587,13 @@ class TrainOptimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, optimizers: Dict[str, Any], params: List[torch.Tensor],
-                 backend: str, megatron_optimizer=None):
+                 backend: str, megatron_optimizer=None, chunks: Sequence[torch.nn.Module] = ()):
         self.cfg = cfg
         self.optimizers = optimizers
         self.params = params
         self.backend = backend
         self.megatron_optimizer = megatron_optimizer
+        self.chunks = list(chunks)
 
     @property
     def param_groups(self) -> List[dict]:
@@ -600,6 +602,10 @@ class TrainOptimizer:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads, including the grad buffers of Megatron-DDP-wrapped chunks."""
+        for chunk in self.chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
         if self.megatron_optimizer is not None:
             self.megatron_optimizer.zero_grad(set_to_none)
             return
@@ -633,10 +639,15 @@ class TrainOptimizer:
         return StepResult(True, norm)
 
     def _megatron_step(self) -> StepResult:
-        # Megatron steps whatever the norm (0.16.1-0.19.0 skip only on fp16 overflow), so look first.
-        # prepare_grads (model grads -> main grads) is idempotent for bf16/fp32 and runs again in step().
+        # Megatron steps whatever the norm (0.16.1-0.19.0 skip only on a loss-scaler overflow), so
+        # look first.  prepare_grads (model grads -> main grads) is idempotent without a loss
+        # scaler and runs again inside step(); the norm is computed twice (one extra all-reduce).
         opt = self.megatron_optimizer
-        if self.cfg.skip_nonfinite:
+        subs = getattr(opt, "chained_optimizers", [opt])
+        scaled = any(getattr(o, "grad_scaler", None) is not None for o in subs)
+        # With a loss scaler (fp16) Megatron detects inf/nan itself, and a second prepare_grads
+        # would update the scaler twice.
+        if self.cfg.skip_nonfinite and not scaled:
             if opt.prepare_grads():
                 return StepResult(False, float("nan"))
             norm = float(opt.get_grad_norm())
@@ -701,7 +712,7 @@ def build_optimizer(model: Models, cfg: OptimizerConfig, use_megatron: Optional[
     if muon_groups:
         optimizers["muon"] = Muon(muon_groups, process_groups=process_groups, **_muon_kwargs(cfg))
     params = [p for g in groups for p in g["params"]]
-    return TrainOptimizer(cfg, optimizers, params, backend="torch")
+    return TrainOptimizer(cfg, optimizers, params, backend="torch", chunks=chunks)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,7 +758,7 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     params = [p for _, p in named_trainable_parameters(chunks)]
     if cfg.name == "adamw":
         opt = get_megatron_optimizer(mcfg, chunks, config_overrides=overrides)
-        return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt)
+        return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks)
 
     # Muon: our Muon on the 2-D backbone matrices (dense and routed experts separately, as their
     # grad statistics reduce over different groups), Megatron's Adam on the rest.  Same structure
@@ -780,5 +791,5 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     finally:
         for p in frozen:
             p.requires_grad_(True)
-    opt = ChainedOptimizer(wrappers + list(adam.chained_optimizers))
-    return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt)
+    opt = ChainedOptimizer(wrappers + list(getattr(adam, "chained_optimizers", [adam])))
+    return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks)
