@@ -135,6 +135,14 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                     f"{tuple(hidden_states.shape)}: is the pipeline p2p shape patched (models.pipeline)?")
             X = hidden_states.view(s, b, n, C)
         seq = self._sequence_context(attention_mask, packed_seq_params, s, b)
+        if (inference_context is not None and seq is not None and seq.decode_cache is None
+                and self.hc_config.kernel_sizes):
+            # KV-cache decoding feeds one new token per step: the temporal conv would lose its
+            # κ_max − 1 rows of history and silently compute a different model.
+            raise NotImplementedError(
+                f"variant {self.hc_config.variant!r} under Megatron inference (inference_context): the temporal "
+                "conv needs its decode cache; wrap generation in models.hc_layer.sequence_context("
+                "SequenceContext(decode_cache={...})) or run full-sequence forwards without inference_context")
 
         drv = self._driver
         st = drv.begin(X)

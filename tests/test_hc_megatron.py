@@ -284,6 +284,45 @@ def test_softmax_readout_starts_as_mean_and_learns(parallel):
     assert abs(g.sum().item()) < 1e-6 * g.abs().max().item() * 10  # softmax: shift-invariant logits
 
 
+@cpu_only
+@pytest.mark.parametrize("variant", ["none", "mhc", "xhc", "xhc_flash4"])
+def test_kv_cache_decoding_equals_full_forward(parallel, variant):
+    """Megatron's KV-cache inference (StaticInferenceContext: prefill 8 tokens, then 8 one-token
+    steps) through HC layers gives the full-sequence logits.  xHC variants need the temporal
+    conv's decode cache (``sequence_context(SequenceContext(decode_cache={}))``); without it the
+    layer refuses instead of silently convolving over one token."""
+    import contextlib
+
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from models.hc_layer import sequence_context
+    from xhc.temporal import SequenceContext
+
+    config = tiny_moe_config()
+    model = _seeded(lambda: build_tiny_hc_gpt(config, hc_config(variant))).eval()
+    tokens, _, pos = tiny_batch(2)
+    is_xhc = variant.startswith("xhc")
+
+    def decode(seq):
+        ctx = StaticInferenceContext(2, 16)
+        steps = [(0, 8)] + [(t, t + 1) for t in range(8, 16)]
+        out = []
+        with torch.no_grad(), (sequence_context(seq) if seq is not None else contextlib.nullcontext()):
+            for a, b in steps:
+                out.append(model(tokens[:, a:b], pos[:, a:b], None, inference_context=ctx,
+                                 runtime_gather_output=True)[:, -1])  # fmt: skip
+                ctx.sequence_len_offset += b - a
+        return torch.stack(out, 1)  # logits at positions 7..15
+
+    with torch.no_grad():
+        full = model(tokens, pos, None)[:, 7:]
+    got = decode(SequenceContext(decode_cache={}) if is_xhc else None)
+    assert _rel(got, full) < 2e-6, _rel(got, full)
+    if is_xhc:
+        with pytest.raises(NotImplementedError, match=r"inference_context.*decode_cache"):
+            decode(None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Documents: Megatron's reset mask -> conv positions
 # ------------------------------------------------------------------------------------------------
@@ -473,7 +512,8 @@ def test_p2p_shapes_follow_the_hc_config():
 # ------------------------------------------------------------------------------------------------
 def _dense_config(**kw):
     return tiny_moe_config(num_moe_experts=None, moe_layer_freq=1, moe_ffn_hidden_size=None,
-                           moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False, **kw)  # fmt: skip
+                           moe_shared_expert_intermediate_size=None, moe_router_enable_expert_bias=False,
+                           **kw)  # fmt: skip
 
 
 @cpu_only
@@ -627,3 +667,20 @@ def test_flash4_state_is_carried_and_released(parallel):
     x = torch.zeros(16, 2, 4 * config.hidden_size)
     with pytest.raises(RuntimeError, match="did not receive the window state of layer 2g"):
         model.decoder.layers[1](x)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["mhc", "xhc", "xhc_flash", "xhc_flash4"])
+def test_layer_outputs_are_viewless_stream_states(parallel, variant):
+    """Between layers the state is a viewless ``[s, b, N·C]`` tensor (Megatron frees pipeline
+    outputs by swapping ``.data``, which needs ``._base is None``); the last layer reduces to C."""
+    config = tiny_moe_config()
+    hc = hc_config(variant)
+    model = build_tiny_hc_gpt(config, hc)
+    outs = []
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(lambda m, a, out: outs.append(out[0]))
+    lm_loss(model, *tiny_batch(2)).backward()
+    C = config.hidden_size
+    assert [tuple(o.shape) for o in outs] == [(16, 2, hc.n * C)] * (config.num_layers - 1) + [(16, 2, C)]
+    assert all(o._base is None for o in outs)
