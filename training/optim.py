@@ -400,18 +400,16 @@ def grad_norm(params_or_model, norm_type: float = 2.0) -> float:
         (dense if getattr(p, "allreduce", True) else expert).append(sq)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    sums = torch.stack([torch.stack(dense).sum() if dense else torch.zeros((), dtype=torch.float64, device=device),
-                        torch.stack(expert).sum() if expert else torch.zeros((), dtype=torch.float64, device=device)])
-    sums = sums.to(device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    dense_sum = torch.stack(dense).sum() if dense else zero.clone()
+    expert_sum = torch.stack(expert).sum() if expert else zero.clone()
     if groups is not None:
         _, mp_group, expert_group = groups
-        dense_sum, expert_sum = sums[0:1].clone(), sums[1:2].clone()
         if dist.get_world_size(mp_group) > 1:
             dist.all_reduce(dense_sum, group=mp_group)
         if dist.get_world_size(expert_group) > 1:
             dist.all_reduce(expert_sum, group=expert_group)
-        sums = torch.cat([dense_sum, expert_sum])
-    return float(sums.sum().sqrt())
+    return float((dense_sum + expert_sum).sqrt())
 
 
 @torch.no_grad()

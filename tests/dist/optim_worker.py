@@ -197,6 +197,7 @@ def main(argv):
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     torch.set_num_threads(1)
+    _init()  # torch.distributed first: modes read the rank before building their groups
     failed = False
     for mode in modes:
         try:
