@@ -404,9 +404,9 @@ def test_thd_positions_use_the_padded_offsets():
 
 
 # ------------------------------------------------------------------------------------------------
-# 3, 4, 5, 6, 9. Two ranks (torchrun, gloo): TP=2+SP, EP=2, PP=2, CP=2, TP=2 -> TP=1 resharding
+# 3, 4, 5, 6, 9. Two ranks (torchrun, gloo): TP=2+SP, EP=2, PP=2, CP=2, TP=2 -> TP=1, Megatron DDP
 # ------------------------------------------------------------------------------------------------
-DIST_MODES = ("tp_sp", "ep", "pp", "cp", "ckpt")
+DIST_MODES = ("tp_sp", "ep", "pp", "cp", "ckpt", "ddp")
 
 
 @pytest.fixture(scope="module")
@@ -423,7 +423,8 @@ def test_two_rank_hc_equivalence(hc_dist_run, mode):
     sequence_context), xHC-Flash and Flash-4sub; ep: EP=2 == EP=1 for mHC and xHC;
     pp: PP=2 over Megatron p2p with [s, b, N·C] edges == PP=1 (mHC, Flash-4sub);
     cp: CP=2 xHC MLP sublayer with the Megatron-derived SequenceContext == full sequence (BSHD, THD);
-    ckpt: dist_checkpointing save at TP=2+SP, load at TP=1: tensors exact, loss equal."""
+    ckpt: dist_checkpointing save at TP=2+SP, load at TP=1: tensors exact, loss equal;
+    ddp: Megatron DDP + finalize_model_grads treat HC params like our finalize_grads (TP=2+SP, EP=2)."""
     assert f"OK {mode}" in hc_dist_run, f"mode {mode} did not pass:\n{hc_dist_run[-6000:]}"
 
 

@@ -26,6 +26,8 @@ sharded model with ``tests.megatron_utils.load_from_reference``.  Models come fr
   ``models.sequence.sequence_context_from_megatron``'s context, equals the full-sequence run in
   output and gradients.  (Megatron's local ``DotProductAttention`` refuses CP, so a whole GPT
   model cannot run CP on CPU; this checks the HC side of the layer.)
+- ``ddp``: Megatron's ``DistributedDataParallel`` + ``finalize_model_grads`` give the HC grads of
+  our bare-model ``finalize_grads`` under TP=2+SP and EP=2 (xHC, softmax readout).
 - ``ckpt``: ``dist_checkpointing`` save of an xHC model (softmax readout) at TP=2+SP, load at
   TP=1: every tensor equals the reference and the loss equals the TP=2 loss.
 
@@ -383,7 +385,36 @@ def run_ckpt():
     return n
 
 
-MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "pp": run_pp, "cp": run_cp, "ckpt": run_ckpt}
+def run_ddp():
+    """Megatron's DistributedDataParallel + finalize_model_grads (the GPU path; they run on CPU
+    under models.cpu_compat) treat HC params like our bare-model finalize_grads: all-reduced over
+    TP under SP (``param.sequence_parallel``), averaged over the full DP group under EP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    n = 0
+    hc = _hc("xhc", reduction="softmax")
+    for layout, cfg, full in ((dict(tp=2), dict(tensor_model_parallel_size=2, sequence_parallel=True), True),
+                              (dict(ep=2), dict(expert_model_parallel_size=2), False)):  # fmt: skip
+        _init(**layout)
+        config = U.tiny_moe_config(**cfg)
+        ours, theirs = (U.build_tiny_hc_gpt(config, hc, seq_len=SEQ_HALO) for _ in range(2))
+        theirs.load_state_dict(ours.state_dict())
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), theirs)
+        batch = (*U.tiny_batch(BATCH, SEQ_HALO), None)
+        batch = batch if full else _half(batch)
+        _loss(ours, batch).backward()
+        finalize_grads(ours)
+        _loss(ddp, batch).backward()
+        finalize_grads(ddp)  # dispatches to megatron.core.distributed.finalize_model_grads
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+            if _is_hc(name):
+                _close(f"{layout} grad {name}", q.main_grad, p.grad, atol=1e-9)
+                n += 1
+        destroy_parallel()
+    return n
+
+
+MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "pp": run_pp, "cp": run_cp, "ckpt": run_ckpt, "ddp": run_ddp}
 
 
 def main(argv):
