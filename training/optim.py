@@ -176,7 +176,8 @@ class OptimizerConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         for key in d:
             if key not in names:
-                raise OptimizerConfigError(f"optimizer.{key} is not an optimizer setting; known: {', '.join(sorted(names))}")
+                raise OptimizerConfigError(
+                    f"optimizer.{key} is not an optimizer setting; known: {', '.join(sorted(names))}")
         return cls(**d)
 
     def to_dict(self) -> dict:
@@ -266,7 +267,8 @@ def classify_param(name: str, param: torch.Tensor, optimizer_name: str = "adamw"
         kind = hc_param_kind(name, param)
         decay = kind in HC_DECAY_KINDS or (kind == "hc_other" and param.dim() >= 2)
         return ParamInfo(name, kind, "adamw", decay, expert, "hc_decay" if decay else "hc_no_decay")
-    if getattr(param, "is_embedding_or_output_parameter", False) or _EMBEDDING_RE.search(name) or _OUTPUT_RE.search(name):
+    if (getattr(param, "is_embedding_or_output_parameter", False) or _EMBEDDING_RE.search(name)
+            or _OUTPUT_RE.search(name)):
         kind = "output" if _OUTPUT_RE.search(name) else "embedding"
         return ParamInfo(name, kind, "adamw", True, False, "decay")
     if name.endswith(".bias") or name == "bias":
@@ -515,7 +517,8 @@ class Muon(torch.optim.Optimizer):
         return group
 
     @staticmethod
-    def _orthogonalize(U: torch.Tensor, p: torch.Tensor, group: Dict[str, Any], tp_group) -> Tuple[torch.Tensor, Tuple[int, int]]:
+    def _orthogonalize(U: torch.Tensor, p: torch.Tensor, group: Dict[str, Any],
+                       tp_group) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """NS of the full matrix of which ``U`` is this rank's shard; returns (local slice, full shape)."""
         dtype = NS_DTYPES[group["ns_dtype"]]
         kw = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"], dtype=dtype)
@@ -763,7 +766,8 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     # as Megatron's get_megatron_muon_optimizer (0.16.1 optimizer/muon.py).
     if fp16 := bool(getattr(model_config, "fp16", False)):
         raise OptimizerConfigError(f"optimizer.name='muon' does not support fp16 (model fp16={fp16}); use bf16")
-    muon_named = [(n, p) for n, p in named_trainable_parameters(chunks) if classify_param(n, p, "muon").optimizer == "muon"]
+    muon_named = [(n, p) for n, p in named_trainable_parameters(chunks)
+                  if classify_param(n, p, "muon").optimizer == "muon"]
     muon_ids = {id(p) for _, p in muon_named}
     dense = [p for n, p in muon_named if not is_routed_expert(n)]
     expert = [p for n, p in muon_named if is_routed_expert(n)]

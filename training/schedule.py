@@ -140,7 +140,8 @@ class ScheduleConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         for key in d:
             if key not in names:
-                raise ScheduleConfigError(f"schedule.{key} is not a schedule setting; known: {', '.join(sorted(names))}")
+                raise ScheduleConfigError(
+                    f"schedule.{key} is not a schedule setting; known: {', '.join(sorted(names))}")
         return cls(**d)
 
     def to_dict(self) -> dict:

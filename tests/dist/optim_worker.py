@@ -164,7 +164,8 @@ def _run_parallel(mode, parallel_kw, init_kw, rows, negative_control):
         norms = _train(model, name, rows)
         _check_norms(mode, name, norms, ref[name][0])
         for which, (err, where) in _errors(model, config, ref[name][1], name).items():
-            assert err <= TOL[which], f"{mode} {name}: {which} param {where} differs by {err:.2e}·lr > {TOL[which]}·lr"
+            assert err <= TOL[which], \
+                f"{mode} {name}: {which} param {where} differs by {err:.2e}·lr > {TOL[which]}·lr"
             if where is not None:
                 report.append(f"{name}/{which} {err:.1e}·lr")
     if negative_control:
