@@ -1,0 +1,246 @@
+"""training.checkpoint: exact round trip, atomic saves, keep-last-K, corruption detection, SIGTERM save.
+
+Single process (gloo) on the tiny xHC-MoE preset; the SIGTERM test runs ``python -m
+training.pretrain`` in a subprocess and interrupts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    Checkpointer,
+    build_state,
+    capture_rng_state,
+    list_checkpoints,
+    restore_rng_state,
+    verify_checkpoint,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from models.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(seed=1234)
+    yield
+    destroy_parallel()
+
+
+def _setup(seed: int):
+    """Tiny xHC-MoE model, its optimizer (one real step, so there is state) and scheduler."""
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.optim import OptimizerConfig, build_optimizer
+    from training.schedule import ScheduleConfig, build_scheduler
+
+    torch.manual_seed(seed)
+    preset = load_preset("tiny-moe:xhc")
+    config = build_transformer_config(preset, cpu=True)
+    model = build_model(preset, config, vocab_size=VOCAB, seq_length=SEQ)
+    ocfg = OptimizerConfig(lr=1e-2, eps=1e-8)
+    opt = build_optimizer(model, ocfg)
+    sched = build_scheduler(opt, ScheduleConfig(kind="wsd", total_steps=10, warmup_steps=2), ocfg)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    pos = torch.arange(SEQ).expand(2, SEQ)
+    model(tokens, pos, None, labels=tokens).mean().backward()
+    assert opt.step().updated
+    sched.step()
+    return model, opt, sched
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+
+def _save(root, step, model, opt, sched, keep_last=3, checksum="all", trainer=None):
+    ck = Checkpointer(root, keep_last=keep_last, checksum=checksum, log=lambda *_: None)
+    state = build_state([model], opt, sched, trainer or {"step": step, "consumed_samples": 4 * step, "skipped_steps": 0})
+    return ck, ck.save(step, state, {"world_size": 1})
+
+
+# ------------------------------------------------------------------------------------------------
+def test_round_trip_restores_everything_exactly(parallel, tmp_path):
+    model, opt, sched = _setup(seed=1)
+    want_params = _params(model)
+    want_opt = opt.state_dict()
+    rng_before = capture_rng_state()
+    ck, path = _save(str(tmp_path), 7, model, opt, sched, trainer={"step": 7, "consumed_samples": 28, "skipped_steps": 1})
+    expected_draw = torch.rand(5)  # what the restored RNG must give next
+
+    model2, opt2, sched2 = _setup(seed=2)  # different weights, moments and RNG position
+    assert any(not torch.equal(v, _params(model2)[k]) for k, v in want_params.items())
+    loaded = ck.load(path, build_state([model2], opt2, sched2, {"step": 0, "consumed_samples": 0, "skipped_steps": 0},
+                                       is_loading=True))
+    model2.load_state_dict(loaded["model"], strict=False)
+    opt2.load_state_dict(loaded["optimizer_rank"])
+    sched2.load_state_dict(loaded["scheduler"])
+    restore_rng_state(loaded["rng"])
+
+    got = _params(model2)
+    assert set(got) == set(want_params)
+    for k, v in want_params.items():
+        assert torch.equal(got[k], v), k  # bitwise, including the router expert bias buffers
+    got_opt = opt2.state_dict()
+    for name in want_opt:
+        for pid, st in want_opt[name]["state"].items():
+            for key, val in st.items():
+                assert torch.equal(torch.as_tensor(got_opt[name]["state"][pid][key]), torch.as_tensor(val)), (name, key)
+    assert sched2.num_steps == sched.num_steps == 1
+    assert loaded["trainer"] == {"step": 7, "consumed_samples": 28, "skipped_steps": 1}
+    assert torch.equal(torch.rand(5), expected_draw)
+    assert torch.equal(loaded["rng"]["torch"], rng_before["torch"])
+
+
+def test_layout_manifest_and_latest(parallel, tmp_path):
+    model, opt, sched = _setup(seed=1)
+    ck, path = _save(str(tmp_path), 3, model, opt, sched)
+    assert os.path.basename(path) == "step_00000003"
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    with open(tmp_path / "latest") as f:
+        assert f.read().strip() == "step_00000003"
+    body = verify_checkpoint(path)
+    files = body["files"]
+    on_disk = sorted(os.path.relpath(os.path.join(b, n), path) for b, _, ns in os.walk(path) for n in ns)
+    assert sorted(files) == [f for f in on_disk if f != MANIFEST]
+    assert all(files[f]["size"] == os.path.getsize(os.path.join(path, f)) for f in files)
+    assert all("sha256" in e for e in files.values())  # checksum=all
+    assert body["step"] == 3 and body["world_size"] == 1
+
+
+def test_keep_last_k(parallel, tmp_path):
+    model, opt, sched = _setup(seed=1)
+    for step in (1, 2, 3, 4):
+        ck, _ = _save(str(tmp_path), step, model, opt, sched, keep_last=2)
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3, 4]
+    assert ck.resolve("auto").endswith("step_00000004")
+    assert ck.resolve(str(tmp_path)).endswith("step_00000004")  # a root resolves to its newest
+    assert ck.resolve("none") is None
+
+
+def _largest_data_file(path):
+    files = [(os.path.getsize(os.path.join(path, f)), f) for f in os.listdir(path) if f.endswith(".distcp")]
+    return os.path.join(path, max(files)[1])
+
+
+def _flip_byte(p):
+    with open(p, "r+b") as f:
+        f.seek(os.path.getsize(p) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _truncate(p):
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) - 7)
+
+
+def _edit_manifest(path):
+    mp = os.path.join(path, MANIFEST)
+    with open(mp) as f:
+        m = json.load(f)
+    m["body"]["step"] = 99  # body no longer matches its sha256
+    with open(mp, "w") as f:
+        json.dump(m, f)
+
+
+@pytest.mark.parametrize("corrupt, words", [
+    (lambda path: _flip_byte(_largest_data_file(path)), "fails its sha256"),
+    (lambda path: _truncate(_largest_data_file(path)), "bytes, the manifest says"),
+    (lambda path: os.remove(os.path.join(path, "common.pt")), "is missing"),
+    (lambda path: _flip_byte(os.path.join(path, "metadata.json")), "fails its sha256"),
+    (lambda path: os.remove(os.path.join(path, MANIFEST)), "no manifest.json"),
+    (_edit_manifest, "fails its own sha256"),
+])
+def test_corrupt_checkpoint_is_never_loaded(parallel, tmp_path, corrupt, words):
+    model, opt, sched = _setup(seed=1)
+    ck, path = _save(str(tmp_path), 5, model, opt, sched)
+    corrupt(path)
+    model2, opt2, sched2 = _setup(seed=2)
+    before = _params(model2)
+    with pytest.raises(CheckpointError) as e:
+        ck.load(ck.resolve("auto"), build_state([model2], opt2, sched2, {}, is_loading=True))
+    assert words in str(e.value) and path in str(e.value)
+    assert all(torch.equal(before[k], v) for k, v in _params(model2).items())  # nothing was loaded
+
+
+def test_metadata_checksum_still_catches_size_changes(parallel, tmp_path):
+    model, opt, sched = _setup(seed=1)
+    _, path = _save(str(tmp_path), 5, model, opt, sched, checksum="metadata")
+    body = verify_checkpoint(path)
+    assert "sha256" in body["files"]["metadata.json"] and "sha256" in body["files"]["common.pt"]
+    assert not any("sha256" in e for f, e in body["files"].items() if f.endswith(".distcp"))
+    _truncate(_largest_data_file(path))
+    with pytest.raises(CheckpointError, match="bytes"):
+        verify_checkpoint(path)
+
+
+def test_crashed_save_leaves_previous_checkpoint_and_is_cleaned_up(parallel, tmp_path, monkeypatch):
+    import training.checkpoint as tc
+
+    model, opt, sched = _setup(seed=1)
+    ck, first = _save(str(tmp_path), 1, model, opt, sched)
+
+    def crash(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tc, "write_manifest", crash)
+    with pytest.raises(CheckpointError, match="disk full"):
+        _save(str(tmp_path), 2, model, opt, sched)
+    assert ck.latest() == first  # the partial save is invisible
+    assert os.path.isdir(tmp_path / ".step_00000002.tmp")
+    monkeypatch.undo()
+    _, third = _save(str(tmp_path), 3, model, opt, sched)
+    assert not os.path.exists(tmp_path / ".step_00000002.tmp")  # cleaned by the next save
+    assert ck.latest() == third
+
+
+# ------------------------------------------------------------------------------------------------
+# SIGTERM: the run saves at the next step boundary and exits cleanly
+# ------------------------------------------------------------------------------------------------
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "training.pretrain", "data.mock=true", "tokenizer.type=none",
+           "tokenizer.vocab_size=64", "batch.seq_length=16", "batch.micro_batch_size=2", "batch.global_batch_size=2",
+           "run.train_steps=100000", "schedule.warmup_steps=1", "run.eval_iters=0", "checkpoint.interval=0",
+           "logging.tensorboard=false", "logging.hc_health_interval=0", "logging.interval=1", f"run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 180
+    try:
+        while time.time() < deadline:  # wait until it is training
+            if metrics.exists() and sum(1 for line in open(metrics) if '"kind": "train"' in line) >= 2:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the run did not start training in time")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopping at step" in out and "signal SIGTERM" in out
+    found = list_checkpoints(str(run_dir / "checkpoints"))
+    assert len(found) == 1
+    step, path = found[0]
+    body = verify_checkpoint(path)
+    assert body["step"] == step >= 2 and "SIGTERM" in body["reason"]
+    trained = [json.loads(line) for line in open(metrics) if '"kind": "train"' in line]
+    assert trained[-1]["step"] == step  # saved at the step boundary where it stopped

@@ -1,0 +1,194 @@
+"""training.config: YAML + dotted overrides, typed parsing, and one error per validation rule family.
+
+Every error must name the offending dotted key (``config key <section.key>: ...``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from training.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    PretrainConfig,
+    config_to_dict,
+    load_config,
+    pad_vocab_size,
+    parse_overrides,
+    validate_runtime,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN_CONFIGS = os.path.join(REPO, "configs", "pretrain")
+
+
+def _error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and typing
+# ------------------------------------------------------------------------------------------------
+def test_default_yaml_spells_out_the_builtin_defaults():
+    assert config_to_dict(load_config(DEFAULT_CONFIG)) == config_to_dict(load_config(None))
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["optimizer.lr=1e-3", "parallel.tp=2", "parallel.sp=true", "run.train_steps=50",
+                             "model.backbone.hidden_dropout=0.1", "optimizer.betas=[0.8, 0.9]",
+                             "data.prefixes=/x/a", "tokenizer.type=none", "schedule.warmup_steps=5"])
+    assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)  # PyYAML reads 1e-3 as a string
+    assert cfg.parallel.tp == 2 and cfg.parallel.sp is True
+    assert cfg.model.backbone == {"hidden_dropout": 0.1}
+    assert cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.data.prefixes == ["/x/a"]  # a single prefix becomes a list
+    # the schedule spans the run unless it says otherwise
+    assert cfg.schedule.total_steps == 50
+
+
+def test_explicit_schedule_length_is_kept():
+    cfg = load_config(None, ["run.train_steps=50", "schedule.total_steps=80", "schedule.warmup_steps=5"])
+    assert cfg.schedule.total_steps == 80
+
+
+def test_parse_overrides_values_are_yaml():
+    assert parse_overrides(["a.b=3", "a.c=[1, 2]", "a.d=null", "a.e=text"]) == [
+        ("a.b", 3), ("a.c", [1, 2]), ("a.d", None), ("a.e", "text")]
+
+
+def test_pad_vocab_size_is_megatrons_rule():
+    assert pad_vocab_size(4096, 128, 1) == 4096
+    assert pad_vocab_size(4097, 128, 2) == 4352  # next multiple of 256
+    assert pad_vocab_size(151_665, 128, 1) == 151_680
+
+
+@pytest.mark.parametrize("name", ["moe-18b-xhc", "moe-18b-xhc-muon", "moe-2p5b-nsweep"])
+def test_gpu_configs_validate_for_their_layout(name):
+    from models.zoo import load_preset
+
+    cfg = load_config(os.path.join(PRETRAIN_CONFIGS, f"{name}.yaml"))
+    world = 64 if "18b" in name else 16
+    dp = validate_runtime(cfg, world, load_preset(cfg.model.preset), cuda=True)
+    assert dp == world // (cfg.parallel.tp * cfg.parallel.pp)
+    assert cfg.run.precision == "bf16" and cfg.batch.seq_length == 8192
+    assert cfg.schedule.kind == "wsd" and cfg.schedule.warmup_steps == 500  # spec §6.4
+    assert cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.eps == 1e-15 and cfg.optimizer.clip_grad == 1.0
+    if "muon" in name:
+        assert cfg.optimizer.name == "muon" and load_preset(cfg.model.preset).hc.gram_schmidt is False
+
+
+def test_every_pretrain_yaml_loads():
+    names = sorted(f for f in os.listdir(PRETRAIN_CONFIGS) if f.endswith(".yaml"))
+    assert "default-tiny.yaml" in names and len(names) >= 4
+    for f in names:
+        assert isinstance(load_config(os.path.join(PRETRAIN_CONFIGS, f)), PretrainConfig)
+
+
+# ------------------------------------------------------------------------------------------------
+# One error per rule family; each names the key
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, key, words", [
+    # unknown keys and sections
+    (["parallel.tpp=2"], "parallel.tpp", "unknown key"),
+    (["foo.bar=1"], "foo.bar", "unknown section"),
+    (["model.hc.kk=3"], "model.hc.kk", "unknown HCConfig field"),
+    # types
+    (["run.train_steps=abc"], "run.train_steps", "not an integer"),
+    (["parallel.sp=maybe"], "parallel.sp", "not a boolean"),
+    (["optimizer.betas=[0.9]"], "optimizer.betas", "2 entries"),
+    # choices
+    (["run.device=tpu"], "run.device", "not one of"),
+    (["checkpoint.checksum=md5"], "checkpoint.checksum", "not one of"),
+    # ranges
+    (["batch.micro_batch_size=0"], "batch.micro_batch_size", "> 0"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last", "> 0"),
+    # batch arithmetic
+    (["batch.global_batch_size=12"], "batch.global_batch_size", "multiple"),
+    # parallel consistency
+    (["parallel.sp=true"], "parallel.sp", "tp > 1"),
+    (["parallel.vpp=2"], "parallel.vpp", "pp > 1"),
+    # data / tokenizer consistency
+    (["data.mock=true", "data.prefixes=/x/a"], "data.mock", "exclusive"),
+    (["data.prefixes=[/x/a, /x/b]", "data.weights=[1.0]", "tokenizer.path=/t.model"], "data.weights", "one per prefix"),
+    (["data.prefixes=/x/a"], "tokenizer.path", "tokenizer"),
+    (["tokenizer.type=none"], "tokenizer.type", "need data.mock or data.prefixes"),
+    (["data.split=1,2,3,4"], "data.split", "split"),
+    # optimizer / schedule (their own validation, relabelled)
+    (["optimizer.lr=-1"], "optimizer.lr", "> 0"),
+    (["optimizer.name=sgd"], "optimizer.name", "adamw"),
+    (["schedule.warmup_steps=500"], "schedule.warmup_steps", "total_steps"),
+    # checkpoint
+    (["checkpoint.load=/no/such/dir"], "checkpoint.load", "does not exist"),
+])
+def test_error_names_the_key(overrides, key, words):
+    msg = _error(overrides)
+    assert msg.startswith(f"config key {key}"), msg
+    assert words in msg, msg
+
+
+def test_override_syntax_errors():
+    assert "section.key=value" in _error(["lr"])
+    assert "dotted" in _error(["lr=3"])
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config("/no/such.yaml")
+
+
+# ------------------------------------------------------------------------------------------------
+# Runtime checks (world size, device, model preset)
+# ------------------------------------------------------------------------------------------------
+def _runtime_error(overrides, world, cuda=False):
+    from models.zoo import load_preset
+
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        validate_runtime(cfg, world, load_preset(cfg.model.preset), cuda=cuda)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("overrides, world, key, words", [
+    (["parallel.tp=2"], 3, "parallel", "not divisible"),
+    (["parallel.dp=4"], 2, "parallel.dp", "world size"),
+    (["parallel.ep=3", "batch.micro_batch_size=1", "batch.global_batch_size=6"], 3, "parallel.ep", "num_moe_experts=8"),
+    (["parallel.tp=8"], 8, "parallel.tp", "num_attention_heads=4"),
+    (["parallel.pp=3"], 3, "parallel.pp", "4 layers"),
+    (["parallel.tp=2", "parallel.sp=true", "batch.seq_length=33"], 2, "batch.seq_length", "divisible"),
+    (["batch.micro_batch_size=8", "batch.global_batch_size=8"], 2, "batch.global_batch_size", "dp"),
+    (["run.precision=bf16"], 1, "run.precision", "CUDA"),
+    (["parallel.cp=2"], 2, "parallel.cp", "CUDA"),
+])
+def test_runtime_error_names_the_key(overrides, world, key, words):
+    msg = _runtime_error(overrides, world)
+    assert msg.startswith(f"config key {key}"), msg
+    assert words in msg, msg
+
+
+def test_runtime_dp_is_world_over_model_parallel():
+    from models.zoo import load_preset
+
+    cfg = load_config(None, ["parallel.tp=2", "parallel.pp=2", "batch.micro_batch_size=2", "batch.global_batch_size=8"])
+    assert validate_runtime(cfg, 8, load_preset(cfg.model.preset), cuda=False) == 2
+
+
+def test_cli_reports_config_errors(capsys):
+    from training.pretrain import main
+
+    assert main(["run.train_steps=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config key run.train_steps")
+
+
+def test_cli_print_config(capsys):
+    import yaml
+
+    from training.pretrain import main
+
+    assert main(["--print-config", "optimizer.lr=5e-4"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"]["lr"] == 5e-4 and printed["model"]["preset"] == "tiny-moe:xhc"

@@ -1,0 +1,716 @@
+"""The pre-training configuration: nested dataclasses loaded from YAML plus ``key=value`` overrides.
+
+One file describes a whole run::
+
+    model:      preset (``configs/models/<file>.yaml:<variant>``), backbone / HC overrides, recompute
+    parallel:   tp, sp, ep, pp, cp (and optional dp, checked against the world size)
+    data:       Megatron data prefixes, blend weights, split; or ``mock``; nothing = the embedded default
+    tokenizer:  SentencePiece ``.model`` / HF folder, or ``null`` ids; vocab size of the default/mock data
+    optimizer:  :class:`training.optim.OptimizerConfig` (AdamW or Muon)
+    schedule:   :class:`training.schedule.ScheduleConfig` (WSD, cosine, constant, step)
+    batch:      micro batch, global batch, sequence length
+    checkpoint: where, how often, how many to keep, what to load
+    logging:    console interval, JSONL / tensorboard / wandb, HC health, MFU peak
+    run:        run directory, seed, steps, evaluation, precision, guards
+
+:func:`load_config` reads a YAML file (or none: the defaults below are the embedded CPU default
+run), applies dotted overrides such as ``optimizer.lr=1e-3 parallel.tp=2`` (values parsed as
+YAML), converts every value to its field's type and validates.  Every error is a
+:class:`ConfigError` whose message starts with the full dotted key, e.g.
+``config key batch.global_batch_size: 30 is not a multiple of micro_batch_size × dp = 8 × 2``.
+
+Checks that need the world size or the model preset (divisibility of heads, experts, layers and
+the batch by the parallel sizes) run in :func:`validate_runtime` once torch.distributed is up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "BatchConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataSection",
+    "LoggingConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "PretrainConfig",
+    "RunConfig",
+    "TokenizerConfig",
+    "config_to_dict",
+    "from_dict",
+    "load_config",
+    "parse_overrides",
+    "validate_runtime",
+]
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "pretrain", "default-tiny.yaml")
+
+
+class ConfigError(ValueError):
+    """An invalid pre-training configuration; the message starts with ``config key <dotted.key>``."""
+
+
+def _err(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"config key {key}: {msg}")
+
+
+# ================================================================================================
+# Sections
+# ================================================================================================
+@dataclass
+class ModelConfig:
+    preset: str = "tiny-moe:xhc"
+    """Zoo preset ``<file>:<variant>`` (``python -m tools.zoo --list``) or ``path/to/file.yaml:<variant>``."""
+    backbone: Dict[str, Any] = field(default_factory=dict)
+    """Overrides of the preset's backbone (TransformerConfig fields and zoo keys), e.g. ``hidden_dropout``."""
+    hc: Dict[str, Any] = field(default_factory=dict)
+    """Overrides of the preset's :class:`~xhc.config.HCConfig` fields, e.g. ``gram_schmidt: false``."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (uniform, 1 layer)."""
+    use_transformer_engine: Optional[bool] = None
+    """Transformer Engine layer spec (null: when importable on GPU; never on CPU)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1)."""
+    ep: int = 1
+    """Expert-parallel size (divides the number of experts)."""
+    etp: Optional[int] = None
+    """Expert tensor-parallel size (null: Megatron's default, = tp)."""
+    pp: int = 1
+    """Pipeline-parallel size (divides the number of layers)."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B; GPU only)."""
+    cp: int = 1
+    """Context-parallel size (GPU with Transformer Engine only)."""
+    dp: Optional[int] = None
+    """Data-parallel size; null = world / (tp·pp·cp).  If set it must equal that."""
+    distributed_optimizer: bool = True
+    """GPU: Megatron's distributed optimizer (ZeRO-1 sharded optimizer state over DP)."""
+    overlap_grad_reduce: bool = False
+    """GPU: overlap the DP gradient reduce-scatter with backward."""
+    overlap_param_gather: bool = False
+    """GPU: overlap the distributed optimizer's parameter all-gather with the next forward."""
+
+
+@dataclass
+class DataSection:
+    prefixes: Optional[List[str]] = None
+    """Megatron data prefixes (``<prefix>.bin/.idx``, from ``python -m tools.preprocess_data``); blended."""
+    weights: Optional[List[float]] = None
+    """Blend weights, one per prefix (null: proportional to size)."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions of each prefix's documents."""
+    per_split: Optional[Dict[str, List[str]]] = None
+    """Instead of prefixes + split: ``{train: [...], valid: [...], test: [...]}``."""
+    mock: bool = False
+    """Megatron's synthetic mock data (ids ``1, 2, 3, ...`` per document) instead of files."""
+    default_dir: str = "data/default"
+    """With no prefixes and no mock: build the embedded default corpus, tokenizer and dataset here."""
+    default_target_mb: Optional[float] = None
+    """Size of the default corpus in MB of text (null: the data pipeline's default, 3 MB)."""
+    cache_dir: Optional[str] = None
+    """Megatron's sample-index cache (null: ``<run.dir>/data_cache``)."""
+    reset_position_ids: bool = False
+    """Position ids restart after every EOD (also resets the xHC temporal conv at document starts)."""
+    reset_attention_mask: bool = False
+    """Tokens do not attend across EOD (builds a [b, 1, s, s] mask per batch)."""
+    eod_mask_loss: bool = False
+    """No loss on EOD tokens."""
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None
+    """SentencePiece ``.model`` file or HF tokenizer folder (null: the default data's tokenizer)."""
+    type: Optional[str] = "auto"
+    """``auto`` (from ``path``), ``sentencepiece``, ``huggingface`` or ``none`` (raw token ids < vocab_size,
+    Megatron's NullTokenizer; YAML ``null`` means the same)."""
+    vocab_size: int = 4096
+    """Vocabulary of the default data's SentencePiece model, and of raw (``type: none``) / mock ids."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding is padded to a multiple of this × tp (Megatron's rule)."""
+    padded_vocab_size: Optional[int] = None
+    """Exact embedding rows instead (e.g. 152064 for Qwen2, as in the paper); >= the tokenizer's, divisible by tp."""
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 8
+    """Sequences per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step: micro_batch_size × dp × gradient-accumulation steps."""
+    seq_length: Optional[int] = None
+    """Tokens per sequence (null: the preset's seq_length)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint root (null: ``<run.dir>/checkpoints``); on a multi-node run a shared filesystem."""
+    interval: Optional[int] = 100
+    """Save every K steps (null or 0: only at the end / on a signal)."""
+    keep_last: int = 2
+    """Keep the newest K checkpoints; older ones are deleted after a successful save."""
+    load: Optional[str] = "auto"
+    """``auto``: resume from the newest checkpoint under ``dir`` if any; ``none``; or a checkpoint path."""
+    load_optimizer: bool = True
+    """Restore optimizer and scheduler state (false: fresh optimizer on loaded weights)."""
+    load_rng: bool = True
+    """Restore python/numpy/torch and Megatron RNG-tracker states."""
+    save_final: bool = True
+    """Save when training finishes."""
+    save_on_signal: bool = True
+    """On SIGTERM (SLURM preemption, torchrun shutdown) or SIGUSR1: save at the next step boundary, exit 0."""
+    checksum: str = "auto"
+    """Manifest hashes: ``all`` files, ``metadata`` only, ``none`` (sizes only), ``auto`` (all below 2 GiB)."""
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = 10
+    """Console line every K steps (the JSONL and tensorboard get every step)."""
+    jsonl: bool = True
+    """``<run.dir>/metrics.jsonl``: one JSON object per step / evaluation."""
+    tensorboard: bool = True
+    """``<run.dir>/tensorboard`` event files."""
+    wandb: bool = False
+    """Weights & Biases (only if ``wandb`` is installed)."""
+    wandb_project: str = "xhc"
+    wandb_entity: Optional[str] = None
+    hc_health_interval: int = 10
+    """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps (0: off)."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s per device for MFU (null: bf16 tensor-core peak of known GPUs; 1.0 nominal on CPU)."""
+    flops_convention: str = "megatron"
+    """Backbone FLOPs convention for MFU (:data:`xhc.accounting.FLOPS_CONVENTIONS`)."""
+    plot: bool = True
+    """Save ``loss.png`` at the end (needs matplotlib; skipped with a note otherwise)."""
+
+
+@dataclass
+class RunConfig:
+    name: Optional[str] = None
+    """Run name (null: the preset name, ``:`` replaced by ``-``)."""
+    dir: Optional[str] = None
+    """Run directory (null: ``runs/<name>-<timestamp>``).  Reuse one to resume."""
+    seed: int = 1234
+    train_steps: int = 200
+    """Optimizer steps (global batches)."""
+    eval_interval: int = 50
+    """Validation every K steps and at the end (0: only at the end)."""
+    eval_iters: int = 4
+    """Global batches of validation data per evaluation (0: no validation)."""
+    device: str = "auto"
+    """``auto`` (cuda if available), ``cuda`` or ``cpu``."""
+    precision: str = "auto"
+    """``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` (GPU), ``fp32``."""
+    max_skipped_steps: int = 10
+    """Abort after this many steps skipped for a non-finite loss or gradient."""
+    num_threads: Optional[int] = None
+    """CPU: torch intra-op threads per process (null: torch's default; torchrun sets OMP_NUM_THREADS)."""
+    exit_at_step: Optional[int] = None
+    """Save a checkpoint and exit after this step (a planned interruption)."""
+    exit_after_minutes: Optional[float] = None
+    """Save a checkpoint and exit once this much wall time has passed (e.g. before a SLURM time limit)."""
+    dist_timeout_minutes: float = 30.0
+    """Timeout of every collective."""
+
+
+def _optimizer_default():
+    from training.optim import OptimizerConfig
+
+    return OptimizerConfig(name="adamw", lr=3e-3, min_lr=None, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-15,
+                           clip_grad=1.0)
+
+
+def _schedule_default():
+    from training.schedule import ScheduleConfig
+
+    # total_steps follows run.train_steps unless a config sets it (see load_config)
+    return ScheduleConfig(kind="wsd", warmup_steps=20, total_steps=RunConfig.train_steps, decay_fraction=0.2)
+
+
+@dataclass
+class PretrainConfig:
+    """Everything about one pre-training run.  Defaults = the embedded CPU default run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    optimizer: Any = field(default_factory=_optimizer_default)
+    schedule: Any = field(default_factory=_schedule_default)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    # ---- derived helpers ----------------------------------------------------------------------
+    @property
+    def uses_default_data(self) -> bool:
+        d = self.data
+        return not d.mock and not d.prefixes and not d.per_split
+
+
+SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataSection,
+    "tokenizer": TokenizerConfig,
+    "optimizer": None,  # training.optim.OptimizerConfig (imported lazily)
+    "schedule": None,  # training.schedule.ScheduleConfig
+    "batch": BatchConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "run": RunConfig,
+}
+
+
+def _section_type(name: str):
+    if name == "optimizer":
+        from training.optim import OptimizerConfig
+
+        return OptimizerConfig
+    if name == "schedule":
+        from training.schedule import ScheduleConfig
+
+        return ScheduleConfig
+    return SECTION_TYPES[name]
+
+
+# ================================================================================================
+# Typed conversion
+# ================================================================================================
+_NONE_STRINGS = ("null", "none", "~")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin in (list, List):
+        return f"list of {_type_name(typing.get_args(tp)[0])}" if typing.get_args(tp) else "list"
+    if origin in (tuple, Tuple):
+        return "list of " + ", ".join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)
+    if origin in (dict, Dict):
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` converted to the annotation ``tp`` (YAML already gave python types; a few string
+    forms are accepted: ``3e-4`` is a string to PyYAML, ``null`` from a CLI override)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
+            if type(None) in typing.get_args(tp):
+                return None
+        errors = []
+        for a in args:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise _err(key, f"{value!r} is not a {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value) and isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise _err(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+            return value.strip().lower() in ("true", "yes", "on")
+        raise _err(key, f"{value!r} is not a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise _err(key, f"{value!r} is not an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)
+            except ValueError:
+                raise _err(key, f"{value!r} is not an integer") from None
+            if f.is_integer():
+                return int(f)
+        raise _err(key, f"{value!r} is not an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise _err(key, f"{value!r} is not a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _err(key, f"{value!r} is not a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _err(key, f"{value!r} is not a string")
+    if origin in (list, List, Sequence, typing.Sequence) or tp in (list, List):
+        args = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single prefix / weight
+        if not isinstance(value, (list, tuple)):
+            raise _err(key, f"{value!r} is not a list")
+        return [_coerce(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
+    if origin in (tuple, Tuple):
+        args = [a for a in typing.get_args(tp)]
+        if not isinstance(value, (list, tuple)):
+            raise _err(key, f"{value!r} is not a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _err(key, f"{value!r} needs {len(args)} entries")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin in (dict, Dict) or tp in (dict, Dict):
+        if not isinstance(value, dict):
+            raise _err(key, f"{value!r} is not a mapping")
+        return dict(value)
+    return value  # unannotated / exotic: pass through
+
+
+def _hints(cls) -> Dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # pragma: no cover - unresolvable annotations: no conversion
+        return {f.name: Any for f in dataclasses.fields(cls)}
+
+
+def from_dict(cls, data: Optional[dict], prefix: str = "", base: Any = None):
+    """An instance of dataclass ``cls`` from ``data``; unknown keys raise naming ``prefix.key``.
+
+    Fields missing from ``data`` keep ``base``'s values (default: ``cls()``).  Nested dataclass
+    fields recurse (for :class:`PretrainConfig`'s sections).
+    """
+    data = data or {}
+    if not isinstance(data, dict):
+        raise _err(prefix or "<root>", f"expected a mapping, got {data!r}")
+    obj = base if base is not None else cls()
+    names = {f.name for f in dataclasses.fields(cls)}
+    hints = _hints(cls)
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise _err(key, f"unknown key; known keys of {prefix or 'the config'}: {', '.join(sorted(names))}")
+        tp = hints.get(k, Any)
+        if cls is PretrainConfig:
+            sec = _section_type(k)
+            sub = getattr(obj, k)
+            setattr(obj, k, from_dict(sec, v if v is not None else {}, key, base=sub))
+            continue
+        setattr(obj, k, _coerce(v, tp, key))
+    return obj
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain nested dict (YAML/JSON-safe) of a config dataclass."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): conv(x) for k, x in v.items()}
+        return v
+
+    return conv(cfg)
+
+
+# ================================================================================================
+# Loading
+# ================================================================================================
+def parse_overrides(items: Sequence[str]) -> List[Tuple[str, Any]]:
+    """``["optimizer.lr=1e-3", "parallel.tp=2"]`` -> ``[("optimizer.lr", 0.001), ("parallel.tp", 2)]``."""
+    import yaml
+
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: write section.key=value, e.g. optimizer.lr=1e-3")
+        key, text = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if not key or "." not in key:
+            raise ConfigError(f"override {item!r}: the key must be dotted, section.key (e.g. run.train_steps=50)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        out.append((key, value))
+    return out
+
+
+def _apply_override(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if parts[0] not in SECTION_TYPES:
+        raise _err(key, f"unknown section {parts[0]!r}; sections: {', '.join(SECTION_TYPES)}")
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise _err(".".join(parts[: i + 1]), f"is a value ({nxt!r}), not a section; cannot set {key}")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def read_yaml(path: str) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: file not found (configs live in configs/pretrain/)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: must hold a mapping of sections ({', '.join(SECTION_TYPES)})")
+    return data
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), validate: bool = True) -> PretrainConfig:
+    """The config of ``path`` (None: the built-in default run) with ``overrides``, validated."""
+    raw = read_yaml(path) if path else {}
+    for key, value in parse_overrides(overrides):
+        _apply_override(raw, key, value)
+    for sec in raw:
+        if sec not in SECTION_TYPES:
+            raise _err(str(sec), f"unknown section; sections: {', '.join(SECTION_TYPES)}")
+    cfg = from_dict(PretrainConfig, raw)
+    if "total_steps" not in (raw.get("schedule") or {}):
+        cfg.schedule.total_steps = cfg.run.train_steps  # the schedule spans the run unless told otherwise
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+# ================================================================================================
+# Validation (static: no world size, no model)
+# ================================================================================================
+def _choice(key: str, value: Any, allowed: Sequence[Any]) -> None:
+    if value not in allowed:
+        raise _err(key, f"{value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: Optional[float], allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise _err(key, "must be set")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise _err(key, f"{value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate_config(cfg: PretrainConfig) -> None:
+    """Checks that need neither the world size nor the model.  Raises :class:`ConfigError`."""
+    m, p, d, t, b, c, lg, r = (cfg.model, cfg.parallel, cfg.data, cfg.tokenizer, cfg.batch, cfg.checkpoint,
+                               cfg.logging, cfg.run)
+    # ---- model
+    if ":" not in m.preset:
+        raise _err("model.preset", f"{m.preset!r} must be '<file>:<variant>', e.g. tiny-moe:xhc "
+                   "(list them with `python -m tools.zoo --list`)")
+    _choice("model.recompute", m.recompute, ("none", "selective", "full"))
+    if m.hc:
+        from xhc.config import HCConfig
+
+        names = {f.name for f in dataclasses.fields(HCConfig)}
+        for k in m.hc:
+            if k not in names:
+                raise _err(f"model.hc.{k}", f"unknown HCConfig field; known: {', '.join(sorted(names))}")
+    # ---- parallel
+    for name in ("tp", "ep", "pp", "cp"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    _positive("parallel.etp", p.etp, allow_none=True)
+    _positive("parallel.dp", p.dp, allow_none=True)
+    if p.sp and p.tp == 1:
+        raise _err("parallel.sp", "sequence parallelism needs parallel.tp > 1 (set sp: false or tp >= 2)")
+    if p.vpp is not None:
+        _positive("parallel.vpp", p.vpp)
+        if p.pp == 1:
+            raise _err("parallel.vpp", "virtual pipeline stages need parallel.pp > 1")
+    # ---- data / tokenizer
+    if d.mock and (d.prefixes or d.per_split):
+        raise _err("data.mock", "mock data and data.prefixes/per_split are exclusive; drop one")
+    if d.prefixes and d.per_split:
+        raise _err("data.per_split", "give either data.prefixes (+ split) or data.per_split, not both")
+    if d.weights is not None:
+        if not d.prefixes:
+            raise _err("data.weights", "blend weights need data.prefixes")
+        if len(d.weights) != len(d.prefixes):
+            raise _err("data.weights", f"{len(d.weights)} weights for {len(d.prefixes)} prefixes; give one per prefix")
+        if any(w < 0 for w in d.weights) or sum(d.weights) <= 0:
+            raise _err("data.weights", f"{d.weights} must be >= 0 with a positive sum")
+    try:
+        from training.data.gpt import parse_split
+
+        parse_split(d.split)
+    except ValueError as e:
+        raise _err("data.split", str(e)) from None
+    if d.per_split is not None:
+        bad = sorted(set(d.per_split) - {"train", "valid", "test"})
+        if bad:
+            raise _err("data.per_split", f"keys {bad} are not splits; use train, valid, test")
+    _positive("data.default_target_mb", d.default_target_mb, allow_none=True)
+    if t.type is None:
+        t.type = "none"
+    _choice("tokenizer.type", t.type, ("auto", "sentencepiece", "huggingface", "none"))
+    _positive("tokenizer.vocab_size", t.vocab_size)
+    if t.vocab_size < 2:
+        raise _err("tokenizer.vocab_size", f"{t.vocab_size} must be >= 2")
+    _positive("tokenizer.make_vocab_size_divisible_by", t.make_vocab_size_divisible_by)
+    _positive("tokenizer.padded_vocab_size", t.padded_vocab_size, allow_none=True)
+    if t.padded_vocab_size is not None and t.padded_vocab_size % p.tp:
+        raise _err("tokenizer.padded_vocab_size", f"{t.padded_vocab_size} is not divisible by parallel.tp={p.tp}")
+    if t.type == "none" and not (d.mock or d.prefixes or d.per_split):
+        raise _err("tokenizer.type", "raw ids (none) need data.mock or data.prefixes (the default data has its own "
+                   "tokenizer)")
+    if t.type in ("sentencepiece", "huggingface") and not t.path and not cfg.uses_default_data:
+        raise _err("tokenizer.path", f"tokenizer.type={t.type} needs tokenizer.path")
+    if (d.prefixes or d.per_split) and not t.path and t.type != "none":
+        raise _err("tokenizer.path", "data.prefixes need the tokenizer they were made with (tokenizer.path), "
+                   "or tokenizer.type: none for raw ids")
+    # ---- batch
+    _positive("batch.micro_batch_size", b.micro_batch_size)
+    _positive("batch.global_batch_size", b.global_batch_size)
+    _positive("batch.seq_length", b.seq_length, allow_none=True)
+    if b.global_batch_size % b.micro_batch_size:
+        raise _err("batch.global_batch_size", f"{b.global_batch_size} is not a multiple of batch.micro_batch_size="
+                   f"{b.micro_batch_size}")
+    # ---- checkpoint
+    _positive("checkpoint.interval", c.interval, allow_none=True, allow_zero=True)
+    _positive("checkpoint.keep_last", c.keep_last)
+    _choice("checkpoint.checksum", c.checksum, ("auto", "all", "metadata", "none"))
+    if c.load is not None and c.load not in ("auto", "none") and not os.path.exists(c.load):
+        raise _err("checkpoint.load", f"{c.load!r} does not exist; use auto, none, or a checkpoint directory")
+    # ---- logging
+    _positive("logging.interval", lg.interval)
+    _positive("logging.hc_health_interval", lg.hc_health_interval, allow_zero=True)
+    _positive("logging.peak_tflops", lg.peak_tflops, allow_none=True)
+    from xhc.accounting import FLOPS_CONVENTIONS
+
+    _choice("logging.flops_convention", lg.flops_convention, tuple(FLOPS_CONVENTIONS))
+    # ---- run
+    _positive("run.train_steps", r.train_steps)
+    _positive("run.eval_interval", r.eval_interval, allow_zero=True)
+    _positive("run.eval_iters", r.eval_iters, allow_zero=True)
+    _choice("run.device", r.device, ("auto", "cuda", "cpu"))
+    _choice("run.precision", r.precision, ("auto", "bf16", "fp32"))
+    _positive("run.max_skipped_steps", r.max_skipped_steps, allow_zero=True)
+    _positive("run.num_threads", r.num_threads, allow_none=True)
+    _positive("run.exit_at_step", r.exit_at_step, allow_none=True)
+    _positive("run.exit_after_minutes", r.exit_after_minutes, allow_none=True)
+    _positive("run.dist_timeout_minutes", r.dist_timeout_minutes)
+    if r.name is not None and (not r.name or "/" in r.name):
+        raise _err("run.name", f"{r.name!r} must be a non-empty name without '/'")
+    # ---- optimizer / schedule: their own validation, re-labelled with the section
+    for sec in ("optimizer", "schedule"):
+        obj = getattr(cfg, sec)
+        check = getattr(obj, "validate", None)
+        if callable(check):
+            try:
+                check()
+            except ValueError as e:
+                msg = str(e)
+                if msg.startswith("config key"):
+                    raise ConfigError(msg) from None
+                raise ConfigError(f"config key {msg}" if msg.startswith(f"{sec}.") else f"config key {sec}: {msg}") from None
+
+
+# ================================================================================================
+# Validation against the world and the model
+# ================================================================================================
+def validate_runtime(cfg: PretrainConfig, world_size: int, preset=None, cuda: Optional[bool] = None) -> int:
+    """Checks against the world size, the device and the model preset.  Returns the DP size."""
+    p, b = cfg.parallel, cfg.batch
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cfg.run.device == "cuda" and not cuda:
+        raise _err("run.device", "cuda requested but torch.cuda.is_available() is False (use auto or cpu)")
+    gpu = cuda and cfg.run.device != "cpu"
+    if cfg.run.device == "cpu" and cuda:
+        raise _err("run.device", "cpu on a machine with CUDA is not supported (Megatron then expects CUDA); "
+                   "hide the GPUs with CUDA_VISIBLE_DEVICES=''")
+    if not gpu:
+        if cfg.run.precision == "bf16":
+            raise _err("run.precision", "bf16 needs CUDA (CPU runs train in fp32); use auto or fp32")
+        if p.cp > 1:
+            raise _err("parallel.cp", "context parallelism needs CUDA and Transformer Engine attention")
+        if p.vpp is not None:
+            raise _err("parallel.vpp", "the interleaved pipeline schedule needs CUDA (CPU pipelines run GPipe)")
+    model_par = p.tp * p.pp * p.cp
+    if world_size % model_par:
+        raise _err("parallel", f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}")
+    dp = world_size // model_par
+    if p.dp is not None and p.dp != dp:
+        raise _err("parallel.dp", f"{p.dp} but world size {world_size} / (tp·pp·cp = {model_par}) = {dp}")
+    etp = p.etp or p.tp
+    if (world_size // p.pp) % (p.ep * etp):
+        raise _err("parallel.ep", f"ep·etp = {p.ep}·{etp} must divide the {world_size // p.pp} ranks of a pipeline stage")
+    per_step = b.micro_batch_size * dp
+    if b.global_batch_size % per_step:
+        raise _err("batch.global_batch_size", f"{b.global_batch_size} is not a multiple of micro_batch_size × dp = "
+                   f"{b.micro_batch_size} × {dp}")
+    if preset is not None:
+        bb = preset.backbone
+        seq = b.seq_length or preset.seq_length
+        L = preset.num_layers
+        if L % p.pp:
+            raise _err("parallel.pp", f"{p.pp} does not divide the preset's {L} layers")
+        if p.vpp and (L // p.pp) % p.vpp:
+            raise _err("parallel.vpp", f"{p.vpp} does not divide the {L // p.pp} layers per pipeline stage")
+        heads = int(bb["num_attention_heads"])
+        groups = int(bb.get("num_query_groups") or heads)
+        if heads % p.tp or groups % p.tp:
+            raise _err("parallel.tp", f"{p.tp} must divide num_attention_heads={heads} and num_query_groups={groups}")
+        experts = int(bb.get("num_moe_experts") or 0)
+        if experts and experts % p.ep:
+            raise _err("parallel.ep", f"{p.ep} does not divide num_moe_experts={experts}")
+        if not experts and p.ep > 1:
+            raise _err("parallel.ep", f"{p.ep} > 1 but the preset has no experts")
+        div = p.cp * (p.tp if p.sp else 1) * (2 if p.cp > 1 else 1)
+        if seq % div:
+            raise _err("batch.seq_length", f"{seq} is not divisible by {div} (cp{'·tp' if p.sp else ''}"
+                       f"{'·2' if p.cp > 1 else ''} for sequence/context parallelism)")
+        hc = preset.hc
+        if hc.variant == "xhc_flash4" and p.pp > 1 and (L // p.pp) % 2:
+            raise _err("parallel.pp", f"xHC-Flash-4sub windows span two layers; {L // p.pp} layers per stage is odd")
+        if p.pp > 1 and p.vpp and hc.enabled and hc.n > 1:
+            pass  # the interleaved schedule exchanges shapes (variable_seq_lengths), see models.pipeline
+    return dp
+
+
+def pad_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by · tp``."""
+    mult = divisible_by * tp
+    return int(math.ceil(vocab / mult) * mult)
