@@ -169,13 +169,15 @@ def build_transformer_config(preset: ModelPreset, parallel: Optional[dict] = Non
 
 def build_model(preset: ModelPreset, config, pre_process: bool = True, post_process: bool = True,
                 vp_stage: Optional[int] = None, use_transformer_engine: Optional[bool] = None,
-                vocab_size: Optional[int] = None, seq_length: Optional[int] = None):
-    """``GPTModel`` with the preset's hyper-connections on this rank's pipeline stage."""
+                vocab_size: Optional[int] = None, seq_length: Optional[int] = None, pg_collection=None):
+    """``GPTModel`` with the preset's hyper-connections on this rank's pipeline stage.
+
+    ``pg_collection``: Megatron ``ProcessGroupCollection`` (default: the global parallel state)."""
     from megatron.core.models.gpt import GPTModel
 
     from models.specs import get_hc_decoder_block_spec
 
-    pp_rank = None
+    pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
     spec = get_hc_decoder_block_spec(config, preset.hc, use_transformer_engine=use_transformer_engine,
                                      vp_stage=vp_stage, pp_rank=pp_rank)
     b = preset.backbone
@@ -192,6 +194,8 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     )
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
     return GPTModel(**kwargs)
 
 
