@@ -36,7 +36,12 @@ def test_resume_is_bit_identical(tmp_path):
     assert main([*BASE, *steps, f"run.dir={b}", "run.exit_at_step=4"]) == 0      # stops after step 4
     assert [os.path.basename(p) for p in sorted(os.listdir(os.path.join(b, "checkpoints"))) if "step" in p] == [
         "step_00000004"]
+    with open(os.path.join(b, "status.json")) as f:
+        status = json.load(f)
+    assert status["finished"] is False and status["step"] == 4 and "exit_at_step" in status["stopped_early"]
     assert main([*BASE, *steps, f"run.dir={b}"]) == 0                            # resumes (load: auto)
+    with open(os.path.join(b, "status.json")) as f:
+        assert json.load(f)["finished"] is True
     ra, rb = _by_step(_records(a)), _by_step(_records(b))
     assert sorted(ra) == sorted(rb) == list(range(1, 9))
     for s in range(1, 9):
@@ -112,7 +117,7 @@ def test_outputs_health_and_loss_decrease(tmp_path, capsys):
     assert main([*BASE, "run.train_steps=12", "run.eval_interval=6", "run.eval_iters=1", "optimizer.lr=1e-2",
                  "logging.tensorboard=true", "checkpoint.interval=6", f"run.dir={run}"]) == 0
     out = capsys.readouterr().out
-    for what in ("run dir", "checkpoints", "metrics", "tensorboard", "loss plot", "validation step 6"):
+    for what in ("run dir", "checkpoints", "metrics", "tensorboard", "loss plot", "step 0:", "step 6:"):
         assert what in out, what
     train = _by_step(_records(run))
     assert train[12]["loss"] < 0.7 * train[1]["loss"]  # mock ids are easy: the loss falls fast
@@ -124,7 +129,13 @@ def test_outputs_health_and_loss_decrease(tmp_path, capsys):
     assert len(hc["router_load"]) == 8 and abs(sum(hc["router_load"]) - 4) < 1e-6  # loads sum to k
     assert hc["router_load"][:2] == [1.0, 1.0]  # the m = 2 fixed streams are always active
     assert "hc" not in train[1]
-    assert len(_records(run, "eval")) == 2
+    assert sorted(r["step"] for r in _records(run, "eval")) == [0, 6, 12]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not os.path.exists(os.path.join(run, "loss.png")) and "matplotlib is not installed" in out
+    else:
+        assert os.path.getsize(os.path.join(run, "loss.png")) > 0
     assert os.listdir(os.path.join(run, "tensorboard"))
     ckpts = sorted(n for n in os.listdir(os.path.join(run, "checkpoints")) if n.startswith("step_"))
     assert ckpts == ["step_00000006", "step_00000012"]

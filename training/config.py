@@ -207,10 +207,10 @@ class RunConfig:
     dir: Optional[str] = None
     """Run directory (null: ``runs/<name>-<timestamp>``).  Reuse one to resume."""
     seed: int = 1234
-    train_steps: int = 200
+    train_steps: int = 300
     """Optimizer steps (global batches)."""
     eval_interval: int = 50
-    """Validation every K steps and at the end (0: only at the end)."""
+    """Validation every K steps, at the start of a fresh run and at the end (0: only at the end)."""
     eval_iters: int = 4
     """Global batches of validation data per evaluation (0: no validation)."""
     device: str = "auto"

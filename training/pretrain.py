@@ -668,6 +668,8 @@ class Trainer:
         t_loop = time.perf_counter()
         steps_this_run = 0
         stop_reason = None
+        if self.step == 0 and r.eval_interval:
+            self.run_eval()  # the starting point of the validation curve
         while self.step < r.train_steps:
             stop_reason = self.should_stop()
             if stop_reason:
@@ -760,6 +762,7 @@ class Trainer:
         self.paths["plot"] = plot
         if not self.is_main:
             return
+        self.write_status()
         losses = [h["loss"] for h in self.history if math.isfinite(h["loss"])]
         total = time.time() - self.t_start
         self.log("")
@@ -787,6 +790,24 @@ class Trainer:
             self.log(f"[xhc] {k:<12} {v}")
         if getattr(self, "stopped_early", None):
             self.log(f"[xhc] to resume, run the same command with run.dir={self.run_dir} (checkpoint.load=auto)")
+
+    def write_status(self) -> None:
+        """``<run.dir>/status.json``: where the run stands (tools/slurm_pretrain.sh requeues unfinished runs)."""
+        import json
+
+        from training.checkpoint import list_checkpoints
+
+        found = list_checkpoints(self.paths["checkpoints"])
+        status = {"step": self.step, "train_steps": self.cfg.run.train_steps,
+                  "finished": self.step >= self.cfg.run.train_steps,
+                  "stopped_early": getattr(self, "stopped_early", None),
+                  "latest_checkpoint": found[-1][1] if found else None,
+                  "last_train_loss": self.history[-1]["loss"] if self.history else None,
+                  "last_valid_loss": self.evals[-1]["loss"] if self.evals else None}
+        tmp = os.path.join(self.run_dir, "status.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, os.path.join(self.run_dir, "status.json"))
 
     def close(self, destroy_process_group: bool = True) -> None:
         """Close the loggers and tear down Megatron's parallel state (and the process group)."""

@@ -1,0 +1,146 @@
+"""Training throughput of zoo presets side by side: vanilla vs mHC vs xHC (tokens/s, ratios).
+
+Run::
+
+    python -m bench.throughput                          # tiny-moe: vanilla, mhc, xhc, xhc-flash, xhc-flash4 on CPU
+    python -m bench.throughput --presets tiny-moe:vanilla,tiny-moe:xhc --seq 128 --micro-batch 8 --steps 10
+    python -m bench.throughput --json out.json          # also write the table as JSON
+
+Every model is built in the same process with the same seed, sees the same random batch and
+takes full training steps (forward, backward, AdamW update).  After ``--warmup`` untimed steps
+each, the models are timed in interleaved rounds (A B C, A B C, ...) so that drift in machine
+load affects all of them alike; a model's time per step is the median over rounds of its mean
+over ``--steps`` steps.  Ratios are tokens/s relative to the first preset (vanilla by default).
+On CUDA the models run in bf16 with HC parameters in fp32 (as training does), without DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+DEFAULT_PRESETS = "tiny-moe:vanilla,tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,tiny-moe:xhc-flash4"
+
+
+def build(name: str, seq: int, vocab: int, cuda: bool, seed: int):
+    import torch
+
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.optim import OptimizerConfig, build_optimizer
+
+    torch.manual_seed(seed)
+    preset = load_preset(name)
+    extra = dict(bf16=True, params_dtype=torch.bfloat16) if cuda else {}
+    config = build_transformer_config(preset, cpu=not cuda, **extra)
+    model = build_model(preset, config, vocab_size=vocab, seq_length=seq)
+    if cuda:
+        model.cuda()
+        for p in model.parameters():
+            if getattr(p, "is_hyper_connection", False):
+                p.data = p.data.float()
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-4, eps=1e-8), use_megatron=False)
+    return preset, model, opt
+
+
+def train_step(model, opt, tokens, pos):
+    opt.zero_grad()
+    loss = model(tokens, pos, None, labels=tokens).float().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.throughput", description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated zoo presets; the first is the baseline")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per model")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    import warnings
+
+    import torch
+
+    for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=msg)
+    from models.parallel import destroy_parallel, initialize_parallel
+    from tools.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
+    from training.metrics import model_flops_per_token
+
+    cuda = torch.cuda.is_available()
+    if args.threads and not cuda:
+        torch.set_num_threads(args.threads)
+    initialize_parallel(seed=args.seed)
+    names = [n.strip() for n in args.presets.split(",") if n.strip()]
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
+    pos = torch.arange(args.seq, device=device).expand(args.micro_batch, args.seq)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    models = {}
+    for name in names:
+        preset, model, opt = build(name, args.seq, args.vocab, cuda, args.seed)
+        for _ in range(args.warmup):
+            train_step(model, opt, tokens, pos)
+        models[name] = (preset, model, opt)
+    sync()
+    times = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            _, model, opt = models[name]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                train_step(model, opt, tokens, pos)
+            sync()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+
+    tokens_per_step = args.micro_batch * args.seq
+    rows = []
+    base = None
+    for name in names:
+        preset, model, _ = models[name]
+        t = statistics.median(times[name])
+        tps = tokens_per_step / t
+        base = base or tps
+        flops = model_flops_per_token(preset, args.seq, args.vocab)
+        rows.append({"preset": name, "variant": preset.hc.variant, "params_M": sum(q.numel() for q in model.parameters()) / 1e6,
+                     "hc_params_k": sum(q.numel() for q in model.parameters() if getattr(q, "is_hyper_connection", False)) / 1e3,
+                     "ms_per_step": 1e3 * t, "tokens_per_s": tps, "ratio": tps / base,
+                     "flops_ratio": flops["total"] / flops["backbone"],
+                     "rounds_ms": [round(1e3 * x, 2) for x in times[name]]})
+    dev = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} thread(s)"
+    print(f"throughput: micro-batch {args.micro_batch} x seq {args.seq} (vocab {args.vocab}), {dev}, "
+          f"{'bf16' if cuda else 'fp32'}; forward+backward+AdamW; median of {args.rounds} rounds x {args.steps} steps")
+    head = f"{'preset':<22} {'variant':<11} {'params':>8} {'HC':>8} {'ms/step':>9} {'tok/s':>9} {'vs ' + names[0].split(':')[-1]:>12} {'FLOPs ratio':>12}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['preset']:<22} {r['variant']:<11} {r['params_M']:>7.3f}M {r['hc_params_k']:>7.1f}k "
+              f"{r['ms_per_step']:>9.1f} {r['tokens_per_s']:>9.0f} {r['ratio']:>11.3f}x {r['flops_ratio']:>11.3f}x")
+    print("(FLOPs ratio: (backbone + F_HC) / backbone per token from xhc.accounting; tokens/s ratio measured.)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "args": vars(args), "rows": rows}, f, indent=1)
+    destroy_parallel(destroy_process_group=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
