@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -43,6 +44,7 @@ __all__ = [
     "PretrainConfig",
     "RunConfig",
     "TokenizerConfig",
+    "config_reference",
     "config_to_dict",
     "from_dict",
     "load_config",
@@ -97,8 +99,6 @@ class ParallelConfig:
     """Context-parallel size (GPU with Transformer Engine only)."""
     dp: Optional[int] = None
     """Data-parallel size; null = world / (tp·pp·cp).  If set it must equal that."""
-    distributed_optimizer: bool = True
-    """GPU: Megatron's distributed optimizer (ZeRO-1 sharded optimizer state over DP)."""
     overlap_grad_reduce: bool = False
     """GPU: overlap the DP gradient reduce-scatter with backward."""
     overlap_param_gather: bool = False
@@ -190,7 +190,7 @@ class LoggingConfig:
     """Weights & Biases (only if ``wandb`` is installed)."""
     wandb_project: str = "xhc"
     wandb_entity: Optional[str] = None
-    hc_health_interval: int = 10
+    hc_health_interval: int = 1
     """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps (0: off)."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s per device for MFU (null: bf16 tensor-core peak of known GPUs; 1.0 nominal on CPU)."""
@@ -714,3 +714,51 @@ def pad_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's padded vocabulary: the next multiple of ``divisible_by · tp``."""
     mult = divisible_by * tp
     return int(math.ceil(vocab / mult) * mult)
+
+
+# ================================================================================================
+# Reference (``python -m training.pretrain --help-config``; the README's table)
+# ================================================================================================
+def _field_docs(cls) -> Dict[str, str]:
+    """Attribute docstrings (the string literal under each field) of a dataclass, from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant) \
+                    and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def config_reference(markdown: bool = True) -> str:
+    """Every key with its default and description, section by section."""
+    cfg = PretrainConfig()
+    out = []
+    for sec in SECTION_TYPES:
+        cls = _section_type(sec)
+        obj = getattr(cfg, sec)
+        docs = _field_docs(cls)
+        out.append(f"### `{sec}`" if markdown else f"[{sec}]")
+        if markdown:
+            out += ["", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = getattr(obj, f.name)
+            if isinstance(default, tuple):
+                default = list(default)
+            text = docs.get(f.name, "")
+            if markdown:
+                text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([\w]+)`", r"`\1`", text).replace("``", "`")
+                out.append(f"| `{sec}.{f.name}` | `{default!r}` | {text.replace('|', '/')} |")
+            else:
+                out.append(f"  {sec}.{f.name} = {default!r}" + (f"\n      {text}" if text else ""))
+        out.append("")
+    return "\n".join(out)

@@ -831,12 +831,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", "-c", help="YAML config (default: the built-in tiny CPU run, "
                                           "configs/pretrain/default-tiny.yaml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.help_config:
+        from training.config import config_reference
+
+        print(config_reference(markdown=False))
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
