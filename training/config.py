@@ -189,7 +189,9 @@ class LoggingConfig:
     wandb: bool = False
     """Weights & Biases (only if ``wandb`` is installed)."""
     wandb_project: str = "xhc"
+    """Weights & Biases project."""
     wandb_entity: Optional[str] = None
+    """Weights & Biases entity (team or user; null: your default)."""
     hc_health_interval: int = 1
     """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps (0: off)."""
     peak_tflops: Optional[float] = None
