@@ -209,6 +209,7 @@ class RunConfig:
     dir: Optional[str] = None
     """Run directory (null: ``runs/<name>-<timestamp>``).  Reuse one to resume."""
     seed: int = 1234
+    """Seed of the initialisation, dropout and data order (Megatron's: + 100 × pipeline rank)."""
     train_steps: int = 300
     """Optimizer steps (global batches)."""
     eval_interval: int = 50
