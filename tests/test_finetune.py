@@ -120,6 +120,24 @@ def test_chat_template_tokenisation():
         tokenize_chats(ds, tok, messages_field="conversations")
 
 
+def test_prepared_data_cache(chat_jsonl, tmp_path):
+    from models.hf.tiny import char_tokenizer
+    from training.finetune import DataArgs, prepare_data
+
+    tok = char_tokenizer()
+    args = DataArgs(path=chat_jsonl, validation_size=10, test_size=10, max_length=64, cache_dir=str(tmp_path))
+    a = prepare_data(args, tok)
+    files = glob.glob(str(tmp_path / "packed-*.pt"))
+    assert len(files) == 1
+    b = prepare_data(args, tok)  # from the cache
+    assert all(torch.equal(x, y) for s in ("train", "validation", "test")
+               for x, y in zip(getattr(a, s), getattr(b, s)))
+    assert a.source_counts == b.source_counts
+    prepare_data(DataArgs(path=chat_jsonl, validation_size=10, test_size=10, max_length=64,
+                          cache_dir=str(tmp_path), split_seed=1), tok)
+    assert len(glob.glob(str(tmp_path / "packed-*.pt"))) == 2  # another split -> another cache entry
+
+
 def test_pack_blocks_and_tail():
     seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     ids, labels = pack(seqs, 4, keep_tail=False, pad_id=0)
@@ -260,7 +278,7 @@ def test_end_to_end_identity_jsonl(chat_jsonl, tmp_path, capsys):
     cfg = _tiny_cfg(chat_jsonl, out)
     fresh = build_backbone(cfg.model, cfg.train.seed)
     load_adapter(fresh, summary["adapter_dir"])
-    splits = prepare_data(cfg.data, build_tokenizer(cfg.model), cfg.train.seed)
+    splits = prepare_data(cfg.data, build_tokenizer(cfg.model))
     again = evaluate(fresh, splits.test, cfg.train.batch_size, torch.device("cpu"), False)
     assert again["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
 
@@ -274,9 +292,11 @@ def test_end_to_end_kromhc_lora_parquet(tmp_path, capsys):
     out = str(tmp_path / "run")
     cfg = _tiny_cfg(pq, out, **{"peft.method": "lora", "peft.r": 2, "train.diagnostics": False,
                                 "train.max_steps": 6, "train.eval_interval": 6, "train.log_interval": 2,
-                                "data.packing": False, "data.max_length": 96})
+                                "data.packing": False, "data.max_length": 96,
+                                "train.bf16": True})  # the GPU code path (bf16 autocast), here on CPU
     cfg.hc = {"variant": "kromhc", "n": 2, "dynamic": True}
     summary = run(cfg)
+    assert "bf16_autocast=True" in capsys.readouterr().out
     ev = _events(out)
     train = [e for e in ev if e["kind"] == "train"]
     assert {"lr_mhc", "lr_peft"} <= set(train[0])

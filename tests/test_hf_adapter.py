@@ -432,6 +432,49 @@ def test_generate_with_kv_cache():
     assert (step - full[:, -2:]).abs().max() < 1e-5
 
 
+def test_bf16_backbone_keeps_fp32_adapter():
+    """bf16 weights: adapter parameters and routing maths stay fp32 (spec §1.5); logits within the
+    bf16 tolerance 1e-2 · max|logit| of the bf16 backbone (spec §2.g #4)."""
+    m = tiny_causal_lm("olmo2").to(torch.bfloat16)
+    with torch.no_grad():
+        ref = m(IDS).logits.float()
+    wrap_with_mhc(m, peft_paper_config("kromhc", 4))
+    assert all(p.dtype == torch.float32 for _, p in adapter_named_parameters(m))
+    with torch.no_grad(), record_routing(m) as rec:
+        out = m(IDS).logits.float()
+    assert rec[0].X.dtype == torch.bfloat16 and rec[0].H_res.dtype == torch.float32
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    m(IDS, labels=IDS).loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for n, p in adapter_named_parameters(m) if n.endswith(("b_pre", "W_post")))
+
+
+def test_autocast_runs_routing_in_fp32():
+    """Under bf16 autocast the branches run in bf16 but the HC coefficients and the residual state
+    stay fp32 (the wrapper disables autocast around read/write)."""
+    m = wrapped("llama", variant="mhc")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with hc_disabled(m):
+            ref = m(IDS).logits.float()
+        with record_routing(m) as rec:
+            out = m(IDS).logits.float()
+    assert all(r.X.dtype == torch.float32 and r.H_res.dtype == torch.float32 for r in rec)
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # sublayer 0 sees the same input (the embedding) with and without autocast: with non-zero
+    # projections its coefficients must be bit-identical, i.e. not computed from bf16 GEMMs
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in adapter_named_parameters(m):
+            if n.rsplit(".", 1)[-1].startswith(("W_", "alpha")):
+                p.copy_(torch.randn(p.shape, generator=g))
+        with record_routing(m) as fp32_rec:
+            m(IDS)
+        with torch.autocast("cpu", dtype=torch.bfloat16), record_routing(m) as amp_rec:
+            m(IDS)
+    for key in ("h_pre", "h_post", "H_res"):
+        assert torch.equal(getattr(fp32_rec[0], key), getattr(amp_rec[0], key)), key
+
+
 def test_gradient_checkpointing_matches():
     m = wrapped("llama", variant="kromhc")
     m.train()

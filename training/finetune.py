@@ -99,6 +99,9 @@ class DataArgs:
     """[PEFT] Table 10 validation/test split seed."""
     max_length: int = 2048
     packing: bool = True
+    cache_dir: Optional[str] = None
+    """Cache the split, tokenised and packed data here (reused by every run with the same data,
+    tokenizer and split settings, as [PEFT] App. C.4 does); None = no cache."""
 
 
 @dataclass
@@ -319,15 +322,16 @@ def load_chat_dataset(args: DataArgs):
     return datasets.load_dataset(path, split=args.hub_split)  # hub (needs a network)
 
 
-def tokenize_chats(dataset, tokenizer, messages_field: str = "messages") -> List[List[int]]:
+def tokenize_chats(dataset, tokenizer, messages_field: str = "messages", chunk: int = 1024) -> List[List[int]]:
     """Token ids of every conversation through the tokenizer's chat template."""
     if messages_field not in dataset.column_names:
         raise FinetuneConfigError(f"data.messages_field={messages_field!r} is not a column of the dataset "
                                   f"(columns: {', '.join(dataset.column_names)})")
-    out = []
-    for msgs in dataset[messages_field]:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out: List[List[int]] = []
+    convs = dataset[messages_field]
+    for i in range(0, len(convs), chunk):
+        texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in convs[i:i + chunk]]
+        out.extend(tokenizer(texts, add_special_tokens=False)["input_ids"])  # batched fast tokenizer
     return out
 
 
@@ -369,8 +373,36 @@ class Splits:
     source_counts: Dict[str, Dict[str, int]]
 
 
-def prepare_data(args: DataArgs, tokenizer, seed: int) -> Splits:
-    """Load, split by source, tokenise and pack."""
+def _cache_key(args: DataArgs, tokenizer) -> str:
+    import hashlib
+
+    d = dataclasses.asdict(args)
+    d.pop("cache_dir")
+    if args.path and os.path.exists(args.path):
+        files = [args.path] if os.path.isfile(args.path) else sorted(glob.glob(os.path.join(args.path, "*")))
+        d["files"] = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in files]
+    d["tokenizer"] = [getattr(tokenizer, "name_or_path", ""), len(tokenizer), tokenizer.chat_template or "",
+                      hashlib.sha256(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()]
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare_data(args: DataArgs, tokenizer) -> Splits:
+    """Load, split by source, tokenise and pack (through ``args.cache_dir`` when set)."""
+    if args.cache_dir:
+        path = os.path.join(args.cache_dir, f"packed-{_cache_key(args, tokenizer)}.pt")
+        if os.path.isfile(path):
+            d = torch.load(path)
+            return Splits(d["train"], d["validation"], d["test"], d["source_counts"])
+        splits = _prepare_data(args, tokenizer)
+        os.makedirs(args.cache_dir, exist_ok=True)
+        tmp = path + ".tmp"
+        torch.save(dataclasses.asdict(splits), tmp)
+        os.replace(tmp, path)
+        return splits
+    return _prepare_data(args, tokenizer)
+
+
+def _prepare_data(args: DataArgs, tokenizer) -> Splits:
     ds = load_chat_dataset(args)
     n = len(ds)
     sources = ds[args.source_field] if args.source_field in ds.column_names else ["all"] * n
@@ -572,7 +604,7 @@ def run(cfg: FinetuneConfig, stream=None) -> dict:
     log.print(f"[finetune] device={device} bf16_autocast={use_bf16} out_dir={tr.out_dir}")
 
     tokenizer = build_tokenizer(cfg.model)
-    splits = prepare_data(cfg.data, tokenizer, tr.seed)
+    splits = prepare_data(cfg.data, tokenizer)
     log.print("[finetune] data: " + ", ".join(
         f"{s} {sum(splits.source_counts[s].values())} examples -> {getattr(splits, s)[0].shape[0]} blocks"
         for s in ("train", "validation", "test")))

@@ -163,7 +163,8 @@ def run_adapter_diagnostics(
         rep.checks.append(CheckResult(
             "routing", not problems, max(worst_row, worst_col),
             problems[0] if problems else
-            f"{len(records)} sublayers; {n_res} H_res doubly stochastic (row err {worst_row:.1e}, col err {worst_col:.1e})"
+            f"{len(records)} sublayers; {n_res} H_res doubly stochastic "
+            f"(row err {worst_row:.1e}, col err {worst_col:.1e})"
             + ("" if n_res else " (H_res = I)")))
 
         # ---- 3: frozen backbone and gradient flow ---------------------------------------------
@@ -218,7 +219,8 @@ def run_adapter_diagnostics(
         ok = after > before and after > 1e-6
         rep.checks.append(CheckResult(
             "stream_divergence", ok, after,
-            f"{before:.2e} at init -> {after:.2e} after {overfit_steps} steps (loss {losses[0]:.4f} -> {losses[-1]:.4f})"
+            f"{before:.2e} at init -> {after:.2e} after {overfit_steps} steps "
+            f"(loss {losses[0]:.4f} -> {losses[-1]:.4f})"
             if losses else f"{before:.2e} (no steps)"))
     finally:
         _restore(params, snapshot)
