@@ -361,3 +361,14 @@ class TestDropoutAndReadout:
         assert StreamReadout(4, "sum")(X).shape == (3, 2, 8)
         with pytest.raises(HCConfigError, match="reduction"):
             StreamReadout(4, "max")
+
+
+@pytest.mark.parametrize("variant", ["mhc", "hc"])
+def test_ablated_neutral_forms_keep_float64(variant):
+    """Neutral read/write weights follow the state's precision (float64 reference tests)."""
+    hc = HyperConnection(HCConfig(variant=variant, n=4, ablate_pre=True, ablate_post=True), 6).double()
+    X = torch.randn(3, 4, 6, dtype=torch.float64)
+    u, ctx = hc.read(X)
+    assert u.dtype == torch.float64
+    torch.testing.assert_close(u, X.mean(-2), rtol=1e-15, atol=1e-15)
+    assert hc.write(X, u, ctx).dtype == torch.float64

@@ -378,9 +378,10 @@ class HyperConnection(nn.Module):
 
     def _hc_coefficients(self, X: torch.Tensor):
         n, batch = self.n, X.shape[:-2]
-        a_pre = self.a_pre if self.a_pre is not None else torch.full((n,), 1.0 / n, device=X.device)
-        S_res = self.S_res if self.S_res is not None else torch.eye(n, device=X.device)
-        a_post = self.a_post if self.a_post is not None else torch.ones(n, device=X.device)
+        dt = fp32(X).dtype
+        a_pre = self.a_pre if self.a_pre is not None else torch.full((n,), 1.0 / n, dtype=dt, device=X.device)
+        S_res = self.S_res if self.S_res is not None else torch.eye(n, dtype=dt, device=X.device)
+        a_post = self.a_post if self.a_post is not None else torch.ones(n, dtype=dt, device=X.device)
         dyn = self.cfg.dynamic
         h_pre, H_res, h_post = hc_dynamic_coefficients(
             X, fp32(a_pre), fp32(S_res), fp32(a_post),
@@ -404,7 +405,7 @@ class HyperConnection(nn.Module):
     def read(self, X: torch.Tensor):
         """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""
         h_pre, h_post, H_res = self.coefficients(X)
-        h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, device=X.device)
+        h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, dtype=fp32(X).dtype, device=X.device)
         return read_streams(h_read, X), HCContext(h_pre, h_post, H_res)
 
     def write(self, X: torch.Tensor, y: torch.Tensor, ctx: HCContext, seq=None) -> torch.Tensor:
@@ -412,7 +413,7 @@ class HyperConnection(nn.Module):
 
         ``seq`` is accepted for interface parity with xHC (the mHC family is per token).
         """
-        h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], device=X.device)
+        h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], dtype=fp32(X).dtype, device=X.device)
         return write_streams(X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2))
 
     def forward(self, X: torch.Tensor, branch) -> torch.Tensor:
