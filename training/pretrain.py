@@ -228,11 +228,14 @@ class Trainer:
         te = m.use_transformer_engine if self.cuda else False
         chunks = []
         vp = p.vpp or 1
+        if vp > 1 and hasattr(ps, "set_virtual_pipeline_model_parallel_world_size"):
+            ps.set_virtual_pipeline_model_parallel_world_size(vp)  # models.parallel does not pass vpp to Megatron
         for i in range(vp):
             if vp > 1:
                 ps.set_virtual_pipeline_model_parallel_rank(i)
-            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i) if vp > 1 else self.first_stage
-            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i) if vp > 1 else self.last_stage
+            # chunk i of pipeline rank r holds virtual stage i·pp + r (Megatron's interleaving)
+            pre = self.first_stage and i == 0
+            post = self.last_stage and i == vp - 1
             chunk = build_model(self.preset, self.tf_config, pre_process=pre, post_process=post,
                                 vp_stage=i if vp > 1 else None, use_transformer_engine=te,
                                 vocab_size=self.vocab_size, seq_length=self.seq)
