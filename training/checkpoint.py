@@ -84,15 +84,10 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
 # ------------------------------------------------------------------------------------------------
 # Manifest
 # ------------------------------------------------------------------------------------------------
-def _sha256(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def _sha256(path: str) -> str:
+    """Hex sha256 of a file's bytes."""
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _walk(directory: str) -> List[str]:

@@ -169,7 +169,20 @@ class FlashState:
     stage: str = "entry"  # "entry" -> "attn_done"
 
 
-class XHCFlashLayer(nn.Module):
+class _WindowPart(nn.Module):
+    """Shared by the Flash window modules: re-initialise every mapping, count HC parameters."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for mod in self.children():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+
+    def hc_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class XHCFlashLayer(_WindowPart):
     """xHC-Flash window over one transformer layer (spec §4.1).
 
     Args:
@@ -199,14 +212,6 @@ class XHCFlashLayer(nn.Module):
         self.post_M = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M = make_temporal(cfg, C, True)
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        for mod in self.children():
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-
-    def hc_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     # --------------------------------------------------------------------------------------------
     def begin(self, X0: torch.Tensor) -> FlashState:
@@ -322,7 +327,7 @@ def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCCon
     return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1)
 
 
-class Flash4FirstLayer(nn.Module):
+class Flash4FirstLayer(_WindowPart):
     """Flash-4sub parameters and sublayers A1, M1 of a window (Megatron layer 2g; spec §4.2).
 
     Owns what the window entry generates (router, four pre-mappings) plus H_post^{A1}, H_post^{M1}
@@ -346,14 +351,6 @@ class Flash4FirstLayer(nn.Module):
         self.post_M1 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M1 = make_temporal(cfg, C, True)
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        for mod in self.children():
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-
-    def hc_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def begin(self, X0: torch.Tensor) -> Flash4State:
         """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
@@ -389,7 +386,7 @@ class Flash4FirstLayer(nn.Module):
         return mapping_diagnostics(state.I, state.p, self.n, None)
 
 
-class Flash4SecondLayer(nn.Module):
+class Flash4SecondLayer(_WindowPart):
     """Flash-4sub sublayers A2, M2 of a window (Megatron layer 2g+1; spec §4.2).
 
     Owns H_post^{A2}, H_res^{M2}, H_post^{M2} and M2's temporal convs; M2 mixes once and scatters
@@ -408,14 +405,6 @@ class Flash4SecondLayer(nn.Module):
         self.post_M2 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M2 = make_temporal(cfg, C, True)
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        for mod in self.children():
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-
-    def hc_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 2)
@@ -450,7 +439,7 @@ class Flash4SecondLayer(nn.Module):
         return mapping_diagnostics(state.I, state.p, self.n, H)
 
 
-class Flash4Window(nn.Module):
+class Flash4Window(_WindowPart):
     """Both halves of a Flash-4sub window, for single-module use and tests (spec §4.2).
 
     ``first`` belongs to Megatron layer 2g, ``second`` to layer 2g+1; a Megatron integration
@@ -461,14 +450,6 @@ class Flash4Window(nn.Module):
         super().__init__()
         self.first = Flash4FirstLayer(cfg, hidden_size, layer_index, fused)
         self.second = Flash4SecondLayer(cfg, hidden_size, layer_index + 1)
-
-    def hc_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.first.reset_parameters()
-        self.second.reset_parameters()
 
     def forward(self, X0: torch.Tensor, branches: Sequence[Callable], seq=None) -> torch.Tensor:
         """The whole window with branch callables for A1, M1, A2, M2 -> exit state ``[..., N, C]``."""

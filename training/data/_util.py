@@ -16,16 +16,10 @@ class DataError(ValueError):
     """Bad input to the data pipeline.  The message is one line naming the file/field and the fix."""
 
 
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+def sha256_file(path: str) -> str:
     """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def temp_path_for(path: str) -> str:
