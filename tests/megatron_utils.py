@@ -66,13 +66,19 @@ def tiny_moe_config(**overrides: Any):
 
 def build_tiny_gpt(config, vocab_size: int = VOCAB, seq_len: int = SEQ, pre_process: bool = True, post_process: bool = True):
     """Stock ``GPTModel`` from ``get_gpt_decoder_block_spec`` with :class:`models.norms.Norm`."""
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from models.norms import substitute_norms
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization)
-    spec = substitute_norms(spec)
+    return _tiny_gpt_model(config, substitute_norms(spec), vocab_size, seq_len, pre_process, post_process)
+
+
+def _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection=None):
+    """The tiny model's ``GPTModel`` arguments, shared by the stock and the HC builders."""
+    from megatron.core.models.gpt import GPTModel
+
+    kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -83,6 +89,7 @@ def build_tiny_gpt(config, vocab_size: int = VOCAB, seq_len: int = SEQ, pre_proc
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=10000,
+        **kwargs,
     )
 
 
@@ -174,24 +181,11 @@ def build_tiny_hc_gpt(config, hc, vocab_size: int = VOCAB, seq_len: int = SEQ, p
     """``GPTModel`` from :func:`models.specs.get_hc_decoder_block_spec` (local backend), otherwise
     exactly :func:`build_tiny_gpt`.  ``pg_collection`` (optional) selects the pipeline stage by its
     ``pp`` group's rank, so one process can build every stage (see :class:`FakeGroup`)."""
-    from megatron.core.models.gpt import GPTModel
-
     from models.specs import get_hc_decoder_block_spec
 
     pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
     spec = get_hc_decoder_block_spec(config, hc, use_transformer_engine=False, pp_rank=pp_rank)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=vocab_size,
-        max_sequence_length=seq_len,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        pg_collection=pg_collection,
-    )
+    return _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection)
 
 
 class FakeGroup:
