@@ -40,7 +40,6 @@ import os
 import shutil
 import sys
 import tempfile
-import traceback
 
 # See tests/dist/stock_gpt_worker.py: light top level (dist_checkpointing re-imports it), no dynamo.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -419,17 +418,9 @@ MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "pp": run_pp, "cp": run_cp, "ckpt": r
 
 def main(argv):
     _imports()
-    modes = argv or list(MODES)
-    for mode in modes:
-        try:
-            n = MODES[mode]()
-        except Exception:
-            print(f"FAIL {mode} (rank {os.environ.get('RANK')}):\n{traceback.format_exc()}", flush=True)
-            os._exit(1)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"OK {mode} ({n} HC tensors checked)", flush=True)
-    destroy_parallel(destroy_process_group=True)
+    from tests.dist.launch import run_modes
+
+    run_modes(MODES, argv, "HC tensors")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,28 @@ def run_torchrun(
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {script.name} exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc
+
+
+def run_modes(modes: dict, argv: Sequence[str], what: str = "tensors") -> None:
+    """Worker side: run the named test modes (all by default) on every rank.
+
+    Each mode returns how many tensors it checked.  A failure prints the traceback and exits at
+    once (torchrun then stops the peer, which may be waiting in a collective); after each mode the
+    ranks meet at a barrier and rank 0 prints ``OK <mode>``.
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    from models.parallel import destroy_parallel
+
+    for mode in argv or list(modes):
+        try:
+            n = modes[mode]()
+        except Exception:
+            print(f"FAIL {mode} (rank {os.environ.get('RANK')}):\n{traceback.format_exc()}", flush=True)
+            os._exit(1)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"OK {mode} ({n} {what} checked)", flush=True)
+    destroy_parallel(destroy_process_group=True)

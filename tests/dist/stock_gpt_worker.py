@@ -32,7 +32,6 @@ import os
 import shutil
 import sys
 import tempfile
-import traceback
 
 # Keep top-level imports light: dist_checkpointing's save spawns a helper process that re-runs
 # this module's top level.  torch.compile (Megatron's jit_fuser on the router's expert-bias
@@ -384,18 +383,9 @@ MODES = {"tp_sp": run_tp_sp, "ep": run_ep, "dp": run_dp, "ckpt": run_ckpt, "ddp"
 
 def main(argv):
     _imports()
-    modes = argv or list(MODES)
-    for mode in modes:
-        try:
-            n = MODES[mode]()
-        except Exception:
-            # Fail fast: torchrun then stops the peer, which may be waiting in a collective.
-            print(f"FAIL {mode} (rank {os.environ.get('RANK')}):\n{traceback.format_exc()}", flush=True)
-            os._exit(1)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"OK {mode} ({n} tensors checked)", flush=True)
-    destroy_parallel(destroy_process_group=True)
+    from tests.dist.launch import run_modes
+
+    run_modes(MODES, argv, "tensors")
 
 
 if __name__ == "__main__":
