@@ -164,7 +164,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         u = drv.read(st, "mlp")
         ln, ckpt = self._norm(self.pre_mlp_layernorm, u, self.recompute_pre_mlp_layernorm)
         self.pre_mlp_norm_checkpoint = ckpt
-        mlp = functools.partial(self.mlp, padding_mask=kwargs.get("padding_mask"))
+        mlp = functools.partial(self.mlp, **mlp_kwargs(self.mlp, kwargs.get("padding_mask"), packed_seq_params))
         if self.recompute_mlp:  # selective recompute of a dense MLP, as the stock layer does
             mlp_out = tensor_parallel.checkpoint(mlp, False, ln)
         else:
@@ -237,6 +237,24 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         return sequence_context_from_megatron(self.config, attention_mask, packed_seq_params, s, b,
                                               self.hc_config.conv_doc_reset)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes(cls: type, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(cls.forward).parameters
+
+
+def mlp_kwargs(mlp, padding_mask, packed_seq_params) -> dict:
+    """Keyword arguments of the MLP / MoE call, as the stock layer's ``_forward_mlp`` passes them.
+
+    Megatron 0.19 also passes ``packed_seq_params`` (its MoE layer reads the THD layout of packed
+    batches); 0.16.1's MLP does not take it.  Feature-detected from the ``forward`` signature."""
+    kw = {"padding_mask": padding_mask}
+    if packed_seq_params is not None and _forward_takes(type(mlp), "packed_seq_params"):
+        kw["packed_seq_params"] = packed_seq_params
+    return kw
 
 
 def _build_hc(cls_or_spec, hc_config: HCConfig, hidden_size: int, is_mlp: bool, layer_index: int):

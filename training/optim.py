@@ -30,9 +30,13 @@ Backends (:func:`build_optimizer`):
   ``config_overrides``; for Muon, this module's :class:`Muon` inside Megatron's
   ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` chained with Megatron's Adam for the
   rest (Megatron's own Muon needs ``emerging_optimizers``; like it, no distributed optimizer).
-  Written against the 0.16.1 and 0.19.0 sources.  The wrappers allocate a few CUDA scalars; with
-  those redirected to the CPU (test-only) the FP32, non-distributed path is checked against the
-  torch backend.  The distributed optimizer and bf16 master weights only run on GPU.
+  Without the distributed optimizer, the fp32 HC parameters of a bf16 model get their own
+  ``FP32Optimizer`` in the chain (``Float16OptimizerWithFloat16Params`` cannot checkpoint a mix
+  of bf16 and fp32 params).  One global grad norm per step, computed once.
+  Written against the 0.16.1 and 0.19.0 sources.  The wrappers allocate a few CUDA scalars (and
+  check for CUDA tensor types); with those redirected to the CPU (test-only) the non-distributed
+  path, bf16 wrappers included, is checked against the torch backend and through a
+  ``dist_checkpointing`` round trip.  The distributed optimizer only runs on GPU.
 """
 
 from __future__ import annotations
@@ -640,22 +644,41 @@ class TrainOptimizer:
         return StepResult(True, norm)
 
     def _megatron_step(self) -> StepResult:
-        # Megatron steps whatever the norm (0.16.1-0.19.0 skip only on a loss-scaler overflow), so
-        # look first.  prepare_grads (model grads -> main grads) is idempotent without a loss
-        # scaler and runs again inside step(); the norm is computed twice (one extra all-reduce).
+        # Megatron's ChainedOptimizer.step() (prepare grads, global norm, clip, step), unrolled so
+        # that a non-finite norm can skip the update (0.16.1-0.19.0 skip only on a loss-scaler
+        # overflow) without computing the norm twice (one all-reduce and one host sync per step).
         opt = self.megatron_optimizer
         subs = getattr(opt, "chained_optimizers", [opt])
-        scaled = any(getattr(o, "grad_scaler", None) is not None for o in subs)
-        # With a loss scaler (fp16) Megatron detects inf/nan itself, and a second prepare_grads
-        # would update the scaler twice.
-        if self.cfg.skip_nonfinite and not scaled:
-            if opt.prepare_grads():
-                return StepResult(False, float("nan"))
-            norm = float(opt.get_grad_norm())
-            if not math.isfinite(norm):
-                return StepResult(False, norm)
-        updated, norm, _ = opt.step()
-        return StepResult(bool(updated), float("nan") if norm is None else float(norm))
+        if any(getattr(o, "grad_scaler", None) is not None for o in subs):
+            # fp16 loss scaling: Megatron detects inf/nan and updates the scaler itself.
+            updated, norm, _ = opt.step()
+            return StepResult(bool(updated), float("nan") if norm is None else float(norm))
+        if opt.prepare_grads():
+            return StepResult(False, float("nan"))
+        norm = float(opt.get_grad_norm())
+        if not math.isfinite(norm) and self.cfg.skip_nonfinite:
+            return StepResult(False, norm)
+        if self.cfg.clip_grad > 0:
+            from megatron.core.optimizer import optimizer as mopt
+
+            for o in subs:
+                params = [] if getattr(o, "is_stub_optimizer", False) else o.get_parameters()
+                if params:
+                    mopt.clip_grad_by_total_norm_fp32(
+                        params, max_norm=self.cfg.clip_grad, total_norm=norm,
+                        use_decoupled_grad=getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+        return StepResult(bool(opt.step_with_ready_grads()), norm)
+
+    def reload_model_params(self) -> None:
+        """Copy the model's parameters into the optimiser's fp32 main copies (Megatron backend).
+
+        Call after loading model weights without the optimiser state (``checkpoint.load_optimizer
+        = false``): the bf16 wrappers and the distributed optimizer keep main copies made at
+        construction, and the first step would otherwise write *those* plus one update over the
+        loaded weights.  The torch backend updates the parameters in place: nothing to do.
+        """
+        if self.megatron_optimizer is not None:
+            self.megatron_optimizer.reload_model_params()
 
     def state_dict(self) -> Dict[str, Any]:
         if self.megatron_optimizer is not None:
@@ -746,9 +769,39 @@ def megatron_config_overrides(cfg: OptimizerConfig) -> Dict[Any, Any]:
     return {ParamKey(with_name_predicate=no_decay): {"wd_mult": 0.0}}
 
 
+def _megatron_adam(chunks: List[torch.nn.Module], mcfg, overrides, exclude: set, drop_stubs: bool = False) -> List[Any]:
+    """Megatron's own optimiser (``get_megatron_optimizer``) over every trainable parameter whose
+    id is not in ``exclude``; returns its sub-optimisers (dense, expert), without the empty
+    (stub) ones if ``drop_stubs``."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    frozen = [p for _, p in named_trainable_parameters(chunks) if id(p) in exclude]
+    for p in frozen:  # Megatron skips params without requires_grad when building its groups
+        p.requires_grad_(False)
+    try:
+        opt = get_megatron_optimizer(mcfg, chunks, config_overrides=overrides)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    subs = list(getattr(opt, "chained_optimizers", [opt]))
+    return [o for o in subs if not (drop_stubs and getattr(o, "is_stub_optimizer", False))]
+
+
+def _fp32_params_beside_bf16(named, mcfg, exclude: set) -> set:
+    """ids of the fp32 parameters (the HC parameters, docs/math.md §8 #13) of a bf16 model that a
+    non-distributed Megatron optimiser would put into ``Float16OptimizerWithFloat16Params``.
+
+    That wrapper numbers its checkpoint entries from its bf16 params only while torch's
+    ``state_dict`` numbers all of them, so a mixed group fails at the first save (shape assertion
+    or "Param id ... does not match").  These params get their own ``FP32Optimizer`` instead.
+    The distributed optimizer shards fp32 params itself and needs nothing."""
+    if not mcfg.bf16 or mcfg.use_distributed_optimizer:
+        return set()
+    return {id(p) for _, p in named if id(p) not in exclude and p.dtype == torch.float32}
+
+
 def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> TrainOptimizer:
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
                                                    FP32Optimizer)
     from megatron.core.utils import get_model_config
@@ -756,42 +809,43 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     model_config = get_model_config(chunks[0])
     mcfg = megatron_optimizer_config(cfg, model_config)
     overrides = megatron_config_overrides(cfg)
-    params = [p for _, p in named_trainable_parameters(chunks)]
-    if cfg.name == "adamw":
-        opt = get_megatron_optimizer(mcfg, chunks, config_overrides=overrides)
-        return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks)
+    named = named_trainable_parameters(chunks)
+    params = [p for _, p in named]
+    if cfg.name == "muon" and getattr(model_config, "fp16", False):
+        raise OptimizerConfigError("optimizer.name='muon' does not support fp16 (the model is fp16); use bf16")
 
     # Muon: our Muon on the 2-D backbone matrices (dense and routed experts separately, as their
     # grad statistics reduce over different groups), Megatron's Adam on the rest.  Same structure
     # as Megatron's get_megatron_muon_optimizer (0.16.1 optimizer/muon.py).
-    if fp16 := bool(getattr(model_config, "fp16", False)):
-        raise OptimizerConfigError(f"optimizer.name='muon' does not support fp16 (model fp16={fp16}); use bf16")
-    muon_named = [(n, p) for n, p in named_trainable_parameters(chunks)
-                  if classify_param(n, p, "muon").optimizer == "muon"]
+    muon_named = [(n, p) for n, p in named if cfg.name == "muon" and classify_param(n, p, "muon").optimizer == "muon"]
     muon_ids = {id(p) for _, p in muon_named}
     dense = [p for n, p in muon_named if not is_routed_expert(n)]
     expert = [p for n, p in muon_named if is_routed_expert(n)]
-    wrappers = []
+    parts = []
     for members, tp, stats_group in ((dense, "tp", ps.get_model_parallel_group()),
                                      (expert, "expert_tp", ps.get_expert_tensor_model_pipeline_parallel_group())):
         if not members:
             continue
         muon = Muon([{"params": members, "tp": tp, "wd_mult": 1.0, "lr_mult": 1.0, "max_lr": cfg.lr,
-                      "is_expert_parallel": tp == "expert_tp"}], **_muon_kwargs(cfg))
-        if mcfg.bf16:
+                      "is_expert_parallel": tp == "expert_tp", "is_decoupled_lr": False}],
+                    **_muon_kwargs(cfg))
+        if any(p.dtype != torch.float32 for p in members):
             wrapped = Float16OptimizerWithFloat16Params(muon, mcfg, None, _muon_init_state)
         else:
             wrapped = FP32Optimizer(muon, mcfg, _muon_init_state)
         wrapped.grad_stats_parallel_group = stats_group
         wrapped.tp_group = ps.get_tensor_model_parallel_group()
-        wrappers.append(wrapped)
-    frozen = [p for _, p in named_trainable_parameters(chunks) if id(p) in muon_ids]
-    for p in frozen:  # Megatron skips params without requires_grad when building its groups
-        p.requires_grad_(False)
-    try:
-        adam = get_megatron_optimizer(mcfg, chunks, config_overrides=overrides)
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
-    opt = ChainedOptimizer(wrappers + list(getattr(adam, "chained_optimizers", [adam])))
+        parts.append(wrapped)
+
+    fp32_ids = _fp32_params_beside_bf16(named, mcfg, muon_ids)
+    parts += _megatron_adam(chunks, mcfg, overrides, muon_ids | fp32_ids)
+    if fp32_ids:
+        # Megatron builds an FP32Optimizer for a bf16=False config; ChainedOptimizer requires one
+        # config for all its members, and FP32Optimizer reads none of the precision fields.
+        fp32_parts = _megatron_adam(chunks, dataclasses.replace(mcfg, bf16=False), overrides,
+                                    {id(p) for p in params} - fp32_ids, drop_stubs=True)
+        for o in fp32_parts:
+            o.config = mcfg
+        parts += fp32_parts
+    opt = ChainedOptimizer(parts)
     return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks)

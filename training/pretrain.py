@@ -60,6 +60,45 @@ def _p(msg: str = "") -> None:
 
 
 # ================================================================================================
+# GPU-path helpers (module level so that the CPU tests reach them)
+# ================================================================================================
+def float16_module_keep_hc_fp32(config, chunk):
+    """Megatron's ``Float16Module(config, chunk)`` with the HC parameters kept in fp32 *and at
+    their fp32 values* (docs/math.md §8 #13): the wrap casts every parameter to bf16, so casting
+    back afterwards would keep the bf16 rounding (N = 16's uniform read summed to 1.0046, a 0.01
+    gate became 0.0100098).  The fp32 tensors are set aside before the wrap and put back after."""
+    from megatron.core.transformer.module import Float16Module
+
+    keep = {name: prm.data.detach().float().clone() for name, prm in chunk.named_parameters()
+            if getattr(prm, "is_hyper_connection", False)}
+    wrapped = Float16Module(config, chunk)
+    for name, prm in chunk.named_parameters():
+        if name in keep:
+            prm.data = keep[name]
+    return wrapped
+
+
+@contextlib.contextmanager
+def params_synced(chunks):
+    """Every data-parallel rank holds the full, current parameters inside the block.
+
+    With the distributed optimizer and ``overlap_param_gather`` each rank updates only its shard
+    of the bf16 weights in ``step()``; the all-gather of the others is deferred to the next
+    forward's pre-hooks.  A checkpoint (or an evaluation) right after ``step()`` would mix steps
+    k and k - 1.  As Megatron's training loop does around saves and evaluations: remove the
+    pre-hooks with a forced synchronous all-gather (``disable_forward_pre_hook(param_sync=True)``)
+    and put them back afterwards.  Chunks without the hooks are left alone."""
+    hooked = [c for c in chunks if getattr(c, "use_forward_hook", False)]
+    for c in hooked:
+        c.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for c in hooked:
+            c.enable_forward_pre_hook()
+
+
+# ================================================================================================
 class Trainer:
     """One pre-training run of :class:`~training.config.PretrainConfig` (see the module docstring)."""
 
@@ -215,6 +254,8 @@ class Trainer:
         if p.vpp:
             parallel["virtual_pipeline_model_parallel_size"] = p.vpp
         extra: Dict[str, Any] = dict(bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
+        if self.cuda:  # Megatron's schedules free each sent [s, b, N·C] stage output (16x an edge at N=16)
+            extra["deallocate_pipeline_outputs"] = True
         if m.recompute == "selective":
             extra.update(recompute_granularity="selective")
         elif m.recompute == "full":
@@ -267,16 +308,11 @@ class Trainer:
         """GPU: move to the device, bf16 (HC parameters stay fp32), Megatron DDP."""
         import torch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.transformer.module import Float16Module
 
         for c in chunks:
             c.cuda(torch.cuda.current_device())
         if bf16:
-            chunks = [Float16Module(self.tf_config, c) for c in chunks]
-            for c in chunks:
-                for prm in c.parameters():
-                    if getattr(prm, "is_hyper_connection", False):
-                        prm.data = prm.data.float()  # spec §8 #13: HC parameters are stored in fp32
+            chunks = [float16_module_keep_hc_fp32(self.tf_config, c) for c in chunks]
         o, p = self.cfg.optimizer, self.cfg.parallel
         use_dist = o.use_distributed_optimizer
         if use_dist is None:
@@ -284,6 +320,8 @@ class Trainer:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather and use_dist, use_distributed_optimizer=use_dist,
+            # interleaved schedule: every stage launches its param all-gathers from param_sync_func
+            align_param_gather=p.overlap_param_gather and use_dist and len(chunks) > 1,
             bucket_size=None if not p.overlap_grad_reduce else max(40_000_000, 1_000_000 * self.dp))
         return [DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=c,
                                         disable_bucketing=i > 0) for i, c in enumerate(chunks)]
@@ -302,7 +340,7 @@ class Trainer:
             mopt = getattr(self.optimizer, "megatron_optimizer", None)
             c.grad_scale_func = mopt.scale_loss if mopt is not None else None
             c.no_sync_func = [m.no_sync for m in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
-            if self.cfg.parallel.overlap_param_gather and len(self.chunks) > 1:
+            if len(self.chunks) > 1 and self.chunks[0].ddp_config.align_param_gather:
                 c.param_sync_func = [m.start_param_sync for m in self.chunks]
 
     def setup_checkpointing(self) -> None:
@@ -442,7 +480,12 @@ class Trainer:
         """One global batch on this rank: returns (Σ loss·mask, Σ mask) of its last-stage micro-batches."""
         num_micro = num_micro or self.num_micro
         if self.cuda:
-            return self._forward_backward_megatron(iterators, forward_only, num_micro)
+            import torch
+
+            # Evaluation without autograd, as on CPU: Megatron's router counts tokens per expert
+            # (the next expert-bias update) whenever gradients are enabled.
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                return self._forward_backward_megatron(iterators, forward_only, num_micro)
         return self._forward_backward_cpu(iterators[0], forward_only, num_micro)
 
     def _forward_backward_cpu(self, it, forward_only: bool, num_micro: int):
@@ -501,10 +544,9 @@ class Trainer:
         results = fb(forward_step_func=forward_step, data_iterator=its, model=model, num_microbatches=num_micro,
                      seq_length=self.seq, micro_batch_size=self.cfg.batch.micro_batch_size,
                      decoder_seq_length=self.seq, forward_only=forward_only)
-        total, count = 0.0, 0.0
-        for r in results or []:
-            v = r["lm loss"].float().cpu()
-            total, count = total + float(v[0]), count + float(v[1])
+        if not results:
+            return 0.0, 0.0
+        total, count = torch.stack([r["lm loss"].float() for r in results]).sum(0).tolist()  # one host sync
         return total, count
 
     def _global_loss(self, total: float, count: float) -> float:
@@ -588,10 +630,11 @@ class Trainer:
         from training.config import config_to_dict
 
         t0 = time.perf_counter()
-        state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state())
         info = {"world_size": self.world, "reason": reason, "preset": self.cfg.model.preset,
                 "parallel": config_to_dict(self.cfg.parallel), "consumed_samples": self.consumed_samples}
-        path = self.ckpt.save(self.step, state, info)
+        with params_synced(self.chunks):  # overlap_param_gather: every shard at this step's values
+            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state())
+            path = self.ckpt.save(self.step, state, info)
         self.last_saved_step = self.step
         self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
                            f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
@@ -614,6 +657,8 @@ class Trainer:
 
                 raise CheckpointError(f"checkpoint {path}: model keys do not match this model (missing "
                                       f"{missing[:3]}, unexpected {list(unexpected)[:3]}): is it the same preset?")
+        if not ck.load_optimizer:
+            self.optimizer.reload_model_params()  # fp32 main copies := the loaded weights
         if ck.load_optimizer:
             if "optimizer" in loaded:
                 self.optimizer.load_state_dict(loaded["optimizer"])
@@ -710,7 +755,8 @@ class Trainer:
 
     def run_eval(self) -> Optional[float]:
         t0 = time.perf_counter()
-        loss = self.evaluate()
+        with params_synced(self.chunks):  # overlap_param_gather: evaluate the weights of this step
+            loss = self.evaluate()
         if loss is None:
             return None
         self.evals.append({"step": self.step, "loss": loss})
