@@ -1,0 +1,353 @@
+"""The GPU training path's mechanisms, reached on CPU (training/optim.py, training/pretrain.py,
+models/hc_layer.py; bench/gpu_check.sh runs the real thing on a GPU, see docs/gpu.md).
+
+- A bf16 model with fp32 HC parameters under Megatron DDP and the Megatron optimiser backend
+  (Muon, and AdamW without the distributed optimizer): a ``dist_checkpointing`` round trip of
+  model + optimiser resumes bit for bit; the fp32 HC parameters sit in their own ``FP32Optimizer``;
+  one global grad norm per step.
+- ``checkpoint.load_optimizer=false``: the first step after loading equals a fresh optimiser's
+  first step on the loaded weights (the fp32 main copies are refreshed).
+- HC parameters keep their fp32 initial values through the ``Float16Module`` wrap.
+- Evaluation on the GPU path runs without autograd, so the router's per-expert token counts
+  (the next expert-bias update) are untouched by it.
+- ``overlap_param_gather``: the forced parameter all-gather happens before the checkpoint state
+  is read, and the forward pre-hooks come back afterwards.
+- Megatron 0.19's ``packed_seq_params`` reaches an MLP whose ``forward`` takes it.
+
+Megatron's optimiser wrappers allocate CUDA scalars and check ``param.type()`` for
+``torch.cuda.*`` names; the fixtures redirect exactly those on CPU (test-only).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from models.zoo import build_model, build_transformer_config, load_preset
+from tests.test_optim import SEQ, TINY, VOCAB, megatron_scalars_on_cpu, parallel  # noqa: F401 (fixtures)
+from training.optim import OptimizerConfig, build_optimizer
+from training.pretrain import Trainer, float16_module_keep_hc_fp32, params_synced
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for the CUDA-only checks")
+
+
+@pytest.fixture
+def bf16_megatron_on_cpu(monkeypatch, megatron_scalars_on_cpu):  # noqa: F811
+    """``Float16OptimizerWithFloat16Params`` sorts params by ``param.type()`` and accepts only
+    ``torch.cuda.{Float,BFloat16,Half}Tensor``: report CPU tensors under their CUDA names."""
+    original = torch.Tensor.type
+
+    def cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and not self.is_cuda:
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "type", cuda_type_name)
+
+
+def _seed(seed: int = 0) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def fp32_model(name: str = "tiny-moe:xhc"):
+    _seed()
+    preset = load_preset(name, backbone_overrides=TINY)
+    return build_model(preset, build_transformer_config(preset, cpu=True), vocab_size=VOCAB, seq_length=SEQ)
+
+
+def bf16_ddp_model(name: str = "tiny-moe:xhc"):
+    """What Trainer._wrap_gpu builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    _seed()
+    preset = load_preset(name, backbone_overrides=TINY)
+    config = build_transformer_config(preset, cpu=True, bf16=True, params_dtype=torch.bfloat16,
+                                      pipeline_dtype=torch.bfloat16)
+    model = float16_module_keep_hc_fp32(config, build_model(preset, config, vocab_size=VOCAB, seq_length=SEQ))
+    return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(90 + step)
+    t = torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+    return t[:, :-1], t[:, 1:], torch.arange(SEQ).expand(2, SEQ)
+
+
+def train_step(model, opt, step: int):
+    from megatron.core.distributed import finalize_model_grads
+
+    opt.zero_grad()
+    tokens, labels, pos = batch(step)
+    model(tokens, pos, None, labels=labels).float().mean().backward()
+    finalize_model_grads([model])
+    result = opt.step()
+    assert result.updated
+    return result
+
+
+def gpt(chunk):
+    return Trainer._unwrap(chunk)
+
+
+def hc_names(model):
+    return {n for n, p in model.named_parameters() if getattr(p, "is_hyper_connection", False)}
+
+
+def params(model):
+    return {n.removeprefix("module.").removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 1: mixed bf16/fp32 params and the optimiser checkpoint
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+@pytest.mark.parametrize("opt_name", ["muon", "adamw"])
+def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path, opt_name):  # noqa: F811
+    """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
+    1 step == 3 uninterrupted steps, bit for bit.  Before the fix the save raised (the bf16
+    wrapper numbered its state from its bf16 params only)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    from training.checkpoint import build_state
+
+    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=False)
+
+    straight = bf16_ddp_model()
+    hc = hc_names(gpt(straight))
+    assert hc and all(p.dtype == torch.float32 for n, p in gpt(straight).named_parameters() if n in hc)
+    opt = build_optimizer(straight, cfg, use_megatron=True)
+    subs = opt.megatron_optimizer.chained_optimizers
+    hc_ids = {id(p) for n, p in gpt(straight).named_parameters() if n in hc}
+    for o in subs:  # no bf16 wrapper holds an fp32 param; the HC params are in FP32Optimizers
+        if isinstance(o, Float16OptimizerWithFloat16Params):
+            assert not any(o.fp32_from_fp32_groups)
+    in_fp32 = {id(p) for o in subs if isinstance(o, FP32Optimizer) for p in o.get_parameters()}
+    assert hc_ids <= in_fp32
+    for step in range(3):
+        train_step(straight, opt, step)
+
+    first = bf16_ddp_model()
+    opt1 = build_optimizer(first, cfg, use_megatron=True)
+    for step in range(2):
+        train_step(first, opt1, step)
+    dist_checkpointing.save(build_state([first], opt1, None, None, rng=False), str(tmp_path))
+    del first, opt1
+
+    second = bf16_ddp_model()
+    opt2 = build_optimizer(second, cfg, use_megatron=True)
+    loaded = dist_checkpointing.load(build_state([second], opt2, None, None, rng=False, is_loading=True), str(tmp_path))
+    missing, unexpected = gpt(second).load_state_dict(loaded["model"], strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    opt2.load_state_dict(loaded["optimizer"])
+    train_step(second, opt2, 2)
+
+    want, got = params(straight), params(second)
+    assert want.keys() == got.keys()
+    for n in want:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), f"{n} differs after resume"
+
+
+@cpu_only
+def test_megatron_step_computes_the_grad_norm_once(parallel, bf16_megatron_on_cpu):  # noqa: F811
+    """The skip check and the clip share one global grad norm (one all-reduce, one host sync)."""
+    model = bf16_ddp_model()
+    opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-2, clip_grad=1e-3), use_megatron=True)
+    chained = opt.megatron_optimizer
+    calls = []
+    inner = chained.get_grad_norm
+    chained.get_grad_norm = lambda: calls.append(1) or inner()
+    norm = train_step(model, opt, 0).grad_norm
+    assert len(calls) == 1
+    assert norm > 1e-3  # clipping was active (the norm is the pre-clip norm)
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 3: checkpoint.load_optimizer=false
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_on_cpu, tmp_path):  # noqa: F811
+    """Trainer.load_checkpoint with load_optimizer=false, then one step == a fresh optimiser built
+    on the loaded weights taking that step.  Loading the weights without the refresh does not."""
+    from training.checkpoint import Checkpointer, build_state
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, use_distributed_optimizer=False)
+    trained = bf16_ddp_model()
+    opt = build_optimizer(trained, cfg, use_megatron=True)
+    train_step(trained, opt, 0)
+    ckpt = Checkpointer(str(tmp_path), keep_last=1, checksum="none", log=lambda *_: None)
+    path = ckpt.save(1, build_state([trained], None, None, {"step": 1, "consumed_samples": 2, "skipped_steps": 0},
+                                    rng=False))
+    weights = gpt(trained).state_dict()
+
+    reference = bf16_ddp_model()  # fresh optimiser on the loaded weights
+    gpt(reference).load_state_dict(weights, strict=False)
+    train_step(reference, build_optimizer(reference, cfg, use_megatron=True), 1)
+
+    resumed = bf16_ddp_model()
+    opt_r = build_optimizer(resumed, cfg, use_megatron=True)
+    fake = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(checkpoint=types.SimpleNamespace(load_optimizer=False, load_rng=False)),
+        chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap,
+        _trainer_state=lambda: {"step": 0, "consumed_samples": 0, "skipped_steps": 0}, log=lambda *_: None)
+    Trainer.load_checkpoint(fake, path)
+    assert fake.step == 1
+    train_step(resumed, opt_r, 1)
+
+    stale = bf16_ddp_model()  # the bug: weights loaded, main copies left at their initial values
+    opt_s = build_optimizer(stale, cfg, use_megatron=True)
+    gpt(stale).load_state_dict(weights, strict=False)
+    train_step(stale, opt_s, 1)
+
+    want, got, bad = params(reference), params(resumed), params(stale)
+    for n in want:
+        assert torch.equal(got[n], want[n]), f"{n}: the resumed step differs from a fresh optimiser's"
+    assert any(not torch.equal(bad[n], want[n]) for n in want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 5: fp32 HC initial values through Float16Module
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+def test_hc_parameters_keep_their_fp32_values_through_the_bf16_wrap(parallel):  # noqa: F811
+    from megatron.core.transformer.module import Float16Module
+
+    for name in ("tiny-moe:xhc", "tiny-moe:mhc"):
+        model = fp32_model(name)
+        hc = hc_names(model)
+        init = {n: p.detach().double().clone() for n, p in model.named_parameters() if n in hc}
+        # the check can fail: some HC initial value is not a bf16 number
+        assert any(not torch.equal(v.bfloat16().double(), v) for v in init.values()), name
+        config = model.config
+        config.bf16, config.params_dtype = True, torch.bfloat16
+        wrapped = float16_module_keep_hc_fp32(config, model)
+        for n, p in wrapped.module.named_parameters():
+            if n in hc:
+                assert p.dtype == torch.float32 and torch.equal(p.double(), init[n]), f"{name}: {n}"
+            else:
+                assert p.dtype == torch.bfloat16, f"{name}: {n}"
+        tokens, labels, pos = batch(0)
+        loss = wrapped(tokens, pos, None, labels=labels)
+        assert torch.isfinite(loss).all()
+    # the naive order (wrap, then cast back) loses the fp32 values
+    model = fp32_model("tiny-moe:xhc")
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if n in hc_names(model)}
+    model.config.bf16, model.config.params_dtype = True, torch.bfloat16
+    naive = Float16Module(model.config, model)
+    assert any(not torch.equal(p.float(), init[n]) for n, p in naive.module.named_parameters() if n in init)
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 4: evaluation and the router's token counts
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+def test_gpu_evaluation_leaves_the_expert_token_counts_alone(parallel):  # noqa: F811
+    """Trainer.forward_backward on the GPU path (Megatron's schedule stood in for by a plain
+    forward): forward_only leaves every router's ``local_tokens_per_expert`` unchanged; a training
+    forward adds exactly tokens x top-k to each."""
+    model = fp32_model("tiny-moe:xhc")
+    routers = [m for m in model.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
+    assert routers and all(r.enable_expert_bias for r in routers)
+    topk = model.config.moe_router_topk
+
+    def megatron_schedule(iterators, forward_only, num_micro):
+        tokens, labels, pos = batch(0)
+        loss = model(tokens, pos, None, labels=labels)
+        if not forward_only:
+            loss.float().mean().backward()
+        return 0.0, 0.0
+
+    fake = types.SimpleNamespace(cuda=True, num_micro=1, _forward_backward_megatron=megatron_schedule)
+    before = [r.local_tokens_per_expert.clone() for r in routers]
+    Trainer.forward_backward(fake, [None], forward_only=True)
+    for r, b in zip(routers, before):
+        assert torch.equal(r.local_tokens_per_expert, b)
+    Trainer.forward_backward(fake, [None], forward_only=False)
+    for r, b in zip(routers, before):
+        assert float((r.local_tokens_per_expert - b).sum()) == 2 * SEQ * topk
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 2: parameter sync before a checkpoint (overlap_param_gather)
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+def test_params_synced_forces_the_all_gather_and_restores_the_hooks(parallel):  # noqa: F811
+    """Real Megatron DDP with the distributed optimizer's overlapped param gather: inside the
+    block the pre-hooks are gone and a synchronous (forced) all-gather has run; after it the
+    hooks are back, also when the block raises."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = fp32_model("tiny-moe:xhc")
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_param_gather=True, overlap_grad_reduce=True), model)
+    assert ddp.use_forward_hook and ddp.remove_forward_pre_hook_handles
+    syncs = []
+    inner = ddp.start_param_sync
+    ddp.start_param_sync = lambda *a, **k: syncs.append(k.get("force_sync")) or inner(*a, **k)
+    with pytest.raises(RuntimeError, match="inside"):
+        with params_synced([ddp]):
+            assert syncs == [True] and not ddp.remove_forward_pre_hook_handles
+            raise RuntimeError("inside")
+    assert len(ddp.remove_forward_pre_hook_handles) == len(list(ddp.module.modules()))
+    plain = DistributedDataParallel(model.config, DistributedDataParallelConfig(), fp32_model("tiny-moe:vanilla"))
+    with params_synced([plain]):  # no overlapped gather: nothing to do
+        pass
+
+
+def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
+    """Trainer.save_checkpoint: the forced sync precedes building and writing the state."""
+    import training.checkpoint as tc
+    from training.config import ParallelConfig
+
+    events = []
+
+    class Chunk:
+        use_forward_hook = True
+
+        def disable_forward_pre_hook(self, param_sync=True):
+            events.append(("sync", param_sync))
+
+        def enable_forward_pre_hook(self):
+            events.append("hooks back")
+
+    monkeypatch.setattr(tc, "build_state", lambda *a, **k: events.append("build_state") or {})
+
+    class Ckpt:
+        def save(self, step, state, info):
+            events.append("save")
+            return "/nowhere"
+
+    fake = types.SimpleNamespace(
+        chunks=[Chunk()], optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6, ckpt=Ckpt(),
+        cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig()),
+        metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {})
+    Trainer.save_checkpoint(fake, "interval")
+    assert events == [("sync", True), "build_state", "save", "hooks back"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 7: Megatron 0.19 passes packed_seq_params to the MLP
+# ------------------------------------------------------------------------------------------------
+def test_mlp_gets_packed_seq_params_when_its_forward_takes_them():
+    from models.hc_layer import mlp_kwargs
+
+    class MLP016(torch.nn.Module):
+        def forward(self, hidden_states, padding_mask=None):
+            return hidden_states, None
+
+    class MLP019(torch.nn.Module):
+        def forward(self, hidden_states, padding_mask=None, packed_seq_params=None):
+            return hidden_states, None
+
+    packed, mask = object(), torch.zeros(1, 2, dtype=torch.bool)
+    assert mlp_kwargs(MLP016(), mask, packed) == {"padding_mask": mask}
+    kw = mlp_kwargs(MLP019(), mask, packed)
+    assert kw == {"padding_mask": mask, "packed_seq_params": packed}
+    MLP019()(torch.zeros(1), **kw)  # a call with them works
+    MLP016()(torch.zeros(1), **mlp_kwargs(MLP016(), mask, packed))
+    assert mlp_kwargs(MLP019(), None, None) == {"padding_mask": None}
