@@ -1,0 +1,593 @@
+"""The GPU path, checked on a GPU: the Python half of ``bench/gpu_check.sh`` (see docs/gpu.md).
+
+Run::
+
+    python -m bench.gpu_checks train_eval pipeline spec        # single GPU
+    python -m bench.gpu_checks variants
+    python -m bench.gpu_checks resume
+    python -m bench.gpu_checks throughput
+    torchrun --nproc_per_node 2 -m bench.gpu_checks multi      # two GPUs (TP, PP, VPP, EP, CP, DP)
+    python -m bench.gpu_checks --smoke --device cpu train_eval # the same code, shrunk, on CPU
+
+Every check prints one line ``PASS <name>: <numbers>``, ``FAIL <name>: <why>`` or ``SKIP <name>:
+<why>`` (rank 0 only) and carries on with the next; the exit status is 1 if any check failed.
+Pass criteria are relative to the quantity each check guards against (one update, the
+bf16-vs-fp32 difference), never to a timing.  Each check drives the real trainer
+(:class:`training.pretrain.Trainer`) or the zoo models; on a GPU that is bf16 with fp32 HC
+parameters, Megatron DDP, Megatron's optimiser, the Transformer Engine spec when installed and
+the alltoall dispatcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Dict, List, Optional
+
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+VARIANTS = ("vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4")
+THROUGHPUT_VARIANTS = ("vanilla", "mhc", "xhc-flash4")
+
+
+class Ctx:
+    """Settings shared by the checks."""
+
+    def __init__(self, device: str, smoke: bool, workdir: str):
+        self.cuda = device == "cuda"
+        self.smoke = smoke
+        self.workdir = workdir
+        self.results: List[str] = []
+        rank = int(os.environ.get("RANK", "0"))
+        self.main = rank == 0
+
+    def report(self, status: str, name: str, text: str) -> None:
+        line = f"{status} {name}: {text}"
+        self.results.append(line)
+        if self.main:
+            print(line, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers: the real trainer with small settings
+# ------------------------------------------------------------------------------------------------
+def overrides_for(ctx: Ctx, tag: str, preset: str = "tiny-moe:xhc", steps: int = 3, extra=()) -> List[str]:
+    run_dir = os.path.join(ctx.workdir, tag)
+    seq, micro = (32, 2) if ctx.smoke else (128, 4)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return [
+        f"model.preset={preset}", f"run.dir={run_dir}", f"run.train_steps={steps}", "run.eval_interval=0",
+        "run.eval_iters=1", "run.seed=1234", f"run.device={'cuda' if ctx.cuda else 'cpu'}",
+        "data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=1024",
+        f"batch.seq_length={seq}", f"batch.micro_batch_size={micro}", f"batch.global_batch_size={micro * 2 * world}",
+        "logging.tensorboard=false", "logging.plot=false", "logging.jsonl=false", "logging.hc_health_interval=0",
+        "logging.interval=1000", "checkpoint.interval=0", "checkpoint.save_final=false",
+        "checkpoint.save_on_signal=false", "checkpoint.checksum=none", "schedule.warmup_steps=1",
+        "schedule.decay_fraction=0.5",
+        *extra]
+
+
+def make_trainer(ctx: Ctx, overrides: List[str], before_wrap: Optional[Callable] = None):
+    import contextlib
+    import io
+
+    from training.config import load_config
+    from training.pretrain import Trainer
+
+    cfg = load_config(None, list(overrides))
+    tr = Trainer(cfg)
+    if before_wrap is not None:
+        original = tr._wrap_gpu
+
+        def wrap(chunks, bf16):
+            before_wrap(chunks)
+            return original(chunks, bf16)
+
+        tr._wrap_gpu = wrap
+    with contextlib.redirect_stdout(io.StringIO()):  # the setup banner; the log keeps our lines
+        tr.setup()
+    return tr
+
+
+def iterators(tr):
+    return [tr.data_iterator(tr.train_ds, tr.consumed_samples, cycle=False) for _ in tr.chunks]
+
+
+def run_steps(tr, n: int) -> List[dict]:
+    its = iterators(tr)
+    out = []
+    for _ in range(n):
+        out.append(tr.train_step(its))
+    return out
+
+
+def weights(tr) -> Dict[str, torch.Tensor]:
+    from training.pretrain import Trainer
+
+    return {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(tr.chunks)
+            for n, p in Trainer._unwrap(c).named_parameters()}
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def hc_params(model):
+    return {n: p for n, p in model.named_parameters() if getattr(p, "is_hyper_connection", False)}
+
+
+def routers(chunks):
+    from training.pretrain import Trainer
+
+    return [m for c in chunks for m in Trainer._unwrap(c).modules()
+            if getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+def peak_gib(ctx: Ctx) -> str:
+    return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if ctx.cuda else "n/a (CPU)"
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. three steps and one evaluation of tiny-moe:xhc
+# ------------------------------------------------------------------------------------------------
+def check_train_eval(ctx: Ctx) -> None:
+    snap = {}
+
+    def before_wrap(chunks):
+        for i, c in enumerate(chunks):
+            for n, p in hc_params(c).items():
+                snap[f"{i}.{n}"] = p.detach().clone()
+
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tr = make_trainer(ctx, overrides_for(ctx, "train_eval"), before_wrap)
+    try:
+        from training.pretrain import Trainer
+
+        problems = []
+        hc_now = {f"{i}.{n}": p for i, c in enumerate(tr.chunks) for n, p in hc_params(Trainer._unwrap(c)).items()}
+        if not hc_now:
+            problems.append("no HC parameters")
+        if any(p.dtype != torch.float32 for p in hc_now.values()):
+            problems.append("HC parameters not fp32")
+        if ctx.cuda:
+            inexact = [n for n, p in hc_now.items() if not torch.equal(p.detach(), snap[n].float())]
+            if inexact:
+                problems.append(f"{len(inexact)} HC parameters differ from their fp32 init, e.g. {inexact[0]}")
+        config = tr.tf_config
+        te = any(type(m).__name__.startswith("TE") for c in tr.chunks for m in c.modules())
+        dispatcher = config.moe_token_dispatcher_type
+        if ctx.cuda and dispatcher != "alltoall":
+            problems.append(f"dispatcher {dispatcher}, expected alltoall")
+        recs = run_steps(tr, 3)
+        losses = [r["loss"] for r in recs]
+        if not all(math.isfinite(x) for x in losses):
+            problems.append(f"non-finite loss {losses}")
+        if any(r.get("skipped") for r in recs):
+            problems.append("a step was skipped")
+        before = [r.local_tokens_per_expert.clone() for r in routers(tr.chunks)]
+        eval_loss = tr.run_eval()
+        after = [r.local_tokens_per_expert for r in routers(tr.chunks)]
+        touched = sum(int(not torch.equal(a, b)) for a, b in zip(after, before))
+        if not before:
+            problems.append("no router with expert-bias token counts")
+        if touched:
+            problems.append(f"evaluation changed the token counts of {touched} routers")
+        if eval_loss is None or not math.isfinite(eval_loss):
+            problems.append(f"eval loss {eval_loss}")
+        hc_state = "HC fp32 == fp32 init" if ctx.cuda else "HC fp32 (CPU: no bf16 wrap)"
+        text = (f"losses {', '.join(f'{x:.4f}' for x in losses)}, eval {eval_loss:.4f}; {hc_state} "
+                f"({len(hc_now)} tensors); {'bf16' if config.bf16 else 'fp32'}, spec {'TE' if te else 'local'}, "
+                f"dispatcher {dispatcher}; token counts untouched by eval ({len(before)} routers); "
+                f"peak memory {peak_gib(ctx)}")
+        if ctx.cuda and not te:
+            text += " [TE not installed: local spec]"
+        ctx.report("FAIL" if problems else "PASS", "train_eval", "; ".join(problems) + (" | " if problems else "") + text)
+    finally:
+        tr.close(destroy_process_group=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. two steps of every variant with selective recompute
+# ------------------------------------------------------------------------------------------------
+def check_variants(ctx: Ctx) -> None:
+    for v in VARIANTS:
+        t0 = time.perf_counter()
+        tr = None
+        try:
+            tr = make_trainer(ctx, overrides_for(ctx, f"variant-{v}", f"tiny-moe:{v}", 2, ["model.recompute=selective"]))
+            recs = run_steps(tr, 2)
+            losses = [r["loss"] for r in recs]
+            ok = all(math.isfinite(x) for x in losses) and not any(r.get("skipped") for r in recs)
+            ctx.report("PASS" if ok else "FAIL", f"variant {v}",
+                       f"selective recompute, losses {', '.join(f'{x:.4f}' for x in losses)}, "
+                       f"{time.perf_counter() - t0:.1f}s")
+        except Exception as e:  # one variant failing must not hide the others
+            ctx.report("FAIL", f"variant {v}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            if tr is not None:
+                tr.close(destroy_process_group=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. checkpoint round trips
+# ------------------------------------------------------------------------------------------------
+def check_resume(ctx: Ctx) -> None:
+    for opt in ("adamw", "muon"):
+        extra = [f"optimizer.name={opt}", "optimizer.lr=1e-2"]
+        ck = os.path.join(ctx.workdir, f"ckpt-{opt}")
+        # uninterrupted: 3 steps
+        tr = make_trainer(ctx, overrides_for(ctx, f"straight-{opt}", extra=extra))
+        w0 = weights(tr)
+        run_steps(tr, 3)
+        w_straight = weights(tr)
+        tr.close(destroy_process_group=False)
+        # 2 steps, save
+        tr = make_trainer(ctx, overrides_for(ctx, f"first-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
+        run_steps(tr, 2)
+        w2 = weights(tr)
+        state2 = {f"{i}": {k: v.detach().clone() for k, v in tr._unwrap(c).state_dict().items() if torch.is_tensor(v)}
+                  for i, c in enumerate(tr.chunks)}
+        consumed = tr.consumed_samples
+        tr.save_checkpoint("gpu-check")
+        tr.close(destroy_process_group=False)
+        update = max_diff(w_straight, w2)  # the size of one update: what a wrong resume would be off by
+        # resume (model, optimizer, scheduler, RNG), 1 step
+        tr = make_trainer(ctx, overrides_for(ctx, f"resumed-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
+        resumed_at = tr.step
+        run_steps(tr, 1)
+        err = max_diff(weights(tr), w_straight)
+        tr.close(destroy_process_group=False)
+        ok = resumed_at == 2 and err <= 0.05 * update
+        ctx.report("PASS" if ok else "FAIL", f"resume {opt}",
+                   f"resumed at step {resumed_at}; max |3 steps - (2 + save + load + 1)| = {err:.3g} "
+                   f"(one update: {update:.3g}; limit 5%)")
+        # load_optimizer=false: 1 step after loading == a fresh optimiser on the loaded weights
+        tr = make_trainer(ctx, overrides_for(ctx, f"noopt-{opt}", extra=extra + [
+            f"checkpoint.dir={ck}", "checkpoint.load_optimizer=false"]))
+        run_steps(tr, 1)
+        w_noopt = weights(tr)
+        tr.close(destroy_process_group=False)
+        tr = make_trainer(ctx, overrides_for(ctx, f"fresh-{opt}", extra=extra))
+        for i, c in enumerate(tr.chunks):
+            tr._unwrap(c).load_state_dict(state2[f"{i}"], strict=False)
+        tr.setup_optimizer()  # main copies made from the loaded weights
+        tr.step, tr.consumed_samples = 2, consumed
+        run_steps(tr, 1)
+        w_fresh = weights(tr)
+        tr.close(destroy_process_group=False)
+        err = max_diff(w_noopt, w_fresh)
+        travel = max_diff(w2, w0)  # what stale main copies would add (back to the initial weights)
+        ok = err <= 0.05 * travel
+        ctx.report("PASS" if ok else "FAIL", f"resume {opt} load_optimizer=false",
+                   f"max |resumed - fresh optimiser on loaded weights| = {err:.3g} "
+                   f"(stale main copies would be off by ~{travel:.3g}; limit 5%)")
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. a pipeline boundary on one device
+# ------------------------------------------------------------------------------------------------
+class _StageGroup:
+    """A pipeline "group" that only answers rank() and size(): one process builds stage ``rank``
+    of a ``size``-stage pipeline (Megatron reads the stage from ``pg_collection.pp``)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, stage=None, **kw):
+    """A zoo model (bf16 + fp32 HC on a GPU); ``stage=(rank, size)``: that pipeline stage only."""
+    from megatron.core import tensor_parallel
+
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.pretrain import float16_module_keep_hc_fp32
+
+    bf16 = ctx.cuda if bf16 is None else bf16
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    preset = load_preset(name)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    parallel = {}
+    if stage is not None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        pg.pp = _StageGroup(*stage)
+        parallel["pipeline_model_parallel_size"] = stage[1]
+        kw.update(pg_collection=pg, pre_process=stage[0] == 0, post_process=stage[0] == stage[1] - 1)
+    config = build_transformer_config(preset, parallel=parallel or None, cpu=not ctx.cuda, bf16=bf16,
+                                      params_dtype=dtype, pipeline_dtype=dtype)
+    seq = 32 if ctx.smoke else 128
+    model = build_model(preset, config, vocab_size=1024, seq_length=seq, use_transformer_engine=te, **kw)
+    if ctx.cuda:
+        model.cuda()
+    if bf16:
+        model = float16_module_keep_hc_fp32(config, model)
+    return preset, config, model, seq
+
+
+def _batch(ctx: Ctx, seq: int, b: int = 2, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 1024, (b, seq + 1), generator=g)
+    dev = "cuda" if ctx.cuda else "cpu"
+    return t[:, :-1].to(dev), t[:, 1:].to(dev), torch.arange(seq, device=dev).expand(b, seq)
+
+
+def _init_single(ctx: Ctx) -> None:
+    from models.parallel import initialize_parallel
+
+    initialize_parallel(tp=1, pp=1, ep=1, cp=1, seed=1234)
+
+
+def check_pipeline(ctx: Ctx) -> None:
+    _init_single(ctx)
+    name = "tiny-moe:xhc"
+    preset, config, last, seq = _zoo(ctx, name, stage=(1, 2))  # layers 3-4 of 4: pre_process=False
+    n, C, b = preset.hc.n, preset.hidden_size, 2
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    tokens, labels, pos = _batch(ctx, seq, b)
+    x = torch.randn(seq, b, n * C, dtype=dtype, device=tokens.device, requires_grad=True)
+    last.set_input_tensor(x)
+    loss = last(None, pos, None, labels=labels)
+    loss.float().mean().backward()
+    g = x.grad
+    ok_last = g is not None and g.shape == x.shape and bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
+    _, _, first, _ = _zoo(ctx, name, stage=(0, 2))  # layers 1-2: post_process=False
+    out = first(tokens, pos, None)
+    want = (seq, b, n * C)
+    ok_first = tuple(out.shape) == want and bool(torch.isfinite(out.float()).all())
+    ctx.report("PASS" if ok_last and ok_first else "FAIL", "pipeline boundary",
+               f"pre_process=False chunk fed {str(dtype).replace('torch.', '')} [{seq}, {b}, {n}·{C}] -> loss "
+               f"{float(loss.float().mean()):.4f}, input grad {'finite' if ok_last else 'MISSING/NON-FINITE'} "
+               f"(|g|_max {float(g.abs().max()) if g is not None else float('nan'):.3g}); post_process=False "
+               f"output {tuple(out.shape)} (want {want}, N·C edge)")
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. TE spec vs local spec, bf16 vs fp32 HC layers, on the same weights
+# ------------------------------------------------------------------------------------------------
+def _te_key(name: str) -> str:
+    """Local-spec name of a Transformer Engine spec parameter (layer norms fused into linears)."""
+    return (name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+            .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+
+
+def _load_from(model, ref: Dict[str, torch.Tensor], mapper=lambda k: k) -> List[str]:
+    inner = model.module if hasattr(model, "module") else model
+    missing = []
+    with torch.no_grad():
+        for n, p in inner.named_parameters():
+            src = ref.get(mapper(n))
+            if src is None or src.shape != p.shape:
+                missing.append(n)
+            else:
+                p.copy_(src)
+    return missing
+
+
+def _token_losses(ctx: Ctx, model, seq: int) -> torch.Tensor:
+    tokens, labels, pos = _batch(ctx, seq, 2, seed=11)
+    with torch.no_grad():
+        return model(tokens, pos, None, labels=labels).double()
+
+
+def check_spec(ctx: Ctx) -> None:
+    _init_single(ctx)
+    name = "tiny-moe:xhc"
+    _, _, ref_model, seq = _zoo(ctx, name, bf16=False)
+    ref = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    ref_loss = _token_losses(ctx, ref_model, seq)
+    if not ctx.cuda and not ctx.smoke:
+        ctx.report("SKIP", "spec", "bf16 comparisons need a GPU")
+        return
+    _, _, local, _ = _zoo(ctx, name, bf16=True)
+    _load_from(local, ref)
+    err_local = float((_token_losses(ctx, local, seq) - ref_loss).abs().mean())
+    _, _, local_hc16, _ = _zoo(ctx, name, bf16=True)
+    for p in local_hc16.parameters():
+        if getattr(p, "is_hyper_connection", False):
+            p.data = p.data.bfloat16()
+    _load_from(local_hc16, ref)
+    err_hc16 = float((_token_losses(ctx, local_hc16, seq) - ref_loss).abs().mean())
+    scale = float(ref_loss.abs().mean())
+    ok = math.isfinite(err_local) and math.isfinite(err_hc16) and err_local <= 0.02 * scale
+    ctx.report("PASS" if ok else "FAIL", "bf16 vs fp32 HC layers",
+               f"mean |token loss - fp32 model|: bf16 backbone + fp32 HC {err_local:.3g}, all-bf16 {err_hc16:.3g} "
+               f"(mean loss {scale:.3f}; limit 2% for the fp32-HC model)")
+    from models.specs import HAVE_TE
+
+    if not (ctx.cuda and HAVE_TE):
+        ctx.report("SKIP", "TE spec vs local spec", "Transformer Engine not installed" if ctx.cuda else "CPU")
+        return
+    _, _, te_model, _ = _zoo(ctx, name, te=True, bf16=True)
+    missing = _load_from(te_model, ref, _te_key)
+    err_te = float((_token_losses(ctx, te_model, seq) - ref_loss).abs().mean())
+    te_vs_local = float((_token_losses(ctx, te_model, seq) - _token_losses(ctx, local, seq)).abs().mean())
+    ok = not missing and math.isfinite(err_te) and err_te <= 2 * err_local + 1e-3 * scale
+    ctx.report("PASS" if ok else "FAIL", "TE spec vs local spec",
+               (f"{len(missing)} TE params without a local twin, e.g. {missing[:2]}; " if missing else "")
+               + f"mean |token loss - fp32|: TE {err_te:.3g}, local {err_local:.3g}; TE vs local {te_vs_local:.3g} "
+               f"(limit: 2x local + 0.1% of the loss)")
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. throughput of a shrunk paper preset
+# ------------------------------------------------------------------------------------------------
+def check_throughput(ctx: Ctx) -> None:
+    steps = 4 if ctx.smoke else 20
+    preset = "tiny-moe" if ctx.smoke else "moe-2p5b"
+    rows = []
+    for v in THROUGHPUT_VARIANTS:
+        extra = ["model.recompute=selective"]
+        over = overrides_for(ctx, f"tput-{v}", f"{preset}:{v}", steps, extra)
+        if not ctx.smoke:  # 4 of 15 layers, 8k tokens per micro-batch, 2 micro-batches
+            over += ["model.backbone.num_layers=4", "batch.seq_length=2048", "batch.micro_batch_size=4",
+                     "batch.global_batch_size=8", "tokenizer.vocab_size=32768"]
+        tr = make_trainer(ctx, over)
+        try:
+            recs = run_steps(tr, steps)
+        finally:
+            tr.close(destroy_process_group=False)
+        timed = recs[max(1, steps // 4):]  # after warm-up
+        tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
+        mfu = sorted(r["mfu"] for r in timed)[len(timed) // 2]
+        finite = all(math.isfinite(r["loss"]) for r in recs)
+        rows.append((v, tps, mfu, finite, recs[-1]["loss"]))
+    base = rows[0][1]
+    ok = all(r[3] for r in rows)
+    table = "; ".join(f"{v}: {tps:,.0f} tok/s ({tps / base:.3f}x), MFU {mfu:.1%}, loss {loss:.3f}"
+                      for v, tps, mfu, _, loss in rows)
+    label = f"{preset}{'' if ctx.smoke else ' (4 layers, seq 2048)'} {steps} steps"
+    ctx.report("PASS" if ok else "FAIL", "throughput", f"{label}: {table}")
+
+
+# ------------------------------------------------------------------------------------------------
+# 2 GPUs: TP, PP, VPP, EP, CP, and DP with the overlapped parameter all-gather (finding 2)
+# ------------------------------------------------------------------------------------------------
+MULTI_LAYOUTS = {
+    "tp2+sp": ["parallel.tp=2", "parallel.sp=true"],
+    "pp2": ["parallel.pp=2"],
+    "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"],  # interleaved 1F1B: CUDA only
+    "ep2": ["parallel.ep=2"],
+    "cp2": ["parallel.cp=2"],  # CUDA + Transformer Engine attention only
+    "dp2-muon": ["optimizer.name=muon"],
+}
+CUDA_ONLY = {"pp2-vpp2": "the interleaved schedule needs CUDA", "cp2": "context parallelism needs CUDA and TE"}
+
+
+def _all_max(x: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def check_multi(ctx: Ctx) -> None:
+    from models.specs import HAVE_TE
+
+    for name, extra in MULTI_LAYOUTS.items():
+        if name in CUDA_ONLY and (not ctx.cuda or (name == "cp2" and not HAVE_TE)):
+            ctx.report("SKIP", f"multi {name}", CUDA_ONLY[name])
+            continue
+        tr = None
+        try:
+            tr = make_trainer(ctx, overrides_for(ctx, f"multi-{name}", extra=extra))
+            recs = run_steps(tr, 3)
+            ev = tr.run_eval()
+            losses = [r["loss"] for r in recs]
+            ok = all(math.isfinite(x) for x in losses) and ev is not None and math.isfinite(ev)
+            ctx.report("PASS" if ok else "FAIL", f"multi {name}",
+                       f"losses {', '.join(f'{x:.4f}' for x in losses)}, eval {ev:.4f}")
+        except Exception as e:
+            ctx.report("FAIL", f"multi {name}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            if tr is not None:
+                tr.close(destroy_process_group=False)
+    check_overlap_param_gather_save(ctx)
+
+
+def check_overlap_param_gather_save(ctx: Ctx) -> None:
+    """DP = 2, distributed optimizer, overlapped param all-gather: right after step() the ranks
+    hold different weights (each updated only its shard); the checkpoint holds the synced ones."""
+    import torch.distributed as dist
+
+    from training.pretrain import params_synced
+
+    ck = os.path.join(ctx.workdir, "ckpt-overlap")
+    extra = ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true", "optimizer.name=adamw",
+             f"checkpoint.dir={ck}"]
+    tr = make_trainer(ctx, overrides_for(ctx, "overlap", extra=extra))
+    try:
+        run_steps(tr, 2)
+        w = weights(tr)
+
+        def spread(ws):  # max over params of |rank 0 - rank 1|
+            worst = 0.0
+            for k in sorted(ws):
+                t = ws[k].to(tr.device)
+                other = t.clone()
+                dist.broadcast(other, src=0)
+                worst = max(worst, float((t - other).abs().max()))
+            return _all_max(worst)
+
+        before = spread(w)
+        tr.save_checkpoint("gpu-check")  # syncs inside
+        with params_synced(tr.chunks):
+            w_synced = weights(tr)
+        after = spread(w_synced)
+        state = {f"{i}": {k: v.detach().float().clone() for k, v in tr._unwrap(c).state_dict().items()
+                          if torch.is_tensor(v)} for i, c in enumerate(tr.chunks)}
+    finally:
+        tr.close(destroy_process_group=False)
+    tr = make_trainer(ctx, overrides_for(ctx, "overlap-load", extra=extra + ["checkpoint.load_optimizer=false"]))
+    try:
+        loaded = {f"{i}": {k: v.detach().float() for k, v in tr._unwrap(c).state_dict().items() if torch.is_tensor(v)}
+                  for i, c in enumerate(tr.chunks)}
+    finally:
+        tr.close(destroy_process_group=False)
+    err = _all_max(max(float((loaded[i][k].to(state[i][k].device) - state[i][k]).abs().max())
+                       for i in state for k in state[i] if not k.endswith("_extra_state")))
+    ok = after == 0.0 and err == 0.0
+    ctx.report("PASS" if ok else "FAIL", "dp2 overlap_param_gather save",
+               f"ranks differ by {before:.3g} right after step() (unsynced shards), by {after:.3g} after the sync; "
+               f"checkpoint vs synced weights {err:.3g}")
+
+
+CHECKS = {"train_eval": check_train_eval, "variants": check_variants, "resume": check_resume,
+          "pipeline": check_pipeline, "spec": check_spec, "throughput": check_throughput, "multi": check_multi}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_checks", description=__doc__.split("\n\n")[0])
+    p.add_argument("checks", nargs="+", choices=sorted(CHECKS))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="shrunk sizes (the CPU smoke run of bench/gpu_check.sh)")
+    p.add_argument("--workdir", default=None, help="run and checkpoint directories (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("FAIL setup: --device cuda but torch.cuda.is_available() is False", flush=True)
+        return 1
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="xhc-gpu-check-")
+    ctx = Ctx(args.device, args.smoke, workdir)
+    try:
+        for name in args.checks:
+            t0 = time.perf_counter()
+            try:
+                CHECKS[name](ctx)
+            except Exception as e:
+                if ctx.main:
+                    traceback.print_exc()
+                ctx.report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if ctx.main:
+                print(f"[gpu_checks] {name} took {time.perf_counter() - t0:.1f}s", flush=True)
+    finally:
+        from models.parallel import destroy_parallel
+
+        destroy_parallel(destroy_process_group=True)
+        if args.workdir is None and ctx.main:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if any(r.startswith("FAIL") for r in ctx.results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
