@@ -439,6 +439,10 @@ def check_throughput(ctx: Ctx) -> None:
         if not ctx.smoke:  # 4 of 15 layers, 8k tokens per micro-batch, 2 micro-batches
             over += ["model.backbone.num_layers=4", "batch.seq_length=2048", "batch.micro_batch_size=4",
                      "batch.global_batch_size=8", "tokenizer.vocab_size=32768"]
+            from models.specs import HAVE_TE
+
+            if HAVE_TE:  # as configs/pretrain/*: grouped expert GEMMs, fused wgrad accumulation
+                over += ["model.backbone.moe_grouped_gemm=true", "model.backbone.gradient_accumulation_fusion=true"]
         tr = make_trainer(ctx, over)
         try:
             recs = run_steps(tr, steps)
