@@ -245,31 +245,62 @@ def test_hc_parameters_keep_their_fp32_values_through_the_bf16_wrap(parallel):  
 # ------------------------------------------------------------------------------------------------
 # Finding 4: evaluation and the router's token counts
 # ------------------------------------------------------------------------------------------------
+def _megatron_trainer_view(model, preset, monkeypatch):
+    """A Trainer stand-in whose GPU-path methods are the real ones, driving Megatron's own
+    (no-pipelining) schedule on CPU: the schedule's few ``device='cuda'`` scalars are redirected."""
+    import contextlib
+
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    from tests.test_optim import torch_with_cuda_factories_on_cpu
+
+    monkeypatch.setattr(schedules, "torch", torch_with_cuda_factories_on_cpu())
+    fake = types.SimpleNamespace(
+        cuda=True, chunks=[model], seq=SEQ, last_stage=True, num_micro=3, tf_config=model.config, hc=preset.hc,
+        cfg=types.SimpleNamespace(batch=types.SimpleNamespace(micro_batch_size=2),
+                                  parallel=types.SimpleNamespace(cp=1, pp=1)))
+    fake._cp_slice = fake._to_device = lambda b: b
+    fake._sequence_context = lambda b: contextlib.nullcontext()
+    fake._model_forward = lambda m, b: Trainer._model_forward(fake, m, b)
+    fake._masked_sum = Trainer._masked_sum
+    fake._forward_backward_megatron = lambda *a: Trainer._forward_backward_megatron(fake, *a)
+    fake._forward_backward_cpu = lambda *a: Trainer._forward_backward_cpu(fake, *a)
+    return fake
+
+
+def micro_batches():
+    for i in range(1000):
+        tokens, labels, pos = batch(i)
+        mask = torch.ones(2, SEQ)
+        mask[i % 2, : i % 5] = 0  # uneven token counts per micro-batch
+        yield {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": pos}
+
+
 @cpu_only
-def test_gpu_evaluation_leaves_the_expert_token_counts_alone(parallel):  # noqa: F811
-    """Trainer.forward_backward on the GPU path (Megatron's schedule stood in for by a plain
-    forward): forward_only leaves every router's ``local_tokens_per_expert`` unchanged; a training
-    forward adds exactly tokens x top-k to each."""
+def test_gpu_evaluation_leaves_the_expert_token_counts_alone(parallel, monkeypatch):  # noqa: F811
+    """Trainer.forward_backward on the GPU path, through Megatron's schedule: forward_only leaves
+    every router's ``local_tokens_per_expert`` unchanged (Megatron counts whenever gradients are
+    on); a training pass adds exactly tokens x top-k per micro-batch to each.  The (Σ loss·mask,
+    Σ mask) it returns equals the CPU path's over the same micro-batches."""
     model = fp32_model("tiny-moe:xhc")
+    preset = load_preset("tiny-moe:xhc", backbone_overrides=TINY)
+    fake = _megatron_trainer_view(model, preset, monkeypatch)
     routers = [m for m in model.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
     assert routers and all(r.enable_expert_bias for r in routers)
     topk = model.config.moe_router_topk
 
-    def megatron_schedule(iterators, forward_only, num_micro):
-        tokens, labels, pos = batch(0)
-        loss = model(tokens, pos, None, labels=labels)
-        if not forward_only:
-            loss.float().mean().backward()
-        return 0.0, 0.0
-
-    fake = types.SimpleNamespace(cuda=True, num_micro=1, _forward_backward_megatron=megatron_schedule)
     before = [r.local_tokens_per_expert.clone() for r in routers]
-    Trainer.forward_backward(fake, [None], forward_only=True)
+    total, count = Trainer.forward_backward(fake, [micro_batches()], forward_only=True)
     for r, b in zip(routers, before):
         assert torch.equal(r.local_tokens_per_expert, b)
-    Trainer.forward_backward(fake, [None], forward_only=False)
+    want_total, want_count = Trainer._forward_backward_cpu(fake, micro_batches(), True, 3)
+    assert count == want_count == 3 * 2 * SEQ - (0 + 1 + 2)
+    assert total == pytest.approx(want_total, rel=1e-12)
+
+    Trainer.forward_backward(fake, [micro_batches()], forward_only=False)
     for r, b in zip(routers, before):
-        assert float((r.local_tokens_per_expert - b).sum()) == 2 * SEQ * topk
+        assert float((r.local_tokens_per_expert - b).sum()) == 3 * 2 * SEQ * topk
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 # ------------------------------------------------------------------------------------------------

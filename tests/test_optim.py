@@ -495,17 +495,10 @@ def test_resume_is_bitwise(parallel, opt_name):
 # ------------------------------------------------------------------------------------------------
 # Megatron backend (the GPU path) on CPU
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def megatron_scalars_on_cpu(monkeypatch):
-    """Megatron's FP32Optimizer, grad-norm and clip helpers allocate a few ``device='cuda'``
-    scalars (and assert ``torch.cuda.FloatTensor`` grads); redirect exactly those to the CPU so the
-    optimiser logic itself (Megatron's param groups, AdamW, ChainedOptimizer, our Muon inside
-    FP32Optimizer, our step/skip glue) runs here.  Test-only; restored afterwards."""
+def torch_with_cuda_factories_on_cpu():
+    """A stand-in for the ``torch`` module whose tensor factories (``tensor``, ``zeros``, ...)
+    turn ``device='cuda'`` into ``device='cpu'``; install it as a Megatron module's ``torch``."""
     import types
-
-    import megatron.core.optimizer.clip_grads as mclip
-    import megatron.core.optimizer.optimizer as mopt
-    import megatron.core.utils as mutils
 
     def on_cpu(fn):
         def wrapped(*args, **kwargs):
@@ -517,6 +510,20 @@ def megatron_scalars_on_cpu(monkeypatch):
     shim = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
     for n in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(shim, n, on_cpu(getattr(torch, n)))
+    return shim
+
+
+@pytest.fixture
+def megatron_scalars_on_cpu(monkeypatch):
+    """Megatron's FP32Optimizer, grad-norm and clip helpers allocate a few ``device='cuda'``
+    scalars (and assert ``torch.cuda.FloatTensor`` grads); redirect exactly those to the CPU so the
+    optimiser logic itself (Megatron's param groups, AdamW, ChainedOptimizer, our Muon inside
+    FP32Optimizer, our step/skip glue) runs here.  Test-only; restored afterwards."""
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as mopt
+    import megatron.core.utils as mutils
+
+    shim = torch_with_cuda_factories_on_cpu()
     for module in (mopt, mclip, mutils):
         monkeypatch.setattr(module, "torch", shim)
 

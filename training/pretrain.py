@@ -546,7 +546,7 @@ class Trainer:
                      decoder_seq_length=self.seq, forward_only=forward_only)
         if not results:
             return 0.0, 0.0
-        total, count = torch.stack([r["lm loss"].float() for r in results]).sum(0).tolist()  # one host sync
+        total, count = torch.stack([r["lm loss"].double() for r in results]).sum(0).tolist()  # one host sync
         return total, count
 
     def _global_loss(self, total: float, count: float) -> float:
