@@ -9,11 +9,11 @@
 #   bash bench/gpu_check.sh --cpu-smoke      # the Python checks shrunk, on CPU (no GPU needed)
 #
 # Options: --log FILE (default runs/gpu_check-<time>.log), --python PY (an interpreter that
-# has torch; default: $XHC_PYTHON, then ./.venv-gpu, then python3), --wheels DIR (offline
+# has torch; default: $XHC_PYTHON, then ./runs/.venv-gpu, then python3), --wheels DIR (offline
 # wheels for what that interpreter lacks: megatron-core, pyyaml, ...), --budget SECONDS
 # (default 470: later steps are skipped once the budget is spent).
 #
-# Python: if the interpreter imports torch but not megatron.core, a venv .venv-gpu is made
+# Python: if the interpreter imports torch but not megatron.core, a venv runs/.venv-gpu is made
 # with --system-site-packages (it reuses the CUDA torch), the missing requirements are
 # installed (from --wheels when given) and this repository with `pip install -e . --no-deps`.
 set -u -o pipefail
@@ -77,7 +77,7 @@ fi
 
 if [ "$DRY" = 1 ]; then
   echo "bench/gpu_check.sh plan (--nproc $NPROC, device $DEVICE, budget ${BUDGET}s, log $LOG):"
-  echo "  0. environment: python with torch + megatron.core (venv .venv-gpu if needed), GPU name, versions"
+  echo "  0. environment: python with torch + megatron.core (venv runs/.venv-gpu if needed), GPU name, versions"
   for i in "${!PLAN_NAMES[@]}"; do
     echo "  step ${PLAN_NAMES[$i]} (limit ${PLAN_LIMITS[$i]}s): ${PLAN_CMDS[$i]}"
   done
@@ -87,13 +87,15 @@ fi
 exec > >(tee -a "$LOG") 2>&1
 T0=$(date +%s)
 echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) nproc=$NPROC device=$DEVICE log=$LOG"
-echo "[gpu_check] commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo ' (+ local changes)')"
+if command -v git >/dev/null 2>&1 && git rev-parse --git-dir >/dev/null 2>&1; then
+  echo "[gpu_check] commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ local changes)')"
+fi
 SUMMARY=()
 
 # ---- 0. environment ------------------------------------------------------------------------------
 has() { "$1" -c "import $2" >/dev/null 2>&1; }
 pick_python() {
-  for cand in "$PY" "$ROOT/.venv-gpu/bin/python" python3 python; do
+  for cand in "$PY" "$ROOT/runs/.venv-gpu/bin/python" python3 python; do
     [ -n "$cand" ] || continue
     command -v "$cand" >/dev/null 2>&1 || [ -x "$cand" ] || continue
     if has "$cand" torch; then PY="$cand"; return 0; fi
@@ -104,17 +106,29 @@ env_fail() { echo "FAIL environment: $1"; SUMMARY+=("FAIL environment: $1"); }
 if ! pick_python; then
   env_fail "no python with torch found (set --python or XHC_PYTHON)"
 else
-  if ! has "$PY" "megatron.core" || ! has "$PY" yaml; then
-    echo "[gpu_check] $PY lacks megatron.core or yaml: making .venv-gpu (system site packages: reuses its torch)"
-    [ -x .venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages .venv-gpu
-    PY="$ROOT/.venv-gpu/bin/python"
-    PIP=("$PY" -m pip install -q --disable-pip-version-check)
-    [ -n "$WHEELS" ] && PIP+=(--no-index --find-links "$WHEELS")
-    "${PIP[@]}" "megatron-core>=0.16.1" pyyaml numpy tqdm sentencepiece || echo "[gpu_check] pip install of the requirements failed"
+  if ! has "$PY" "megatron.core" || ! has "$PY" yaml || ! has "$PY" einops; then
+    # A venv on top of the interpreter's packages (its CUDA torch stays the one used); where
+    # venv is unavailable, a --target folder on PYTHONPATH.  megatron-core without its
+    # dependencies, so that pip never replaces torch.
+    PIPOPT=(-q --disable-pip-version-check)
+    [ -n "$WHEELS" ] && PIPOPT+=(--no-index --find-links "$WHEELS")
+    mkdir -p runs
+    if [ -x runs/.venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages runs/.venv-gpu >/dev/null 2>&1; then
+      echo "[gpu_check] $PY lacks megatron.core / yaml / einops: installing into runs/.venv-gpu (system site packages)"
+      PY="$ROOT/runs/.venv-gpu/bin/python"
+      DEST=()
+    else
+      echo "[gpu_check] $PY lacks megatron.core / yaml / einops and venv is unavailable: installing into runs/.gpu-deps"
+      DEST=(--target "$ROOT/runs/.gpu-deps")
+      export PYTHONPATH="$ROOT/runs/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" --no-deps "megatron-core>=0.16.1" \
+      && "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" pyyaml einops packaging tqdm \
+      || echo "[gpu_check] installing the requirements failed (offline? pass --wheels DIR with megatron-core, pyyaml, einops)"
   fi
-  if ! "$PY" -c "import training, models, xhc" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
-      || echo "[gpu_check] pip install -e . failed; using PYTHONPATH=$ROOT"
+  if ! "$PY" -c "import training.pretrain" >/dev/null 2>&1; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+      || echo "[gpu_check] pip install -e . --no-deps failed; running from the source tree (PYTHONPATH)"
   fi
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   INFO=$("$PY" - "$DEVICE" <<'PY' 2>&1
