@@ -106,25 +106,28 @@ env_fail() { echo "FAIL environment: $1"; SUMMARY+=("FAIL environment: $1"); }
 if ! pick_python; then
   env_fail "no python with torch found (set --python or XHC_PYTHON)"
 else
-  if ! has "$PY" "megatron.core" || ! has "$PY" yaml || ! has "$PY" einops; then
+  [ -d runs/.gpu-deps ] && export PYTHONPATH="$ROOT/runs/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"  # an earlier install
+  if ! has "$PY" "megatron.core" || ! has "$PY" yaml; then
     # A venv on top of the interpreter's packages (its CUDA torch stays the one used); where
     # venv is unavailable, a --target folder on PYTHONPATH.  megatron-core without its
     # dependencies, so that pip never replaces torch.
     PIPOPT=(-q --disable-pip-version-check)
     [ -n "$WHEELS" ] && PIPOPT+=(--no-index --find-links "$WHEELS")
     mkdir -p runs
-    if [ -x runs/.venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages runs/.venv-gpu >/dev/null 2>&1; then
-      echo "[gpu_check] $PY lacks megatron.core / yaml / einops: installing into runs/.venv-gpu (system site packages)"
+    [ -x runs/.venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages runs/.venv-gpu >/dev/null 2>&1
+    if [ -x runs/.venv-gpu/bin/python ] && has runs/.venv-gpu/bin/python torch; then
+      echo "[gpu_check] $PY lacks megatron.core / yaml: installing into runs/.venv-gpu (system site packages)"
       PY="$ROOT/runs/.venv-gpu/bin/python"
       DEST=()
-    else
-      echo "[gpu_check] $PY lacks megatron.core / yaml / einops and venv is unavailable: installing into runs/.gpu-deps"
+    else  # no venv module, or $PY is itself a venv (a venv on top of it does not see its torch)
+      rm -rf runs/.venv-gpu
+      echo "[gpu_check] $PY lacks megatron.core / yaml: installing into runs/.gpu-deps (on PYTHONPATH)"
       DEST=(--target "$ROOT/runs/.gpu-deps")
       export PYTHONPATH="$ROOT/runs/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"
     fi
     "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" --no-deps "megatron-core>=0.16.1" \
-      && "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" pyyaml einops packaging tqdm \
-      || echo "[gpu_check] installing the requirements failed (offline? pass --wheels DIR with megatron-core, pyyaml, einops)"
+      && "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" pyyaml packaging tqdm \
+      || echo "[gpu_check] installing the requirements failed (offline? pass --wheels DIR with megatron-core and pyyaml)"
   fi
   if ! "$PY" -c "import training.pretrain" >/dev/null 2>&1; then
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
@@ -153,7 +156,9 @@ print(f"{'PASS' if ok else 'FAIL'} environment: python {sys.version.split()[0]},
 PY
 )
   echo "$INFO"
-  SUMMARY+=("$(echo "$INFO" | grep -E '^(PASS|FAIL) environment' | tail -1)")
+  VERDICT=$(echo "$INFO" | grep -E '^(PASS|FAIL) environment' | tail -1)
+  [ -n "$VERDICT" ] || VERDICT="FAIL environment: $PY: $(echo "$INFO" | tail -1)"
+  SUMMARY+=("$VERDICT")
   TORCHRUN=("$PY" -m torch.distributed.run)
   if [ "$NPROC" = 2 ] && [ "$SMOKE" = 0 ]; then
     NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

@@ -551,7 +551,8 @@ def check_overlap_param_gather_save(ctx: Ctx) -> None:
                        for i in state for k in state[i] if not k.endswith("_extra_state")))
     ok = after == 0.0 and err == 0.0
     ctx.report("PASS" if ok else "FAIL", "dp2 overlap_param_gather save",
-               f"ranks differ by {before:.3g} right after step() (unsynced shards), by {after:.3g} after the sync; "
+               f"ranks differ by {before:.3g} right after step() "
+               f"({'unsynced shards' if before else 'no deferred all-gather on this path'}), by {after:.3g} after the sync; "
                f"checkpoint vs synced weights {err:.3g}")
 
 
