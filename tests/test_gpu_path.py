@@ -107,7 +107,8 @@ def params(model):
 # ------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("opt_name", ["muon", "adamw"])
-def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path, opt_name):  # noqa: F811
+def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
+                                                       opt_name):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
     1 step == 3 uninterrupted steps, bit for bit.  Before the fix the save raised (the bf16
     wrapper numbered its state from its bf16 params only)."""

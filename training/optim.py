@@ -769,7 +769,8 @@ def megatron_config_overrides(cfg: OptimizerConfig) -> Dict[Any, Any]:
     return {ParamKey(with_name_predicate=no_decay): {"wd_mult": 0.0}}
 
 
-def _megatron_adam(chunks: List[torch.nn.Module], mcfg, overrides, exclude: set, drop_stubs: bool = False) -> List[Any]:
+def _megatron_adam(chunks: List[torch.nn.Module], mcfg, overrides, exclude: set,
+                   drop_stubs: bool = False) -> List[Any]:
     """Megatron's own optimiser (``get_megatron_optimizer``) over every trainable parameter whose
     id is not in ``exclude``; returns its sub-optimisers (dense, expert), without the empty
     (stub) ones if ``drop_stubs``."""
@@ -792,8 +793,8 @@ def _fp32_params_beside_bf16(named, mcfg, exclude: set) -> set:
     non-distributed Megatron optimiser would put into ``Float16OptimizerWithFloat16Params``.
 
     That wrapper numbers its checkpoint entries from its bf16 params only while torch's
-    ``state_dict`` numbers all of them, so a mixed group fails at the first save (shape assertion
-    or "Param id ... does not match").  These params get their own ``FP32Optimizer`` instead.
+    ``state_dict`` numbers all of them, so a mixed group fails at the first save (0.16.1: a
+    ``KeyError`` on the first fp32 param's id).  These params get their own ``FP32Optimizer`` instead.
     The distributed optimizer shards fp32 params itself and needs nothing."""
     if not mcfg.bf16 or mcfg.use_distributed_optimizer:
         return set()
