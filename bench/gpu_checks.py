@@ -99,6 +99,16 @@ def make_trainer(ctx: Ctx, overrides: List[str], before_wrap: Optional[Callable]
     return tr
 
 
+def close(tr) -> None:
+    """Tear the trainer down (the process group stays) and free its memory before the next one."""
+    import gc
+
+    tr.close(destroy_process_group=False)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def iterators(tr):
     return [tr.data_iterator(tr.train_ds, tr.consumed_samples, cycle=False) for _ in tr.chunks]
 
@@ -148,7 +158,7 @@ def check_train_eval(ctx: Ctx) -> None:
     def before_wrap(chunks):
         for i, c in enumerate(chunks):
             for n, p in hc_params(c).items():
-                snap[f"{i}.{n}"] = p.detach().clone()
+                snap[f"{i}.{n}"] = p.detach().cpu().clone()
 
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -163,7 +173,7 @@ def check_train_eval(ctx: Ctx) -> None:
         if any(p.dtype != torch.float32 for p in hc_now.values()):
             problems.append("HC parameters not fp32")
         if ctx.cuda:
-            inexact = [n for n, p in hc_now.items() if not torch.equal(p.detach(), snap[n].float())]
+            inexact = [n for n, p in hc_now.items() if not torch.equal(p.detach().cpu(), snap[n].float().cpu())]
             if inexact:
                 problems.append(f"{len(inexact)} HC parameters differ from their fp32 init, e.g. {inexact[0]}")
         config = tr.tf_config
@@ -197,7 +207,7 @@ def check_train_eval(ctx: Ctx) -> None:
         prefix = "; ".join(problems) + " | " if problems else ""
         ctx.report("FAIL" if problems else "PASS", "train_eval", prefix + text)
     finally:
-        tr.close(destroy_process_group=False)
+        close(tr)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +230,7 @@ def check_variants(ctx: Ctx) -> None:
             ctx.report("FAIL", f"variant {v}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         finally:
             if tr is not None:
-                tr.close(destroy_process_group=False)
+                close(tr)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,7 +245,7 @@ def check_resume(ctx: Ctx) -> None:
         w0 = weights(tr)
         run_steps(tr, 3)
         w_straight = weights(tr)
-        tr.close(destroy_process_group=False)
+        close(tr)
         # 2 steps, save
         tr = make_trainer(ctx, overrides_for(ctx, f"first-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
         run_steps(tr, 2)
@@ -244,14 +254,14 @@ def check_resume(ctx: Ctx) -> None:
                   for i, c in enumerate(tr.chunks)}
         consumed = tr.consumed_samples
         tr.save_checkpoint("gpu-check")
-        tr.close(destroy_process_group=False)
+        close(tr)
         update = l2_diff(w_straight, w2)  # the size of one update: what a wrong resume would be off by
         # resume (model, optimizer, scheduler, RNG), 1 step
         tr = make_trainer(ctx, overrides_for(ctx, f"resumed-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
         resumed_at = tr.step
         run_steps(tr, 1)
         err = l2_diff(weights(tr), w_straight)
-        tr.close(destroy_process_group=False)
+        close(tr)
         ok = resumed_at == 2 and err <= 0.05 * update
         ctx.report("PASS" if ok else "FAIL", f"resume {opt}",
                    f"resumed at step {resumed_at}; ||3 steps - (2 + save + load + 1)|| = {err:.3g} "
@@ -261,7 +271,7 @@ def check_resume(ctx: Ctx) -> None:
             f"checkpoint.dir={ck}", "checkpoint.load_optimizer=false"]))
         run_steps(tr, 1)
         w_noopt = weights(tr)
-        tr.close(destroy_process_group=False)
+        close(tr)
         def load_saved(chunks):  # before the bf16 wrap, DDP and the optimiser: built on these weights
             for i, c in enumerate(chunks):
                 c.load_state_dict(state2[f"{i}"], strict=False)
@@ -274,7 +284,7 @@ def check_resume(ctx: Ctx) -> None:
         tr.step, tr.consumed_samples = 2, consumed
         run_steps(tr, 1)
         w_fresh = weights(tr)
-        tr.close(destroy_process_group=False)
+        close(tr)
         err = l2_diff(w_noopt, w_fresh)
         travel = l2_diff(w2, w0)  # what stale main copies would add (back to the initial weights)
         ok = err <= 0.05 * travel
@@ -456,7 +466,7 @@ def check_throughput(ctx: Ctx) -> None:
         try:
             recs = run_steps(tr, steps)
         finally:
-            tr.close(destroy_process_group=False)
+            close(tr)
         timed = recs[max(1, steps // 4):]  # after warm-up
         tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
         mfu = sorted(r["mfu"] for r in timed)[len(timed) // 2]
@@ -513,7 +523,7 @@ def check_multi(ctx: Ctx) -> None:
             ctx.report("FAIL", f"multi {name}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         finally:
             if tr is not None:
-                tr.close(destroy_process_group=False)
+                close(tr)
     check_overlap_param_gather_save(ctx)
 
 
@@ -549,13 +559,13 @@ def check_overlap_param_gather_save(ctx: Ctx) -> None:
         state = {f"{i}": {k: v.detach().float().clone() for k, v in tr._unwrap(c).state_dict().items()
                           if torch.is_tensor(v)} for i, c in enumerate(tr.chunks)}
     finally:
-        tr.close(destroy_process_group=False)
+        close(tr)
     tr = make_trainer(ctx, overrides_for(ctx, "overlap-load", extra=extra + ["checkpoint.load_optimizer=false"]))
     try:
         loaded = {f"{i}": {k: v.detach().float() for k, v in tr._unwrap(c).state_dict().items() if torch.is_tensor(v)}
                   for i, c in enumerate(tr.chunks)}
     finally:
-        tr.close(destroy_process_group=False)
+        close(tr)
     err = _all_max(max(float((loaded[i][k].to(state[i][k].device) - state[i][k]).abs().max())
                        for i in state for k in state[i] if not k.endswith("_extra_state")))
     ok = after == 0.0 and err == 0.0
