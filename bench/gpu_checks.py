@@ -486,7 +486,9 @@ def check_throughput(ctx: Ctx) -> None:
 MULTI_LAYOUTS = {
     "tp2+sp": ["parallel.tp=2", "parallel.sp=true"],
     "pp2": ["parallel.pp=2"],
-    "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2"],  # interleaved 1F1B: CUDA only
+    # interleaved 1F1B (CUDA only) with the overlapped param gather: param_sync_func + align_param_gather
+    "pp2-vpp2": ["parallel.pp=2", "parallel.vpp=2", "parallel.overlap_grad_reduce=true",
+                 "parallel.overlap_param_gather=true"],
     "ep2": ["parallel.ep=2"],
     "cp2": ["parallel.cp=2"],  # CUDA + Transformer Engine attention only
     "dp2-muon": ["optimizer.name=muon"],

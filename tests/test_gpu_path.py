@@ -383,3 +383,43 @@ def test_mlp_gets_packed_seq_params_when_its_forward_takes_them():
     MLP019()(torch.zeros(1), **kw)  # a call with them works
     MLP016()(torch.zeros(1), **mlp_kwargs(MLP016(), mask, packed))
     assert mlp_kwargs(MLP019(), None, None) == {"padding_mask": None}
+
+
+# ------------------------------------------------------------------------------------------------
+# Trainer._wrap_gpu itself (device moves stubbed out)
+# ------------------------------------------------------------------------------------------------
+@cpu_only
+@pytest.mark.parametrize("n_chunks,overlap,opt_name,aligned", [
+    (1, True, "adamw", False),   # one chunk: the DDP pre-hooks prefetch the next bucket
+    (2, True, "adamw", True),    # virtual stages: the interleaved schedule dispatches via param_sync_func
+    (2, True, "muon", False),    # Muon: no distributed optimizer, so no overlapped gather at all
+    (2, False, "adamw", False),
+])
+def test_wrap_gpu(parallel, monkeypatch, n_chunks, overlap, opt_name, aligned):  # noqa: F811
+    """The GPU wrap on CPU (``.cuda()`` stubbed): bf16 backbone, HC parameters fp32 at their
+    initial values, Megatron DDP with ``align_param_gather`` exactly when ``param_sync_func``
+    will drive the gather (overlapped gather with virtual pipeline stages)."""
+    from training.config import ParallelConfig
+
+    chunks = [fp32_model("tiny-moe:xhc") for _ in range(n_chunks)]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where Megatron DDP puts its buffers
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
+    init = [{n: p.detach().clone() for n, p in c.named_parameters() if getattr(p, "is_hyper_connection", False)}
+            for c in chunks]
+    config = chunks[0].config
+    config.bf16, config.params_dtype = True, torch.bfloat16
+    fake = types.SimpleNamespace(
+        tf_config=config, dp=1,
+        cfg=types.SimpleNamespace(optimizer=OptimizerConfig(name=opt_name),
+                                  parallel=ParallelConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)))
+    wrapped = Trainer._wrap_gpu(fake, chunks, True)
+    assert len(wrapped) == n_chunks
+    for w, hc in zip(wrapped, init):
+        assert w.ddp_config.align_param_gather is aligned
+        assert w.ddp_config.use_distributed_optimizer is (opt_name == "adamw")
+        assert w.ddp_config.overlap_param_gather is (overlap and opt_name == "adamw")
+        for n, p in gpt(w).named_parameters():
+            if n in hc:
+                assert p.dtype == torch.float32 and torch.equal(p, hc[n]), n
+            else:
+                assert p.dtype == torch.bfloat16, n
