@@ -398,10 +398,10 @@ class Trainer:
     def _cp_slice(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         if self.cfg.parallel.cp == 1:
             return batch
-        from megatron.core.utils import get_batch_on_this_cp_rank
+        from models.parallel import batch_on_this_cp_rank
 
         keys = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-        return get_batch_on_this_cp_rank({k: batch.get(k) for k in keys})
+        return batch_on_this_cp_rank({k: batch.get(k) for k in keys})
 
     def _sequence_context(self, batch):
         """Explicit document layout for the xHC temporal conv, when position ids carry it (§3.6, §8 #22)."""
