@@ -15,8 +15,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["xhc", "xhc.*", "models", "models.*", "training", "training.*", "tools", "tools.*"]),
-    package_data={"": ["*.yaml"]},
+    packages=find_packages(include=["xhc", "xhc.*", "models", "models.*", "training", "training.*", "tools", "tools.*",
+                                    "configs"]),
+    # The YAML presets and run configs ship inside the wheel (found through importlib.resources).
+    package_data={"configs": ["models/*.yaml", "pretrain/*.yaml", "finetune/*.yaml"]},
     install_requires=[
         "torch>=2.6",
         MEGATRON,

@@ -33,6 +33,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from configs import config_dir, packaged_configs, resolve_config
+
 __all__ = [
     "BatchConfig",
     "CheckpointConfig",
@@ -52,8 +54,7 @@ __all__ = [
     "validate_runtime",
 ]
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "pretrain", "default-tiny.yaml")
+DEFAULT_CONFIG = str(config_dir("pretrain") / "default-tiny.yaml")  # package data (configs/)
 
 
 class ConfigError(ValueError):
@@ -488,8 +489,10 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
 def read_yaml(path: str) -> dict:
     import yaml
 
+    path = resolve_config(path, "pretrain")
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: file not found (configs live in configs/pretrain/)")
+        raise ConfigError(f"--config {path}: file not found; give a YAML path or a packaged config: "
+                          f"{', '.join(packaged_configs('pretrain'))}")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}

@@ -41,6 +41,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from configs import resolve_config
 from xhc.config import HCConfig
 
 # ================================================================================================
@@ -168,6 +169,7 @@ class FinetuneConfig:
 
         d = {}
         if path:
+            path = resolve_config(path, "finetune")  # a path, or a packaged config's name
             if not os.path.isfile(path):
                 raise FinetuneConfigError(f"--config {path}: file not found")
             with open(path, encoding="utf-8") as f:
