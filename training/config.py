@@ -503,6 +503,21 @@ def read_yaml(path: str) -> dict:
     return data
 
 
+def _scale_default_warmup(schedule) -> List[str]:
+    """Scale the built-in warmup with the run length (the user set neither): one log line, or none."""
+    from training.schedule import scaled_warmup
+
+    ref = _schedule_default()
+    if schedule.total_steps == ref.total_steps or schedule.kind == "constant":
+        return []
+    w = scaled_warmup(schedule, ref.warmup_steps, ref.total_steps)
+    if w == schedule.warmup_steps:
+        return []
+    schedule.warmup_steps = w
+    return [f"schedule.warmup_steps not set: scaled with the run length to {w} "
+            f"({ref.warmup_steps} per {ref.total_steps} steps; set schedule.warmup_steps to choose)"]
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), validate: bool = True) -> PretrainConfig:
     """The config of ``path`` (None: the built-in default run) with ``overrides``, validated."""
     raw = read_yaml(path) if path else {}
@@ -512,8 +527,13 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), valid
         if sec not in SECTION_TYPES:
             raise _err(str(sec), f"unknown section; sections: {', '.join(SECTION_TYPES)}")
     cfg = from_dict(PretrainConfig, raw)
-    if "total_steps" not in (raw.get("schedule") or {}):
+    notes: List[str] = []
+    sched_raw = raw.get("schedule") or {}
+    if "total_steps" not in sched_raw:
         cfg.schedule.total_steps = cfg.run.train_steps  # the schedule spans the run unless told otherwise
+        if "warmup_steps" not in sched_raw:
+            notes += _scale_default_warmup(cfg.schedule)
+    cfg.__dict__["notes"] = notes  # log lines for the trainer; not a config key
     if validate:
         validate_config(cfg)
     return cfg

@@ -739,6 +739,8 @@ class Trainer:
                  f"accumulation {self.num_micro}; {self.tokens_per_step} tokens/step")
         self.log(f"[xhc] optimizer  {cfg.optimizer.name} lr {cfg.optimizer.lr:g}, {cfg.schedule.kind} schedule "
                  f"(warmup {cfg.schedule.warmup_steps}, {cfg.schedule.total_steps} steps), clip {cfg.optimizer.clip_grad:g}")
+        for note in getattr(cfg, "notes", ()):
+            self.log(f"[xhc] note       {note}")
         self.log(f"[xhc] data       {self.paths['data']} (train {len(self.train_ds)} samples"
                  f"{', valid %d' % len(self.valid_ds) if self.valid_ds is not None else ''}; ready in "
                  f"{self.data_seconds:.1f}s)")
