@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from training.data._util import sha256_file as _sha256  # hex sha256 of a file's bytes
+
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -90,10 +92,6 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
 # ------------------------------------------------------------------------------------------------
 # Manifest
 # ------------------------------------------------------------------------------------------------
-def _sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _object_ranges(directory: str) -> Dict[str, List[Tuple[int, int]]]:
