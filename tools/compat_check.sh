@@ -4,10 +4,11 @@
 #   tools/compat_check.sh                 # create/update the venv, then run the tests
 #   tools/compat_check.sh --install-only  # only create/update the venv
 #
-# CI (.ci/run) tests megatron-core 0.16.1 on Python 3.11; megatron-core 0.17+ needs Python 3.12.
-# This script covers the other end of the range that setup.py declares.  It is not part of CI
-# because the Python 3.12 install alone downloads PyTorch's CUDA build from PyPI (about 2.7 GB:
-# PyPI has no CPU-only torch wheel for Linux); run it before every release.
+# The main test run (tools/env.sh, Python 3.11) covers megatron-core 0.16.x; 0.17+ needs Python
+# 3.12.  This script covers the other end of the range that setup.py declares; .ci/run calls it
+# as its second stage.  On Python 3.12 the install downloads PyTorch's CUDA build from PyPI
+# (about 2.7 GB of wheels, 5.3 GB installed: PyPI has no CPU-only torch wheel for Linux); the
+# tests run on the CPU all the same.
 #
 # Environment:
 #   XHC_COMPAT_VENV     the venv (default: .venv-compat in the repository root, git-ignored)
@@ -40,13 +41,17 @@ stamp="$venv/.xhc-compat-installed"
 want="$(sha1sum < "$root/setup.py" | cut -c1-12)-$mcore-$torch_spec"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[compat] installing $torch_spec, $mcore and xhc[test,hf] into $venv" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q "$torch_spec"
-  "$venv/bin/python" -m pip install -q "$mcore" -e "$root[test,hf]"
+  pip_q() {  # pip install -q without the local index's "is ignored" noise, keeping pip's exit code
+    "$venv/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored" || true; }
+    return "${PIPESTATUS[0]}"
+  }
+  pip_q --upgrade pip
+  pip_q "$torch_spec"
+  pip_q "$mcore" -e "$root[test,hf]"
   echo "$want" > "$stamp"
 fi
 t1=$(date +%s)
-"$venv/bin/python" -c "import sys, torch, megatron.core as m; print(f'[compat] Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}')"
+"$venv/bin/python" -c "import sys, torch, megatron.core as m; print(f'[compat] Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}')" 2>/dev/null
 echo "[compat] install: $((t1 - t0)) s" >&2
 [ "$install_only" = 1 ] && exit 0
 
