@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     print("\nFLOPs/token: Megatron-Core's formula for the backbone (6 x activated non-embedding params + LM head "
           "+ causal attention at the preset's sequence length) + F_HC = 6 x HC GEMM/conv params (docs/math.md §5.2).")
     print("Activated counts top-k/E of the routed experts and every other weight, embeddings and output layer "
-          "included. Where the paper differs by >10% see README 'Model zoo' for why.")
+          "included. Where the paper differs by >10% see docs/reproducing.md ('Model zoo') for why.")
     return 0
 
 
