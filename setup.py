@@ -29,6 +29,9 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "tensorboard>=2.16",
+        # Megatron's dist_checkpointing writer needs psutil but does not declare it: without it the
+        # first checkpoint save fails in the writer process and the trainer waits forever.
+        "psutil>=5.9",
     ],
     extras_require={
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
