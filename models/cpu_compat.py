@@ -8,9 +8,10 @@ CUDA generator, and (0.16.x only) leaves a Transformer-Engine symbol unbound whe
 - **a no-op when CUDA is available** (it returns ``False`` and touches nothing), so the GPU path
   is stock Megatron;
 - **idempotent**, and undoable with :func:`disable_cpu_mode` (tests use this);
-- **narrow**: each patch below says why it is needed and which Megatron versions were read
-  (installed 0.16.1; source of 0.17.1, 0.18.2 and 0.19.0 read in the mirror).  Patches look
-  attributes up with ``getattr`` and skip what a version does not have.
+- **narrow**: each patch below says why it is needed and which Megatron versions need it
+  (tested on 0.16.1 with Python 3.11 and on 0.19.2 with Python 3.12, see
+  ``tools/compat_check.sh``).  Patches look attributes up with ``getattr`` and skip what a
+  version does not have (feature detection, never version strings).
 
 The patches:
 
@@ -18,7 +19,11 @@ The patches:
    ``device=`` of buffers (router expert bias, rotary inv-freq, TP all-gather outputs, ...);
    on a CPU build the original raises "Torch not compiled with CUDA enabled".
    ``torch.cuda.synchronize`` becomes a no-op (dist_checkpointing's save path calls it
-   unconditionally; CPU work is synchronous).
+   unconditionally; CPU work is synchronous).  ``torch.cuda.current_stream`` returns
+   ``torch.cpu.current_stream()``, whose ``wait_event`` / ``wait_stream`` are no-ops: since
+   0.19.0 ``param_and_grad_buffer``'s ``start_grad_sync`` (reached from
+   ``finalize_model_grads`` under Megatron's ``DistributedDataParallel``) always asks for the
+   current CUDA stream, to wait for CUDA-graph gradient events that never exist on CPU.
 2. Megatron's RNG tracker (``tensor_parallel.random``) gets a CPU backend:
    ``CudaRNGStatesTracker`` is replaced by :class:`CpuRNGStatesTracker`, whose named states are
    CPU generator states, so ``get_cuda_rng_tracker().fork()`` (attention dropout, expert init)
@@ -156,6 +161,17 @@ class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
             self._current_state_name = orig_name
 
 
+def _patch_streams() -> None:
+    """Redirect ``torch.cuda.current_stream`` to the CPU stream (part of patch 1).
+
+    ``torch.cpu.Stream`` has the ``wait_event`` / ``wait_stream`` methods Megatron calls, as
+    no-ops: CPU work is synchronous, so there is nothing to wait for.
+    """
+    cpu_stream = getattr(getattr(torch, "cpu", None), "current_stream", None)
+    if cpu_stream is not None:
+        _patch(torch.cuda, "current_stream", cpu_stream)
+
+
 def cpu_mode_enabled() -> bool:
     """True while :func:`enable_cpu_mode`'s patches are installed."""
     return _ENABLED
@@ -181,6 +197,9 @@ def enable_cpu_mode() -> bool:
     #     (FileSystemWriterAsync.preload_tensors, fully_parallel / async_utils).  With no CUDA
     #     device there is nothing to synchronise.
     _patch(torch.cuda, "synchronize", _cpu_synchronize)
+
+    # 1c. Streams (0.19+: DDP's grad sync waits on the current stream).
+    _patch_streams()
 
     # 2. RNG tracker on CPU generator states.
     _patch(_mrandom, "CudaRNGStatesTracker", CpuRNGStatesTracker)

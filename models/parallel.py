@@ -38,6 +38,7 @@ from models.cpu_compat import enable_cpu_mode
 __all__ = [
     "allreduce_data_parallel_grads",
     "allreduce_sequence_parallel_grads",
+    "batch_on_this_cp_rank",
     "destroy_parallel",
     "finalize_grads",
     "free_port",
@@ -129,6 +130,28 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
         ps.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """This context-parallel rank's rows of ``batch`` (Megatron's ``get_batch_on_this_cp_rank``).
+
+    Megatron's load-balanced split: the sequence is cut into 2·cp chunks and CP rank r keeps
+    chunks r and 2·cp−1−r.  ``cp_group`` defaults to Megatron's context-parallel group.  The
+    function's signature changed in megatron-core 0.18 (``(batch, cp_group=None)`` became
+    ``(batch, is_hybrid_cp, cp_group=None, ...)``, and a ``None`` group now means the whole
+    world), so the group is always passed explicitly and ``is_hybrid_cp=False`` only where the
+    signature has it (feature detection: the installed function's parameters are inspected).
+    """
+    import inspect
+
+    from megatron.core import utils as mutils
+
+    fn = mutils.get_batch_on_this_cp_rank
+    if cp_group is None:
+        cp_group = ps.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(fn).parameters:
+        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return fn(batch, cp_group=cp_group)
 
 
 def _chunks(model: Models) -> List[torch.nn.Module]:

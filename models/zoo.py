@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from configs import config_dir
 from xhc.config import HCConfig, HCConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+CONFIG_DIR = config_dir("models")  # package data: found from any working directory, installed or not
 ZOO_KEYS = {"first_dense_layers", "activation", "vocab_size", "seq_length", "rotary_base",
             "position_embedding_type", "untie_embeddings", "peak_lr"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}

@@ -161,7 +161,7 @@ def _edit_manifest(path):
 @pytest.mark.parametrize("corrupt, words", [
     (lambda path: _flip_byte(_largest_data_file(path)), "fails its sha256"),
     (lambda path: _truncate(_largest_data_file(path)), "bytes, the manifest says"),
-    (lambda path: os.remove(os.path.join(path, "common.pt")), "is missing"),
+    (lambda path: os.remove(os.path.join(path, ".metadata")), "is missing"),
     (lambda path: _flip_byte(os.path.join(path, "metadata.json")), "fails its sha256"),
     (lambda path: os.remove(os.path.join(path, MANIFEST)), "no manifest.json"),
     (_edit_manifest, "fails its own sha256"),
@@ -182,10 +182,47 @@ def test_metadata_checksum_still_catches_size_changes(parallel, tmp_path):
     model, opt, sched = _setup(seed=1)
     _, path = _save(str(tmp_path), 5, model, opt, sched, checksum="metadata")
     body = verify_checkpoint(path)
-    assert "sha256" in body["files"]["metadata.json"] and "sha256" in body["files"]["common.pt"]
-    assert not any("sha256" in e for f, e in body["files"].items() if f.endswith(".distcp"))
+    files = body["files"]
+    assert "sha256" in files["metadata.json"] and "sha256" in files[".metadata"]
+    if "common.pt" in files:  # megatron-core < 0.19 keeps the common state there
+        assert "sha256" in files["common.pt"]
+    assert not any("sha256" in e for f, e in files.items() if f.endswith(".distcp"))
     _truncate(_largest_data_file(path))
     with pytest.raises(CheckpointError, match="bytes"):
+        verify_checkpoint(path)
+
+
+def _object_keys(path):
+    """The non-tensor entries of a torch_dist checkpoint, read independently of the manifest."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = FileSystemReader(path).read_metadata()
+    return md, {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+
+
+def test_metadata_checksum_covers_every_non_tensor_object(parallel, tmp_path):
+    """Step, scheduler, RNG and the CPU optimizer state are hashed in ``metadata`` mode wherever
+    Megatron stores them: in common.pt (< 0.19) or inside the .distcp files (0.19+)."""
+    model, opt, sched = _setup(seed=1)
+    _, path = _save(str(tmp_path), 5, model, opt, sched, checksum="metadata")
+    md, objects = _object_keys(path)
+    assert any("rng" in k for k in objects) and any("optim" in k for k in objects), sorted(objects)
+    located = [(i.fqn, info) for i, info in md.storage_data.items() if i.fqn in objects]
+    assert located
+    for fqn, info in located:  # flipping a byte of any one object is caught, then undone
+        p = os.path.join(path, info.relative_path)
+        where = info.offset + info.length // 2
+        with open(p, "r+b") as f:
+            f.seek(where)
+            b = f.read(1)
+            f.seek(where)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(CheckpointError, match="fails its sha256"):
+            verify_checkpoint(path)
+        with open(p, "r+b") as f:
+            f.seek(where)
+            f.write(b)
         verify_checkpoint(path)
 
 

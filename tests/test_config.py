@@ -72,3 +72,19 @@ def test_num_res_logits():
     assert HCConfig(variant="kromhc", n=16).num_res_logits == 8
     assert HCConfig(variant="identity", n=4).num_res_logits == 0
     assert HCConfig(variant="mhc", n=4, ablate_res=True).num_res_logits == 0
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_mhc_lite_beyond_four_streams_warns(n):
+    """n! mixing matrices grow fast: mHC-lite warns above n = 4 and errors above 6."""
+    import math
+    import warnings
+
+    from xhc.config import HCConfigWarning
+
+    with pytest.warns(HCConfigWarning, match=f"n={n} mixes n! = {math.factorial(n)}"):
+        HCConfig(variant="mhc_lite", n=n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HCConfig(variant="mhc_lite", n=4)  # the default size is silent
+        HCConfig(variant="kromhc", n=8)

@@ -207,3 +207,19 @@ def test_reference_documents_every_key():
             assert f"`{sec}.{f.name}`" in ref
             if sec not in ("optimizer", "schedule"):  # ours: every key says what it does
                 assert docs.get(f.name), f"{sec}.{f.name} has no docstring"
+
+
+def test_unset_warmup_scales_with_the_run_length_and_is_logged():
+    """``run.train_steps=20`` alone is a valid run: the built-in warmup (20 of 300 updates) is
+    scaled to the run, stays before the WSD decay, and the config says so for the log."""
+    base = load_config(None)
+    assert base.notes == []
+    cfg = load_config(None, ["run.train_steps=20"])
+    s = cfg.schedule
+    assert s.total_steps == 20 and 1 <= s.warmup_steps <= s.total_steps - s.decay_steps
+    assert s.warmup_steps == round(base.schedule.warmup_steps * 20 / base.schedule.total_steps)
+    assert len(cfg.notes) == 1 and "schedule.warmup_steps" in cfg.notes[0]
+    # a warmup the user sets is kept, and a bad one is still an error naming the key and the bound
+    assert load_config(None, ["run.train_steps=40", "schedule.warmup_steps=3"]).schedule.warmup_steps == 3
+    with pytest.raises(ConfigError, match=r"schedule\.warmup_steps=20 .*at most 16"):
+        load_config(None, ["run.train_steps=20", "schedule.warmup_steps=20"])

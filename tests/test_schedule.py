@@ -185,3 +185,15 @@ def test_from_dict_rejects_unknown_keys():
         ScheduleConfig.from_dict({"warmup": 3})
     with pytest.raises(ValueError, match="step must be >= 0"):
         schedule_factor(-1, ScheduleConfig(kind="constant"))
+
+
+def test_scaled_warmup_keeps_the_proportion_and_fits_the_run():
+    from training.schedule import ScheduleConfig, scaled_warmup
+
+    # 20 warmup updates per 300 -> 40 per 600, 100 per 1500 (proportional)
+    assert scaled_warmup(ScheduleConfig(kind="wsd", total_steps=600, warmup_steps=0, decay_fraction=0.2), 20, 300) == 40
+    assert scaled_warmup(ScheduleConfig(kind="cosine", total_steps=1500, warmup_steps=0), 20, 300) == 100
+    # a short WSD run: never into the decay phase (T − D = 8 − 2 = 6), at least one warmup update
+    short = ScheduleConfig(kind="wsd", total_steps=8, warmup_steps=0, decay_fraction=0.2)
+    assert scaled_warmup(short, 300, 300) == 6
+    assert scaled_warmup(short, 1, 300) == 1

@@ -305,14 +305,33 @@ def test_pos_in_doc_errors():
 # ----------------------------------------------------------------------------------------------
 # Layouts
 # ----------------------------------------------------------------------------------------------
+class _FakeGroup:
+    """A process group of ``size`` ranks seen from rank ``rank`` (no communication needed)."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 def test_cp_segments_match_megatron_get_batch_on_this_cp_rank(monkeypatch):
-    mutils = pytest.importorskip("megatron.core.utils")
+    pytest.importorskip("megatron.core.utils")
+    from models.parallel import batch_on_this_cp_rank
+
+    # Megatron reads the CP size/rank from the group, through megatron.core.utils.get_pg_size /
+    # get_pg_rank (<= 0.17) or torch.distributed.get_world_size / get_rank (0.18+): answer both
+    # from the fake group.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group.size())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: group.rank())
     S = 48
     for cp in (1, 2, 3, 4):
         for r in range(cp):
-            monkeypatch.setattr(mutils, "get_pg_size", lambda g, cp=cp: cp)
-            monkeypatch.setattr(mutils, "get_pg_rank", lambda g, r=r: r)
-            theirs = mutils.get_batch_on_this_cp_rank({"tokens": torch.arange(S)[None]}, cp_group=object())
+            theirs = batch_on_this_cp_rank({"tokens": torch.arange(S)[None]}, cp_group=_FakeGroup(cp, r))
             local = theirs["tokens"][0]
             assert torch.equal(take_segments(torch.arange(S), cp_segments(S, cp, r)), local)
             for sp in (1, 2, 4):  # SP then splits the local rows into consecutive slices

@@ -1,4 +1,4 @@
-"""Print the hyper-connection cost accounting table (spec §5).
+"""Print the hyper-connection cost accounting table (docs/math.md §5).
 
     python -m tools.accounting                          # paper sizes × paper arms
     python -m tools.accounting --sizes 18B 28B --rows   # plus the row-by-row traffic tables
@@ -7,8 +7,8 @@
     python -m tools.accounting --json                   # machine-readable
 
 For every (backbone, method) it prints: the coefficient of C per layer, HC parameters per layer
-(full count) and for the model, F_HC per token (6·P·L, spec §5.2), the overhead over F_vanilla
-under a *named* convention (``--convention``; the spec leaves the denominator open, §8 #28), and
+(full count) and for the model, F_HC per token (6·P·L, docs/math.md §5.2), the overhead over F_vanilla
+under a *named* convention (``--convention``; the papers leave the denominator open, docs/math.md §8 #28), and
 the traffic per sublayer (§5.3).  Where [xHC] prints a figure it is shown beside ours in
 brackets; those figures live only in :data:`PAPER` and are used for display only.
 
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 from xhc.accounting import (
     DEFAULT_FLOPS_CONVENTION, FLOPS_CONVENTIONS, PAPER_SIZES, AccountingError, BackboneShape,
     backbone_params, dominant_coeff_per_layer, hc_params_per_window, hc_params_total,
-    memory_traffic_flash_layer, memory_traffic_per_sublayer, memory_traffic_summary,
+    memory_traffic_flash4_window, memory_traffic_flash_layer, memory_traffic_per_sublayer, memory_traffic_summary,
     training_flops_per_token, vanilla_flops_per_token, window_layers,
 )
 from xhc.config import HCConfig, HCConfigError
@@ -44,7 +44,7 @@ ARMS: Dict[str, HCConfig] = {
 }
 
 PAPER = {
-    # [xHC] as quoted in spec §5.1 (per-layer params), §5.2 / §7.1 (FLOPs overhead over vanilla),
+    # [xHC] as quoted in docs/math.md §5.1 (per-layer params), §5.2 / §7.1 (FLOPs overhead over vanilla),
     # §5.3 / §7.1 (traffic per sublayer, units of C), §6.1 (backbone total / activated).
     "params_per_layer": {("18B", "mhc4"): "405K", ("18B", "mhc16"): "19.5M", ("18B", "xhc"): "2.65M",
                          ("28B", "mhc4"): "492K", ("28B", "mhc16"): "23.6M", ("28B", "xhc"): "3.22M"},
@@ -153,7 +153,7 @@ def format_table(rows: List[dict]) -> str:
     out += ["", "[...] = figure printed in [xHC] (display only).  coef·C/layer: GEMM + conv parameters / C "
                 "(Flash-4sub: half its two-layer window).",
             "HC params include biases, gates, norm gains and readout; F_HC = 6·(GEMM + conv params)·L "
-            "(spec §5.2; Sinkhorn, mixing, norms, GS listed separately with --json).",
+            "(docs/math.md §5.2; Sinkhorn, mixing, norms, GS listed separately with --json).",
             f"overhead % = F_HC / F_vanilla with convention '{conv}': {FLOPS_CONVENTIONS[conv]}."]
     return "\n".join(out)
 
@@ -174,7 +174,7 @@ def backbone_table(shapes: List[BackboneShape], convention: str) -> str:
         lines.append(f"{s.name:<6}{s.num_layers:>7}{s.hidden:>6}{tot:>16}{act:>16}"
                      f"{human(p.nonembedding_activated):>14}{fv:>17}")
     lines.append("activated = top-k + shared experts and every non-expert weight, input embedding and "
-                 "LM head included; gaps per spec §8 #30.")
+                 "LM head included; gaps per docs/math.md §8 #30.")
     return "\n".join(lines)
 
 
@@ -219,7 +219,8 @@ def traffic_rows_report(methods: Dict[str, HCConfig]) -> str:
                            memory_traffic_per_sublayer(cfg, "mlp").format()]
             elif cfg.variant == "xhc_flash4":
                 t = memory_traffic_summary(cfg)
-                blocks.append(f"xhc_flash4: {t.read:g}C reads + {t.write:g}C writes per sublayer ({t.note})")
+                blocks.append(memory_traffic_flash4_window(cfg).format()
+                              + f"\n  per sublayer: {t.read:g}C reads + {t.write:g}C writes ({t.note})")
             else:
                 blocks.append(f"[{name}] " + memory_traffic_per_sublayer(cfg).format())
         except AccountingError as e:

@@ -9,7 +9,7 @@ Columns: total parameters and activated parameters (routed experts counted top-k
 and output layer included) counted from the real Megatron ``GPTModel``; hyper-connection
 parameters (``numel`` of the tagged HC tensors); training FLOPs per token (Megatron's
 convention for the backbone, see ``xhc.accounting.FLOPS_CONVENTIONS``, plus F_HC = 6·P_HC,
-spec §5.2); memory traffic per sublayer in units of C (spec §5.3).  The paper's total/activated
+docs/math.md §5.2); memory traffic per sublayer in units of C (docs/math.md §5.3).  The paper's total/activated
 figures are shown beside the backbones, with the relative difference.
 """
 
@@ -146,9 +146,9 @@ def main(argv=None) -> int:
         print(f"{r['preset']:<22}{tot:>22}{act:>24}{_h(r['hc']):>11}{_h(r['flops_per_token']):>13}"
               f"{_h(r['f_hc']):>9}  {r['traffic_per_sublayer']}")
     print("\nFLOPs/token: Megatron-Core's formula for the backbone (6 x activated non-embedding params + LM head "
-          "+ causal attention at the preset's sequence length) + F_HC = 6 x HC GEMM/conv params (spec §5.2).")
+          "+ causal attention at the preset's sequence length) + F_HC = 6 x HC GEMM/conv params (docs/math.md §5.2).")
     print("Activated counts top-k/E of the routed experts and every other weight, embeddings and output layer "
-          "included. Where the paper differs by >10% see README 'Model zoo' for why.")
+          "included. Where the paper differs by >10% see docs/reproducing.md ('Model zoo') for why.")
     return 0
 
 

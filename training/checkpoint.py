@@ -3,7 +3,8 @@
 Layout under the checkpoint root::
 
     step_00000100/            one finished checkpoint (the directory name carries the step)
-      metadata.json, common.pt, *.distcp, <sharded objects>/   dist_checkpointing (torch_dist)
+      metadata.json, .metadata, *.distcp, [common.pt]         dist_checkpointing (torch_dist;
+                                                           common.pt only before megatron-core 0.19)
       manifest.json           written last: every file's size (+ sha256), the step, the layout
     step_00000200/
     latest                    name of the newest finished checkpoint (informational)
@@ -19,8 +20,13 @@ never loaded.
 its own body), checks that every listed file exists with its recorded size and, where recorded,
 its sha256, and that no listed file is missing.  A checkpoint that fails is never loaded: the
 error names the directory and what is wrong.  ``checksum`` chooses what is hashed: ``all``
-files, ``metadata`` (``metadata.json``, ``common.pt``, ``.metadata``, sharded objects), ``none``
-(sizes only) or ``auto`` (all when the checkpoint is below 2 GiB, metadata otherwise).
+files, ``metadata`` (``metadata.json``, ``common.pt``, ``.metadata``, sharded objects, and the
+bytes of every non-tensor object stored inside a ``.distcp`` file), ``none`` (sizes only) or
+``auto`` (all when the checkpoint is below 2 GiB, metadata otherwise).  The last part matters
+from megatron-core 0.19 on, which writes no ``common.pt``: the common state (step, scheduler,
+counters) then lives in a ``.distcp`` file next to the tensors, as do the RNG states and the CPU
+optimizer state; the manifest records those objects' byte ranges (read from the checkpoint's
+``.metadata``) and their sha256, so ``metadata`` mode covers them on every version.
 
 **Contents** (see :func:`build_state`): the model's sharded state dict (reshardable across
 TP/PP/EP), the optimizer (Megatron's sharded optimizer state on GPU; on CPU each rank's torch
@@ -42,6 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from training.data._util import sha256_file as _sha256  # hex sha256 of a file's bytes
 
 __all__ = [
     "CheckpointError",
@@ -84,10 +92,41 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
 # ------------------------------------------------------------------------------------------------
 # Manifest
 # ------------------------------------------------------------------------------------------------
-def _sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes."""
+
+
+def _object_ranges(directory: str) -> Dict[str, List[Tuple[int, int]]]:
+    """``{file: [(offset, length), ...]}``: where the non-tensor objects sit inside the ``.distcp`` files.
+
+    Read from the torch.distributed.checkpoint ``.metadata`` (objects are its
+    ``BytesStorageMetadata`` entries); empty when there is none.
+    """
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return {}
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    md = FileSystemReader(directory).read_metadata()
+    objects = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    out: Dict[str, List[Tuple[int, int]]] = {}
+    for index, info in (md.storage_data or {}).items():
+        if index.fqn in objects:
+            out.setdefault(info.relative_path, []).append((int(info.offset), int(info.length)))
+    return {rel: sorted(r) for rel, r in out.items()}
+
+
+def _sha256_ranges(path: str, ranges: Sequence[Sequence[int]]) -> str:
+    """Hex sha256 of the concatenated byte ranges ``[(offset, length), ...]`` of a file."""
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for offset, length in ranges:
+            f.seek(offset)
+            while length > 0:
+                block = f.read(min(length, 1 << 20))
+                if not block:
+                    break  # short file: the hash differs, and the size check names it
+                h.update(block)
+                length -= len(block)
+    return h.hexdigest()
 
 
 def _walk(directory: str) -> List[str]:
@@ -126,11 +165,15 @@ def write_manifest(directory: str, info: Dict[str, Any], checksum: str = "auto")
     mode = checksum
     if mode == "auto":
         mode = "all" if sum(sizes.values()) < _AUTO_HASH_LIMIT else "metadata"
+    objects = _object_ranges(directory) if mode == "metadata" else {}
     entries = {}
     for rel in files:
         e = {"size": sizes[rel]}
         if mode == "all" or (mode == "metadata" and _is_metadata(rel)):
             e["sha256"] = _sha256(os.path.join(directory, rel))
+        elif rel in objects:
+            ranges = [list(r) for r in objects[rel]]
+            e["objects"] = {"ranges": ranges, "sha256": _sha256_ranges(os.path.join(directory, rel), ranges)}
         entries[rel] = e
     body = {"format": FORMAT, "checksum": mode, "files": entries, **info}
     text = json.dumps(body, sort_keys=True, indent=1)
@@ -176,6 +219,10 @@ def verify_checkpoint(directory: str, hashes: bool = True) -> dict:
                                   f"{e['size']}: {hint}")
         if hashes and "sha256" in e and _sha256(full) != e["sha256"]:
             raise CheckpointError(f"checkpoint {directory}: file {rel} fails its sha256 check: {hint}")
+        obj = e.get("objects")
+        if hashes and obj and _sha256_ranges(full, obj["ranges"]) != obj["sha256"]:
+            raise CheckpointError(f"checkpoint {directory}: file {rel} fails its sha256 check of the non-tensor "
+                                  f"objects it holds (step, scheduler, RNG, optimizer state): {hint}")
     return body
 
 

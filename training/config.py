@@ -33,6 +33,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from configs import config_dir, packaged_configs, resolve_config
+
 __all__ = [
     "BatchConfig",
     "CheckpointConfig",
@@ -52,8 +54,7 @@ __all__ = [
     "validate_runtime",
 ]
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO_ROOT, "configs", "pretrain", "default-tiny.yaml")
+DEFAULT_CONFIG = str(config_dir("pretrain") / "default-tiny.yaml")  # package data (configs/)
 
 
 class ConfigError(ValueError):
@@ -488,8 +489,10 @@ def _apply_override(raw: dict, key: str, value: Any) -> None:
 def read_yaml(path: str) -> dict:
     import yaml
 
+    path = resolve_config(path, "pretrain")
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path}: file not found (configs live in configs/pretrain/)")
+        raise ConfigError(f"--config {path}: file not found; give a YAML path or a packaged config: "
+                          f"{', '.join(packaged_configs('pretrain'))}")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
@@ -498,6 +501,21 @@ def read_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: must hold a mapping of sections ({', '.join(SECTION_TYPES)})")
     return data
+
+
+def _scale_default_warmup(schedule) -> List[str]:
+    """Scale the built-in warmup with the run length (the user set neither): one log line, or none."""
+    from training.schedule import scaled_warmup
+
+    ref = _schedule_default()
+    if schedule.total_steps == ref.total_steps or schedule.kind == "constant":
+        return []
+    w = scaled_warmup(schedule, ref.warmup_steps, ref.total_steps)
+    if w == schedule.warmup_steps:
+        return []
+    schedule.warmup_steps = w
+    return [f"schedule.warmup_steps not set: scaled with the run length to {w} "
+            f"({ref.warmup_steps} per {ref.total_steps} steps; set schedule.warmup_steps to choose)"]
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), validate: bool = True) -> PretrainConfig:
@@ -509,8 +527,13 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (), valid
         if sec not in SECTION_TYPES:
             raise _err(str(sec), f"unknown section; sections: {', '.join(SECTION_TYPES)}")
     cfg = from_dict(PretrainConfig, raw)
-    if "total_steps" not in (raw.get("schedule") or {}):
+    notes: List[str] = []
+    sched_raw = raw.get("schedule") or {}
+    if "total_steps" not in sched_raw:
         cfg.schedule.total_steps = cfg.run.train_steps  # the schedule spans the run unless told otherwise
+        if "warmup_steps" not in sched_raw:
+            notes += _scale_default_warmup(cfg.schedule)
+    cfg.__dict__["notes"] = notes  # log lines for the trainer; not a config key
     if validate:
         validate_config(cfg)
     return cfg

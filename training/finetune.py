@@ -41,6 +41,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
+from configs import resolve_config
+from training.metrics import MetricsLogger as _MetricsLogger
 from xhc.config import HCConfig
 
 # ================================================================================================
@@ -168,6 +170,7 @@ class FinetuneConfig:
 
         d = {}
         if path:
+            path = resolve_config(path, "finetune")  # a path, or a packaged config's name
             if not os.path.isfile(path):
                 raise FinetuneConfigError(f"--config {path}: file not found")
             with open(path, encoding="utf-8") as f:
@@ -500,39 +503,20 @@ def apply_peft(model, args: PeftArgs):
 # ================================================================================================
 # Logging
 # ================================================================================================
-class MetricsLogger:
-    """Console lines, a JSONL file (one object per event) and, if available, tensorboard scalars."""
+class MetricsLogger(_MetricsLogger):
+    """:class:`training.metrics.MetricsLogger` (console, ``metrics.jsonl``, tensorboard under
+    ``tb/``) with finetuning's call style ``log(kind, step, **values)``."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, stream=None):
-        os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        self._f = open(self.path, "a", encoding="utf-8")
         self.stream = stream or sys.stdout
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
-            except Exception as e:  # tensorboard missing: keep going without it
-                print(f"[finetune] tensorboard disabled ({e})", file=self.stream)
+        super().__init__(out_dir, tensorboard_dir=os.path.join(out_dir, "tb") if tensorboard else None,
+                         print_fn=lambda msg: print(msg, file=self.stream, flush=True))
+        self.path = self.jsonl_path
+        for note in self.notes:  # e.g. tensorboard missing: keep going without it
+            self.print(f"[finetune] {note}")
 
     def log(self, kind: str, step: int, **values) -> None:
-        rec = {"kind": kind, "step": step, "time": time.time(), **values}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self.tb.add_scalar(f"{kind}/{k}", v, step)
-
-    def print(self, msg: str) -> None:
-        print(msg, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        self._f.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.write(kind, step, values)
 
 
 # ================================================================================================
@@ -569,15 +553,12 @@ def evaluate(model, data: tuple, batch_size: int, device, use_bf16: bool, max_ba
 
 
 def cosine_lambda(warmup: int, total: int):
-    """Linear warmup to 1 over ``warmup`` steps, then cosine decay to 0 at ``total``."""
+    """``LambdaLR`` factor: linear warmup to 1 over ``warmup`` steps, then cosine decay to 0 at
+    the last update ``total − 1`` (:mod:`training.schedule`'s ``cosine`` kind, floor 0)."""
+    from training.schedule import ScheduleConfig, schedule_factor
 
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        prog = (step - warmup) / max(total - warmup, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(prog, 1.0)))
-
-    return f
+    cfg = ScheduleConfig(kind="cosine", warmup_steps=warmup, total_steps=total, min_lr_ratio=0.0)
+    return lambda step: schedule_factor(step, cfg)
 
 
 def _device(name: str) -> torch.device:

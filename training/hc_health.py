@@ -35,6 +35,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from xhc.diagnostics import identity_distance
+
 __all__ = ["HCHealth"]
 
 
@@ -72,8 +74,8 @@ class _Acc:
 
 
 def _identity_distance(H: torch.Tensor) -> float:
-    eye = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device)
-    return float((H.detach().float() - eye).pow(2).sum((-1, -2)).sqrt().mean())
+    """Mean ‖H − I‖_F over the batch (:func:`xhc.diagnostics.identity_distance`, in fp32, no grad)."""
+    return identity_distance(H.detach().float())
 
 
 class HCHealth:

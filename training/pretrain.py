@@ -436,10 +436,10 @@ class Trainer:
     def _cp_slice(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         if self.cfg.parallel.cp == 1:
             return batch
-        from megatron.core.utils import get_batch_on_this_cp_rank
+        from models.parallel import batch_on_this_cp_rank
 
         keys = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-        return get_batch_on_this_cp_rank({k: batch.get(k) for k in keys})
+        return batch_on_this_cp_rank({k: batch.get(k) for k in keys})
 
     def _sequence_context(self, batch):
         """Explicit document layout for the xHC temporal conv, when position ids carry it (§3.6, §8 #22)."""
@@ -785,6 +785,8 @@ class Trainer:
                  f"accumulation {self.num_micro}; {self.tokens_per_step} tokens/step")
         self.log(f"[xhc] optimizer  {cfg.optimizer.name} lr {cfg.optimizer.lr:g}, {cfg.schedule.kind} schedule "
                  f"(warmup {cfg.schedule.warmup_steps}, {cfg.schedule.total_steps} steps), clip {cfg.optimizer.clip_grad:g}")
+        for note in getattr(cfg, "notes", ()):
+            self.log(f"[xhc] note       {note}")
         self.log(f"[xhc] data       {self.paths['data']} (train {len(self.train_ds)} samples"
                  f"{', valid %d' % len(self.valid_ds) if self.valid_ds is not None else ''}; ready in "
                  f"{self.data_seconds:.1f}s)")

@@ -39,6 +39,7 @@ __all__ = [
     "build_scheduler",
     "cosine_factor",
     "lr_at",
+    "scaled_warmup",
     "schedule_factor",
     "step_decay_factor",
     "warmup_factor",
@@ -102,7 +103,8 @@ class ScheduleConfig:
                            f"gives 0 decay steps for total_steps = {self.total_steps}; raise it or total_steps")
             if self.warmup_steps > self.total_steps - self.decay_steps:
                 raise _err("warmup_steps", self.warmup_steps,
-                           f"overlaps the decay phase (the last {self.decay_steps} of {self.total_steps} steps)")
+                           f"overlaps the decay phase (the last {self.decay_steps} of {self.total_steps} steps); "
+                           f"set it to at most {self.total_steps - self.decay_steps}")
         if self.min_lr_ratio is not None and (
             not isinstance(self.min_lr_ratio, (int, float)) or not 0 <= self.min_lr_ratio <= 1
         ):
@@ -119,6 +121,10 @@ class ScheduleConfig:
             raise _err("step_factors", self.step_factors, "must be LR/peak ratios in [0, 1], e.g. [0.316, 0.1]")
 
     # ------------------------------------------------------------------------------------------
+    def max_warmup(self) -> int:
+        """The longest warmup this schedule accepts: ``T − D`` for ``wsd``, ``T`` otherwise."""
+        return self.total_steps - self.decay_steps if self.kind == "wsd" else self.total_steps
+
     @property
     def decay_steps(self) -> int:
         """D, the length of the WSD decay phase."""
@@ -149,6 +155,14 @@ class ScheduleConfig:
         d["step_milestones"] = list(self.step_milestones)
         d["step_factors"] = list(self.step_factors)
         return d
+
+
+def scaled_warmup(cfg: ScheduleConfig, reference_warmup: int, reference_total: int) -> int:
+    """A warmup for ``cfg.total_steps`` in the same proportion as ``reference_warmup`` is to
+    ``reference_total``: ``round(W_ref · T / T_ref)``, capped at :meth:`ScheduleConfig.max_warmup`
+    (so a short run's warmup never overlaps its decay) and at least 1 when that allows it."""
+    w = int(round(reference_warmup * cfg.total_steps / reference_total))
+    return max(0, min(max(w, 1), cfg.max_warmup()))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Cost accounting for hyper connections: parameters, training FLOPs, memory traffic (spec §5).
+"""Cost accounting for hyper connections: parameters, training FLOPs, memory traffic (docs/math.md §5).
 
 Everything here is arithmetic on a :class:`~xhc.config.HCConfig` and the backbone width C.
-Nothing builds a module or touches torch, so the numbers can be checked against the spec and the
+Nothing builds a module or touches torch, so the numbers can be checked against docs/math.md and the
 papers by hand.
 
 =============================================  =================================================
-function                                       what it counts (spec section)
+function                                       what it counts (docs/math.md §)
 =============================================  =================================================
 :func:`hc_params_per_sublayer`                 HC / mHC family / xHC, one wrapped sublayer
                                                (§2.0, §2.a–§2.e, §3.1)
@@ -18,6 +18,7 @@ function                                       what it counts (spec section)
 :func:`training_flops_per_token`               F_HC = 6·P·L plus the listed extra terms (§5.2)
 :func:`memory_traffic_per_sublayer`            row-by-row traffic tables in units of C (§5.3)
 :func:`memory_traffic_flash_layer`             the xHC-Flash per-layer table (§5.3)
+:func:`memory_traffic_flash4_window`           the Flash-4sub per-window table (§5.3)
 :func:`memory_traffic_summary`                 amortised traffic per sublayer for any variant
 :class:`BackboneShape`, :func:`backbone_params`,  the vanilla backbone: parameters and F_vanilla
 :func:`vanilla_flops_per_token`                (§6.1, §8 #30)
@@ -28,7 +29,7 @@ Counting conventions
 * A parameter count is split by role (:class:`ParamCount`): GEMM projection weights (``matrix``),
   temporal conv kernels (``conv``), mapping-norm gains (``norm_gain``), biases / static logits
   (``bias``), scalar gates (``gate``) and the softmax readout (``readout``).  ``matrix + conv`` is
-  exactly the spec's "dominant" count, the coefficient of C (§5.1); ``total`` equals the
+  exactly the "dominant" count, the coefficient of C (§5.1); ``total`` equals the
   ``numel`` of the real modules.
 * Training FLOPs follow [xHC] App. C: F_HC = 6 · (matrix + conv) · L per token (§5.2).  The
   Sinkhorn iterations, element-wise read / mix / write, norm statistics and Gram–Schmidt are
@@ -51,7 +52,8 @@ __all__ = [
     "dominant_coeff_per_layer", "dominant_params_per_layer",
     "FlopsBreakdown", "training_flops_per_token", "sinkhorn_flops",
     "TrafficRow", "TrafficTable", "TrafficSummary", "memory_traffic_per_sublayer",
-    "memory_traffic_flash_layer", "memory_traffic_summary", "FLASH4_TRAFFIC",
+    "memory_traffic_flash_layer", "memory_traffic_flash4_window", "memory_traffic_summary",
+    "FLASH4_TRAFFIC_REPORTED",
     "BackboneShape", "BackboneParams", "backbone_params", "FLOPS_CONVENTIONS",
     "vanilla_flops_per_token", "AccountingError",
 ]
@@ -62,13 +64,13 @@ class AccountingError(ValueError):
 
 
 # ================================================================================================
-# Parameters (spec §2.0, §2.a, §3.1, §4.1–§4.3, §5.1)
+# Parameters (docs/math.md §2.0, §2.a, §3.1, §4.1–§4.3, §5.1)
 # ================================================================================================
 @dataclass(frozen=True)
 class ParamCount:
     """Trainable hyper-connection parameters, split by role.
 
-    ``matrix + conv`` is the spec's dominant count (§5.1: "projection GEMMs plus conv kernels");
+    ``matrix + conv`` is the dominant count (§5.1: "projection GEMMs plus conv kernels");
     ``total`` adds the small terms and equals the modules' ``numel``.
     """
 
@@ -247,7 +249,7 @@ def _check_xhc(cfg: HCConfig) -> None:
 
 
 def hc_params_per_sublayer(cfg: HCConfig, C: int, is_mlp: bool) -> ParamCount:
-    """Trainable HC parameters of one wrapped sublayer (spec §2.0, §2.a, §3.1; Flash: §4.1).
+    """Trainable HC parameters of one wrapped sublayer (docs/math.md §2.0, §2.a, §3.1; Flash: §4.1).
 
     ``is_mlp`` matters for xHC (K_r components and convs after MLPs).  For ``xhc_flash`` the
     window's parameters are attributed as in :func:`_flash_sublayer_params`.  Flash-4sub has no
@@ -363,7 +365,7 @@ def dominant_params_per_layer(cfg: HCConfig, C: int) -> float:
 
 
 # ================================================================================================
-# Training FLOPs (spec §5.2)
+# Training FLOPs (docs/math.md §5.2)
 # ================================================================================================
 TRAIN_MULT = 3
 """Training FLOPs of an element-wise or GEMM operation = 3 × forward (forward, then backward
@@ -401,7 +403,7 @@ def _res_map_mult(cfg: HCConfig) -> int:
 class FlopsBreakdown:
     """Training FLOPs per token of all HC sublayers of a model.
 
-    ``f_hc = gemm + conv`` is the spec's convention (6 · P · L, §5.2).  The other fields are
+    ``f_hc = gemm + conv`` is the [xHC] convention (6 · P · L, §5.2).  The other fields are
     derived forward counts × 3 (Sinkhorn with recompute × 4), listed separately and *not* part
     of F_HC:
 
@@ -425,7 +427,7 @@ class FlopsBreakdown:
 
     @property
     def f_hc(self) -> float:
-        """The spec's F_HC = 6·(GEMM + conv params)·L (§5.2)."""
+        """[xHC]'s F_HC = 6·(GEMM + conv params)·L (§5.2)."""
         return self.gemm + self.conv
 
     @property
@@ -510,7 +512,7 @@ def _window_flops(cfg: HCConfig, C: int) -> FlopsBreakdown:
 def training_flops_per_token(cfg: HCConfig, C: int, num_layers: int) -> FlopsBreakdown:
     """HC training FLOPs per token for a model of ``num_layers`` layers (§5.2).
 
-    ``.f_hc`` = 6 · P_layer · L, the spec's convention ([xHC] App. C).  Flash-4sub: an odd last
+    ``.f_hc`` = 6 · P_layer · L, [xHC]'s convention (App. C).  Flash-4sub: an odd last
     layer is a Flash window (§4.3).  Vanilla / disabled: all zero.
     """
     if not cfg.enabled:
@@ -525,12 +527,12 @@ def training_flops_per_token(cfg: HCConfig, C: int, num_layers: int) -> FlopsBre
 
 
 # ================================================================================================
-# Memory traffic (spec §5.3)
+# Memory traffic (docs/math.md §5.3)
 # ================================================================================================
 @dataclass(frozen=True)
 class TrafficRow:
     """One operation: elements read / written per token.  ``read`` and ``write`` are in units of
-    C (summed); ``read_small`` / ``write_small`` are the O(N), O(k²) terms the spec lists but
+    C (summed); ``read_small`` / ``write_small`` are the O(N), O(k²) terms the table lists but
     does not sum (plain element counts)."""
 
     operation: str
@@ -595,9 +597,9 @@ class TrafficSummary:
         return self.read + self.write
 
 
-FLASH4_TRAFFIC = {"n": 16, "k": 4, "read": 26.5, "write": 13.5}
-"""Flash-4sub traffic per sublayer as reported by [xHC] (§5.3).  No row breakdown or general
-formula exists, so only this shape is supported (§8 #29)."""
+FLASH4_TRAFFIC_REPORTED = {"n": 16, "k": 4, "read": 26.5, "write": 13.5}
+"""Flash-4sub traffic per sublayer as [xHC] reports it (totals only, no breakdown), for comparison
+with the derived :func:`memory_traffic_flash4_window` (docs/math.md §5.3, §8 #29)."""
 
 
 def _vanilla_table() -> TrafficTable:
@@ -608,7 +610,7 @@ def _vanilla_table() -> TrafficTable:
 def _mhc_table(cfg: HCConfig) -> TrafficTable:
     """mHC rows of the §5.3 table, used for the whole mHC family and HC.
 
-    Derived adaptations (not in the spec): a static variant generates no mappings per token
+    Derived adaptations (not in the papers): a static variant generates no mappings per token
     (row dropped); without residual mixing (identity, ``ablate_res``) the H_res row is dropped.
     Logit writes are N² + 2N for mHC and HC, R + 2N otherwise.
     """
@@ -652,7 +654,7 @@ def memory_traffic_flash_layer(cfg: HCConfig) -> TrafficTable:
     """The xHC-Flash per-layer table of §5.3 (two sublayers; per sublayer = half).
 
     Reads (2N + 8k + K_r + 4)·C, writes (6k + 3 + r)·C per layer: 36C + 15C per sublayer at
-    N=16, k=4.  Small terms (derived; the spec writes O(N), O(k), O(k²)): entry writes N router
+    N=16, k=4.  Small terms (derived; the table writes O(N), O(k), O(k²)): entry writes N router
     scores + 2N pre-coefficients; attention H_post k values; MLP mappings k² + k·K_r; the reads
     of coefficients mirror the xHC table.
     """
@@ -679,12 +681,52 @@ def memory_traffic_flash_layer(cfg: HCConfig) -> TrafficTable:
     return TrafficTable("xhc_flash", "layer (attention + MLP)", rows, sublayers=2)
 
 
+def memory_traffic_flash4_window(cfg: HCConfig) -> TrafficTable:
+    """Flash-4sub traffic of one window (two layers: A1, M1, A2, M2), derived row by row.
+
+    The operations are those of docs/math.md §4.2, each costed like the same operation in the
+    xHC and Flash tables: at window entry one full-state pass for the router and the four
+    pre-mappings (NC), the four non-active base readouts over the N−k inactive streams, one
+    gather of the k active streams; then per sublayer t a split read (base_t and the carried
+    k·C active state), the mapping generation from the carried active state, the write-back of
+    the K components and the merge into the carried buffer (K = K_r after MLPs, 1 after
+    attention); M1 and M2 add the temporal conv, M2 alone has H_res mixing and ends with the
+    scatter.  Per window (r > 0): reads (2N + 17k + 2K_r + 8)·C, writes (10k + 2r + 8)·C; per
+    sublayer a quarter: 29C + 13.5C = 42.5C at N=16, k=4, K_r=4.  [xHC] reports 26.5C + 13.5C
+    without a breakdown (:data:`FLASH4_TRAFFIC_REPORTED`): the writes agree; the reads it
+    reports are 2.5C lower, which this row model cannot attribute to one operation.
+    """
+    if cfg.attn_temporal:
+        raise AccountingError("HCConfig.attn_temporal=True: the Flash-4sub table assumes K=1 after "
+                              "attention and has no row for attention-side convs; set attn_temporal: false")
+    N, k = cfg.n, cfg.k
+    K_r = _xhc_components(cfg, True)
+    r = K_r - 1
+    rows = [
+        TrafficRow("entry mapping generation (router + 4 pre)", N, 0, 0, 5 * N),
+        TrafficRow("four non-active base readouts", N - k, 4, 4 * (N - k), 0),
+        TrafficRow("gather active", k, k),
+    ]
+    for name, is_mlp, mixes in (("A1", False, False), ("M1", True, False), ("A2", False, False), ("M2", True, True)):
+        K = K_r if is_mlp else 1
+        rows.append(TrafficRow(f"{name} split read (base + carried active)", k + 1, 1, k, 0))
+        rows.append(TrafficRow(f"{name} active mapping generation", k, 0, 0, k * K + (k * k if mixes else 0)))
+        if is_mlp and r:
+            rows.append(TrafficRow(f"{name} temporal conv", 1, r))
+        if mixes:
+            rows.append(TrafficRow(f"{name} H_res mixing", k, k, k * k, 0))
+        rows.append(TrafficRow(f"{name} post write-back", K, k, k * K, 0))
+        rows.append(TrafficRow(f"{name} merge" + (" & scatter" if mixes else ""), 2 * k, k))
+    return TrafficTable("xhc_flash4", "window (two layers: A1, M1, A2, M2)", tuple(rows), sublayers=4)
+
+
 def memory_traffic_per_sublayer(cfg: HCConfig, sublayer: str = "mlp") -> TrafficTable:
     """Row-by-row traffic of one sublayer, units of C (§5.3).
 
     ``sublayer`` is ``"attention"`` or ``"mlp"`` (only xHC distinguishes them).  Vanilla: 3C;
-    mHC: (5N+1)C reads + (3N+1)C writes.  Flash variants have per-layer tables
-    (:func:`memory_traffic_flash_layer`) or none (Flash-4sub); use :func:`memory_traffic_summary`.
+    mHC: (5N+1)C reads + (3N+1)C writes.  Flash variants have per-layer / per-window tables
+    (:func:`memory_traffic_flash_layer`, :func:`memory_traffic_flash4_window`); use
+    :func:`memory_traffic_summary` for their per-sublayer means.
     """
     if sublayer not in ("attention", "mlp"):
         raise AccountingError(f"sublayer={sublayer!r} is invalid: use 'attention' or 'mlp'")
@@ -702,7 +744,7 @@ def memory_traffic_summary(cfg: HCConfig) -> TrafficSummary:
     """Traffic per sublayer amortised over the layer / window, units of C (§5.3 totals).
 
     vanilla 3C; mHC (8N+2)C; xHC (2N+5k+1+K_r/2)C + (4k+1+r/2)C; Flash
-    (N+4k+K_r/2+2)C + (3k+(3+r)/2)C; Flash-4sub 26.5C + 13.5C (only N=16, k=4, K_r=4).
+    (N+4k+K_r/2+2)C + (3k+(3+r)/2)C; Flash-4sub (2N+17k+2K_r+8)C/4 + (10k+2r+8)C/4.
     """
     if not cfg.enabled:
         t = _vanilla_table()
@@ -714,23 +756,22 @@ def memory_traffic_summary(cfg: HCConfig) -> TrafficSummary:
         t = memory_traffic_flash_layer(cfg)
         return TrafficSummary("xhc_flash", t.read / 2, t.write / 2, (t,))
     if cfg.variant == "xhc_flash4":
-        K_r = _xhc_components(cfg, True)
-        if (cfg.n, cfg.k, K_r, cfg.dense_read) != (FLASH4_TRAFFIC["n"], FLASH4_TRAFFIC["k"], 4, True):
-            raise AccountingError(
-                f"Flash-4sub traffic is only known at n=16, k=4, K_r=4 (got n={cfg.n}, k={cfg.k}, "
-                f"K_r={K_r}): the paper reports a constant 40C and no formula (spec §5.3, §8 #29)")
-        return TrafficSummary("xhc_flash4", FLASH4_TRAFFIC["read"], FLASH4_TRAFFIC["write"], (),
-                              "reported constant, no row breakdown (§8 #29)")
+        t = memory_traffic_flash4_window(cfg)
+        rep = FLASH4_TRAFFIC_REPORTED
+        note = "derived row by row (docs/math.md §5.3)"
+        if (cfg.n, cfg.k) == (rep["n"], rep["k"]):
+            note += f"; [xHC] reports {rep['read']:g}C + {rep['write']:g}C"
+        return TrafficSummary("xhc_flash4", t.read / 4, t.write / 4, (t,), note)
     t = memory_traffic_per_sublayer(cfg)
     return TrafficSummary(cfg.variant, t.read, t.write, (t,))
 
 
 # ================================================================================================
-# Vanilla backbone (spec §6.1, §8 #30)
+# Vanilla backbone (docs/math.md §6.1, §8 #30)
 # ================================================================================================
 @dataclass(frozen=True)
 class BackboneShape:
-    """Plain description of a DeepSeekMoE-style decoder (spec §6.1).
+    """Plain description of a DeepSeekMoE-style decoder (docs/math.md §6.1).
 
     Per layer: GQA attention (Q: C × heads·d, K and V: C × groups·d, O: heads·d × C, QK-norm
     gains of size d on q and k, no biases), then an MLP: the first ``num_dense_layers`` layers
@@ -814,7 +855,7 @@ def _swiglu(C: int, F: int) -> int:
 
 
 def backbone_params(shape: BackboneShape) -> BackboneParams:
-    """Total and activated backbone parameters, analytically (spec §6.1 shapes, §8 #30 gaps).
+    """Total and activated backbone parameters, analytically (docs/math.md §6.1 shapes, §8 #30 gaps).
 
     Activated counts the top-k routed experts and the shared experts of each MoE layer and every
     non-expert weight, embeddings and output layer included.
@@ -860,7 +901,7 @@ DEFAULT_FLOPS_CONVENTION = "megatron"
 
 def vanilla_flops_per_token(shape: BackboneShape, convention: str = DEFAULT_FLOPS_CONVENTION) -> float:
     """F_vanilla, training FLOPs per token of the plain backbone under a named convention
-    (see :data:`FLOPS_CONVENTIONS`).  The spec leaves the denominator open (§5.2, §8 #28)."""
+    (see :data:`FLOPS_CONVENTIONS`).  The papers leave the denominator open (§5.2, §8 #28)."""
     if convention not in FLOPS_CONVENTIONS:
         raise AccountingError(f"convention={convention!r} is unknown: use one of "
                               f"{', '.join(FLOPS_CONVENTIONS)}")

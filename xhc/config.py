@@ -22,8 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Tuple
+
+class HCConfigWarning(UserWarning):
+    """A valid but costly hyper-connection setting (shown once per process and setting)."""
+
+
+def _warn_mhc_lite_growth(n: int) -> None:
+    """mHC-lite mixes all n! permutation matrices: its residual logits (and, when dynamic, the
+    N·C × n! projection) grow factorially, so [lite] recommends small n (docs/math.md §2.c)."""
+    warnings.warn(
+        f"HCConfig: variant 'mhc_lite' with n={n} mixes n! = {math.factorial(n)} permutation matrices "
+        f"(n=4: 24); its residual projection grows factorially: consider n=4 or variant 'kromhc'",
+        HCConfigWarning, stacklevel=5)
+
 
 VARIANTS = ("none", "hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
 MHC_FAMILY = ("mhc", "mhc_lite", "kromhc", "identity")
@@ -140,6 +154,8 @@ class HCConfig:
             raise _err("n", self.n, f"variant {self.variant!r} needs n >= 2 (n = 1 is only valid for 'hc')")
         if self.variant == "mhc_lite" and self.n > 6:
             raise _err("n", self.n, "mhc_lite needs n <= 6 (n! permutations); use variant 'kromhc' for larger n")
+        if self.variant == "mhc_lite" and self.n > 4 and not self.disabled:
+            _warn_mhc_lite_growth(self.n)
         if self.variant == "kromhc" and (self.n & (self.n - 1)) != 0:
             raise _err("n", self.n, "kromhc needs n to be a power of two (2, 4, 8, 16, ...)")
         if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:

@@ -262,8 +262,7 @@ def run_cp():
     """CP=2: the xHC MLP sublayer (read, branch, temporal conv, write) on this rank's rows, with the
     SequenceContext that models.sequence derives from Megatron's parallel state."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
+    from models.parallel import batch_on_this_cp_rank
     from models.sequence import sequence_context_from_megatron
     from xhc.temporal import SequenceContext, pos_in_doc_from_cu_seqlens
     from xhc.xhc import XHCSublayer
@@ -294,7 +293,7 @@ def run_cp():
             packed = None
             ref_seq = None
             # Megatron's own CP split of [b, S, ...] batches (chunks r and 2cp-1-r)
-            rows = get_batch_on_this_cp_rank({"rows": torch.arange(S)[None]})["rows"][0]
+            rows = batch_on_this_cp_rank({"rows": torch.arange(S)[None]})["rows"][0]
             want_rows = [list(range(0, 8)) + list(range(24, 32)), list(range(8, 24))][rank]
         else:
             cu_padded = torch.tensor([0, 16, 32])
