@@ -110,6 +110,7 @@ class Trainer:
         self.setup_model()
         self.setup_optimizer()
         self.setup_checkpointing()
+        self.write_config()
         self.setup_logging()
 
     def setup_parallel(self) -> None:
@@ -169,15 +170,8 @@ class Trainer:
                 lock.acquire()
                 self.lock = lock
                 check_writable(self.paths["checkpoints"], "checkpoint.dir")
-                from training.config import config_to_dict
-                import yaml
-
-                with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                    yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
             except ConfigError as e:
                 error = str(e)
-            except OSError as e:
-                error = f"run.dir {run_dir}: cannot write config.yaml ({e.strerror}): choose a writable run.dir"
             if error:  # leave the disk as it was
                 if self.lock is not None:
                     self.lock.release()
@@ -188,6 +182,39 @@ class Trainer:
         if error:
             raise ConfigError(error)
         self.paths["config"] = os.path.join(run_dir, "config.yaml")
+        self.precheck_resume()
+
+    def precheck_resume(self) -> None:
+        """Compare the checkpoint a resume would load with this run's preset and layout before any
+        data or model is built (the full check, with the HC config and vocabulary, runs before loading)."""
+        import json
+
+        from training.checkpoint import MANIFEST, Checkpointer, check_compatible
+        from training.config import config_to_dict
+
+        ck = self.cfg.checkpoint
+        path = Checkpointer(self.paths["checkpoints"], log=self.log).resolve(ck.load)
+        if path is None:
+            return
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                body = json.load(f)["body"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # missing or corrupt: the verification reports (or falls back) later
+        check_compatible(path, body, {"preset": self.cfg.model.preset, "world_size": self.world,
+                                      "parallel": config_to_dict(self.cfg.parallel)},
+                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng, sharded_optimizer=self.cuda)
+
+    def write_config(self) -> None:
+        """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
+        if self.is_main:
+            from training.config import config_to_dict
+            import yaml
+
+            tmp = self.paths["config"] + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                yaml.safe_dump(config_to_dict(self.cfg), f, sort_keys=False)
+            os.replace(tmp, self.paths["config"])
 
     def setup_data(self) -> None:
         from training.config import pad_vocab_size
