@@ -209,10 +209,9 @@ def _rank_exits(out):
     return sorted(line.split()[1:4:2] for line in out.splitlines() if line.startswith("rank ") and " exit " in line)
 
 
-def test_torchrun_sigterm_and_launcher_kill(tmp_path):
+def test_torchrun_sigterm_to_the_launcher_then_exact_resume(tmp_path):
     """SIGTERM to the torchrun parent: both ranks stop at the same step, one verified checkpoint,
-    exit 0; the resumed 2-rank run equals an uninterrupted one.  ``kill -9`` of torchrun: the
-    workers (armed with PR_SET_PDEATHSIG) save and exit instead of training on.  (About 45 s.)"""
+    exit 0; the resumed 2-rank run equals an uninterrupted one.  (Heavy: three 2-rank runs.)"""
     ref = str(tmp_path / "ref")
     p = _launch(ref, nproc=2)
     assert _finish(p, 240) == 0, _output(p)[-3000:]
@@ -233,6 +232,10 @@ def test_torchrun_sigterm_and_launcher_kill(tmp_path):
     assert _finish(p, 240) == 0, _output(p)[-3000:]
     _assert_same_run(reference, run)
 
+
+def test_torchrun_workers_save_and_exit_when_the_launcher_is_killed(tmp_path):
+    """``kill -9`` of torchrun: the workers (armed with PR_SET_PDEATHSIG) save and exit 0 instead of
+    training on as orphans; their 2-rank checkpoint on 1 rank is refused in one line."""
     orphan = str(tmp_path / "orphan")
     p = _launch(orphan, nproc=2, extra=["run.train_steps=100000"])
     _wait_until(_trained_to(orphan, 3), p, timeout=240)
@@ -242,10 +245,12 @@ def test_torchrun_sigterm_and_launcher_kill(tmp_path):
     while time.time() < deadline and len(_rank_exits(_output(p))) < 2:
         time.sleep(0.2)
     assert _rank_exits(_output(p)) == [["0", "0"], ["1", "0"]], _output(p)[-3000:]
+    with open(os.path.join(orphan, "status.json")) as f:
+        status = json.load(f)
+    assert "SIGTERM" in status["stopped_early"]
     step, path = list_checkpoints(os.path.join(orphan, "checkpoints"))[-1]
-    assert "SIGTERM" in verify_checkpoint(path)["reason"]
+    assert step == status["step"] and verify_checkpoint(path)["world_size"] == 2
 
-    # the 2-rank checkpoint on 1 rank: a one-line error that says what differs and what to do
     r = subprocess.run([sys.executable, "-m", "training.pretrain", *BASE, *STEPS, f"run.dir={tmp_path / 'one'}",
                         f"checkpoint.load={path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
