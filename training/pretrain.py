@@ -90,6 +90,8 @@ class Trainer:
         self.history: List[dict] = []
         self.evals: List[dict] = []
         self.lock = None
+        self.created_dirs: List[str] = []  # by this start-up (removed again, when empty, after a failed start)
+        self.failed = False
         self._agreed_flags: Optional[List[float]] = None  # stop flags agreed with the last step's all-reduce
         self.rollbacks = 0
 
@@ -110,6 +112,7 @@ class Trainer:
         self.setup_model()
         self.setup_optimizer()
         self.setup_checkpointing()
+        self.setup_datasets()
         self.write_config()
         self.setup_logging()
 
@@ -164,6 +167,7 @@ class Trainer:
             from training.reliability import RunLock, check_writable
 
             created = [d for d in (run_dir, self.paths["checkpoints"]) if not os.path.exists(d)]
+            self.created_dirs = created
             try:
                 check_writable(run_dir, "run.dir")
                 lock = RunLock(run_dir, log=self.log)
@@ -218,8 +222,9 @@ class Trainer:
 
     def setup_data(self) -> None:
         from training.config import pad_vocab_size
-        from training.data import DataConfig, NullTokenizer, Tokenizer, build_datasets, prepare_default_data
+        from training.data import NullTokenizer, Tokenizer, prepare_default_data
         from training.data.default import default_paths
+        from training.data.gpt import check_indexed_pair
 
         cfg, d, t = self.cfg, self.cfg.data, self.cfg.tokenizer
         t0 = time.perf_counter()
@@ -234,8 +239,12 @@ class Trainer:
                 paths = info
             self._barrier()
             prefixes = [paths["data_prefix"]]
+            self._default_prefix = paths["data_prefix"]
             tok_path = tok_path or paths["tokenizer"]
             self.paths["corpus"] = paths["corpus"]
+        if not d.mock:  # pre-flight on every rank: each .idx against its .bin (one-line DataError)
+            for prefix in prefixes or [p for v in (per_split or {}).values() for p in (v or [])]:
+                check_indexed_pair(prefix)
         if t.type == "none" or (d.mock and not tok_path):
             self.tokenizer = NullTokenizer(t.vocab_size)
         else:
@@ -248,6 +257,17 @@ class Trainer:
                 raise ConfigError(f"config key tokenizer.padded_vocab_size: {t.padded_vocab_size} is smaller than the "
                                   f"tokenizer's {self.tokenizer.vocab_size} ids")
             self.vocab_size = t.padded_vocab_size
+        self.data_seconds = time.perf_counter() - t0
+
+    def setup_datasets(self) -> None:
+        """Megatron's datasets (index caches under data.cache_dir), after the checkpoint checks."""
+        from training.data import DataConfig, build_datasets
+
+        cfg, d = self.cfg, self.cfg.data
+        t0 = time.perf_counter()
+        prefixes, per_split = d.prefixes, d.per_split
+        if cfg.uses_default_data:
+            prefixes = [self._default_prefix]
         dcfg = DataConfig(prefixes=prefixes, weights=d.weights, split=d.split, per_split=per_split, mock=d.mock,
                           cache_dir=d.cache_dir or os.path.join(self.run_dir, "data_cache"),
                           reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
@@ -263,7 +283,7 @@ class Trainer:
         if not self.is_main:
             self.train_ds, self.valid_ds, _ = build_datasets(dcfg, self.tokenizer, self.seq, cfg.run.seed,
                                                              (n_train, n_valid, None))
-        self.data_seconds = time.perf_counter() - t0
+        self.data_seconds += time.perf_counter() - t0
 
     def setup_model(self) -> None:
         import torch
@@ -1018,6 +1038,10 @@ class Trainer:
             self.metrics.close()
         if self.lock is not None:
             self.lock.release()
+        if self.failed:  # a refused start leaves no empty directories behind
+            for d in reversed(self.created_dirs):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
         uninstall_hc_p2p_shapes()
         destroy_parallel(destroy_process_group=destroy_process_group)
 
@@ -1066,6 +1090,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+        trainer.failed = trainer.metrics is None
     except TrainingAborted as e:
         print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
         code = 3
@@ -1077,6 +1102,7 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+        trainer.failed = trainer.metrics is None
     finally:
         trainer.close()
     return code
