@@ -134,18 +134,19 @@ def reference(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 # SIGTERM to the process group, kill -9: single process
 # ------------------------------------------------------------------------------------------------
-def test_group_sigterm_mid_run_saves_once_exits_0_and_resumes_exactly(reference, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_group_signal_mid_run_saves_once_exits_0_and_resumes_exactly(reference, tmp_path, sig):
     run = str(tmp_path / "run")
     proc = _launch(run)
     _wait_until(_trained_to(run, 6), proc)
-    os.killpg(proc.pid, signal.SIGTERM)  # what SLURM and torchrun's shutdown deliver
+    os.killpg(proc.pid, getattr(signal, sig))  # SIGTERM: what SLURM and torchrun's shutdown deliver; SIGINT: Ctrl-C
     assert _finish(proc) == 0, _output(proc)[-3000:]
     out = _output(proc)
     assert "Traceback" not in out and "stopping at step" in out
     with open(os.path.join(run, "status.json")) as f:
         status = json.load(f)
     stopped = status["step"]
-    assert "SIGTERM" in status["stopped_early"] and 6 <= stopped < 12
+    assert sig in status["stopped_early"] and 6 <= stopped < 12
     step, path = list_checkpoints(os.path.join(run, "checkpoints"))[-1]
     body = verify_checkpoint(path)
     assert step == stopped == body["step"]

@@ -341,6 +341,22 @@ def describe_os_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def _explain_save_error(e: BaseException, directory: str) -> str:
+    """:func:`describe_os_error`, plus the free space when the disk is (nearly) full: torch's C++
+    writer reports a full disk as ``basic_ios::clear: iostream error``."""
+    text = describe_os_error(e)
+    if "no space" in text or "quota" in text:
+        return text
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return text
+    if usage.free < max(64 << 20, usage.total // 100):
+        return (f"{text}; the disk holding it has only {usage.free / 2**20:.1f} MiB free of "
+                f"{usage.total / 2**20:.0f} MiB: most likely no space left on device")
+    return text
+
+
 # ------------------------------------------------------------------------------------------------
 # RNG
 # ------------------------------------------------------------------------------------------------
@@ -560,9 +576,10 @@ class Checkpointer:
             with _inprocess_results_queue():
                 dist_checkpointing.save(state, tmp)
         except Exception as e:
+            why = _explain_save_error(e, self.root)
             if _rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # partial: free its space
-            raise CheckpointError(f"checkpoint {final}: save failed: {describe_os_error(e)}{keep}") from e
+            raise CheckpointError(f"checkpoint {final}: save failed: {why}{keep}") from e
         _barrier()
         if _rank() == 0:
             try:
@@ -581,8 +598,8 @@ class Checkpointer:
                     f.write(name + "\n")
                 os.replace(latest_tmp, os.path.join(self.root, "latest"))
             except Exception as e:  # report on every rank rather than hang the others
+                error = _explain_save_error(e, self.root) if not isinstance(e, CheckpointError) else str(e)
                 shutil.rmtree(tmp, ignore_errors=True)
-                error = describe_os_error(e) if not isinstance(e, CheckpointError) else str(e)
             if error is None:
                 self._prune()
         error = _broadcast_text(error)
