@@ -419,3 +419,26 @@ def test_dedupe_resumed_keeps_one_timeline():
     train = [(r["step"], r["loss"]) for r in out if r["kind"] == "train"]
     assert train == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 15.0), (6, 16.0)]  # old 5..7 dropped
     assert not [r for r in out if r["kind"] == "eval"]  # the eval at 6 belonged to the abandoned timeline
+
+
+def test_lock_reused_pid_is_stale_and_another_host_is_not(tmp_path):
+    import socket
+
+    from training.reliability import RunLock, RunLocked
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        lock = tmp_path / ".lock"
+        # a live PID whose start time differs from the recorded one: the PID was reused, the lock is stale
+        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": holder.pid, "start_time": "1"}))
+        seen = []
+        RunLock(str(tmp_path), log=seen.append).acquire()
+        assert seen and "stale lock" in seen[0] and json.loads(lock.read_text())["pid"] == os.getpid()
+        # a lock from another host cannot be checked from here: refused, naming the host
+        lock.write_text(json.dumps({"host": "elsewhere", "pid": holder.pid, "since": "t"}))
+        with pytest.raises(RunLocked, match=f"PID {holder.pid} on host elsewhere"):
+            RunLock(str(tmp_path), log=seen.append).acquire()
+        assert json.loads(lock.read_text())["host"] == "elsewhere"  # untouched
+    finally:
+        holder.kill()
+        holder.wait()

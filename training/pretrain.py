@@ -881,11 +881,14 @@ class Trainer:
     def _first_nonfinite_parameter(self) -> Optional[str]:
         import torch
 
-        for i, c in enumerate(self.chunks):
-            for name, prm in self._unwrap(c).named_parameters():
-                if not bool(torch.isfinite(prm.detach()).all()):
-                    return name if len(self.chunks) == 1 else f"chunk {i}: {name}"
-        return None
+        named = [(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
+                 for i, c in enumerate(self.chunks) for n, p in self._unwrap(c).named_parameters()]
+        if not named:
+            return None
+        finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
+        if bool(finite.all()):  # one device sync
+            return None
+        return named[int((~finite).nonzero()[0])][0]
 
     def check_parameters(self, context: str, window_end: Optional[int] = None) -> None:
         """Raise :class:`NonFiniteState` on every rank when any rank holds a non-finite parameter."""
