@@ -59,8 +59,8 @@ def _run_child(session, module_path: str) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **{_CHILD_REPORT: report})
     env.pop(_FORCE, None)
     root = str(session.config.rootpath)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[it.nodeid for it in items]],
-                          cwd=root, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[it.nodeid for it in items]]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     with open(report, encoding="utf-8") as f:
         for line in f:
             r = json.loads(line)

@@ -232,8 +232,9 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
     if isinstance(shc, dict) and isinstance(nhc, dict):
         diff = [f"{k}: saved {shc[k]!r}, now {nhc[k]!r}" for k in sorted(set(shc) & set(nhc)) if shc[k] != nhc[k]]
         if diff:
-            raise CheckpointError(f"{where} has a different hyper-connection config (model.hc.{'; model.hc.'.join(diff)})"
-                                  f": resume with the saved model.hc values, or {fresh}")
+            raise CheckpointError(f"{where} has a different hyper-connection config "
+                                  f"(model.hc.{'; model.hc.'.join(diff)}): resume with the saved model.hc values, "
+                                  f"or {fresh}")
     sv, nv = body.get("vocab_size"), expected.get("vocab_size")
     if sv is not None and nv is not None and int(sv) != int(nv):
         raise CheckpointError(f"{where} has a (padded) vocabulary of {sv} ids, this run {nv}: use the tokenizer and "

@@ -237,7 +237,8 @@ def dedupe_resumed(records: List[dict]) -> List[dict]:
     for i, r in enumerate(out):
         if r.get("kind") in ("train", "eval"):
             last[(r["kind"], r.get("step"))] = i
-    return [r for i, r in enumerate(out) if r.get("kind") not in ("train", "eval") or last[(r["kind"], r.get("step"))] == i]
+    return [r for i, r in enumerate(out)
+            if r.get("kind") not in ("train", "eval") or last[(r["kind"], r.get("step"))] == i]
 
 
 def read_metrics(path: str, kind: Optional[str] = None) -> List[dict]:

@@ -904,11 +904,14 @@ class Trainer:
         good = self.last_good_checkpoint
         kept = f"the last good checkpoint {good} is kept" if good else "no checkpoint was saved before it"
         if r.on_nonfinite != "rollback" or good is None or self.rollbacks >= r.max_rollbacks:
-            why = ("" if r.on_nonfinite != "rollback" else
-                   " (no checkpoint to roll back to)" if good is None else f" ({self.rollbacks} rollbacks, run.max_rollbacks="
-                                                                          f"{r.max_rollbacks})")
-            hint = ("lower optimizer.lr or check the data; run.on_nonfinite=rollback reloads the last good checkpoint "
-                    "and skips this data window" if r.on_nonfinite != "rollback" else "lower optimizer.lr or check the data")
+            hint = "lower optimizer.lr or check the data"
+            if r.on_nonfinite != "rollback":
+                why = ""
+                hint += "; run.on_nonfinite=rollback reloads the last good checkpoint and skips this data window"
+            elif good is None:
+                why = " (no checkpoint to roll back to)"
+            else:
+                why = f" ({self.rollbacks} rollbacks, run.max_rollbacks={r.max_rollbacks})"
             raise TrainingAborted(f"{err}{why}; nothing was saved, {kept}: {hint}")
         bad_step, window_end = self.step, max(err.window_end, self.consumed_samples)
         path, body = self.ckpt.select(good)

@@ -161,8 +161,9 @@ def check_writable(directory: str, key: str) -> None:
         os.unlink(probe)
     except OSError as e:
         what = e.strerror or type(e).__name__
-        raise ConfigError(f"{key} {directory}: not writable ({what}{': ' + e.filename if e.filename and e.filename != directory else ''}): "
-                          f"choose a writable {key}") from None
+        if e.filename and e.filename != directory:
+            what += f": {e.filename}"
+        raise ConfigError(f"{key} {directory}: not writable ({what}): choose a writable {key}") from None
 
 
 def check_free_space(directory: str, needed_bytes: float, key: str) -> None:

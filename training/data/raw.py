@@ -116,8 +116,8 @@ def check_text_file(path: str, builder: str, text_key: Optional[str] = None) -> 
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"input: {path} line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                f"convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+                raise DataError(f"input: {path} line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
             if not lines or whole_json or not line.strip():
                 continue
             try:
