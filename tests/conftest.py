@@ -1,6 +1,27 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the ``cpu_gloo`` marker.
+
+``@pytest.mark.cpu_gloo`` marks a test of the CPU/gloo path (Megatron through
+:mod:`models.cpu_compat`, TP/EP/DP equivalence on CPU tensors).  On a machine without CUDA it runs
+as usual.  Where CUDA is visible, :mod:`models.cpu_compat` leaves Megatron stock (GPU) in this
+process, so the marked tests of a module run together in one child ``pytest`` with
+``CUDA_VISIBLE_DEVICES=""`` (their torchrun workers inherit it) and each result is reported here
+under its own name: the parallel-equivalence tests run on GPU machines too instead of skipping.
+``XHC_CPU_GLOO_CHILD=1`` forces that route on a CPU machine (to test the mechanism).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
+
+_CHILD_REPORT = "XHC_CPU_GLOO_REPORT"  # set in the child: where it writes its results
+_FORCE = "XHC_CPU_GLOO_CHILD"
 
 
 @pytest.fixture(scope="session")
@@ -10,3 +31,88 @@ def run_torchrun():
     from tests.dist.launch import run_torchrun as _run
 
     return _run
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_gloo: a CPU/gloo-path test; where CUDA is visible it runs in a child "
+                                       "process with CUDA hidden (see tests/conftest.py)")
+
+
+def _route_to_child() -> bool:
+    if os.environ.get(_CHILD_REPORT):
+        return False  # this is the child
+    if os.environ.get(_FORCE) == "1":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+_results: dict = {}  # nodeid -> {when: record}
+_ran_modules: set = set()
+
+
+def _run_child(session, module_path: str) -> None:
+    items = [it for it in session.items if it.get_closest_marker("cpu_gloo") and str(it.path) == module_path]
+    fd, report = tempfile.mkstemp(prefix="cpu-gloo-", suffix=".jsonl")
+    os.close(fd)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **{_CHILD_REPORT: report})
+    env.pop(_FORCE, None)
+    root = str(session.config.rootpath)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[it.nodeid for it in items]]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    with open(report, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            _results.setdefault(r["nodeid"], {})[r["when"]] = r
+    os.unlink(report)
+    for it in items:  # a child that died reports nothing for the rest: fail them with its output
+        if not _results.get(it.nodeid):
+            _results[it.nodeid] = {"call": {
+                "outcome": "failed", "duration": 0.0,
+                "longrepr": f"no result from the CUDA-hidden child pytest (exit {proc.returncode}):\n"
+                            f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}"}}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.get_closest_marker("cpu_gloo") or not _route_to_child():
+        return None
+    from _pytest.reports import TestReport
+
+    module = str(item.path)
+    if module not in _ran_modules:
+        _ran_modules.add(module)
+        _run_child(item.session, module)
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    recs = _results.get(item.nodeid, {})
+    keywords = {k: 1 for k in item.keywords}
+    for when in ("setup", "call", "teardown"):
+        r = recs.get(when)
+        if r is None:
+            if when == "call" and recs.get("setup", {}).get("outcome") != "passed":
+                continue  # setup failed or skipped: no call phase
+            r = {"outcome": "passed", "longrepr": None, "duration": 0.0}
+        longrepr = r.get("longrepr")
+        if r["outcome"] == "skipped" and isinstance(longrepr, list):
+            longrepr = tuple(longrepr)
+        now = time.time()
+        rep = TestReport(item.nodeid, item.location, keywords, r["outcome"], longrepr, when,
+                         duration=r.get("duration", 0.0), start=now, stop=now)
+        item.ihook.pytest_runtest_logreport(report=rep)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(_CHILD_REPORT)
+    if not path:
+        return
+    longrepr = None
+    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        longrepr = list(report.longrepr)
+    elif report.failed:
+        longrepr = str(report.longrepr)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                            "longrepr": longrepr, "duration": report.duration}) + "\n")

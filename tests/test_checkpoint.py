@@ -227,22 +227,31 @@ def test_metadata_checksum_covers_every_non_tensor_object(parallel, tmp_path):
 
 
 def test_crashed_save_leaves_previous_checkpoint_and_is_cleaned_up(parallel, tmp_path, monkeypatch):
+    import errno
+
     import training.checkpoint as tc
 
     model, opt, sched = _setup(seed=1)
     ck, first = _save(str(tmp_path), 1, model, opt, sched)
+    before = {f: os.path.getsize(os.path.join(first, f)) for f in os.listdir(first)}
 
     def crash(*_a, **_k):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(tc, "write_manifest", crash)
-    with pytest.raises(CheckpointError, match="disk full"):
+    with pytest.raises(CheckpointError) as err:
         _save(str(tmp_path), 2, model, opt, sched)
-    assert ck.latest() == first  # the partial save is invisible
-    assert os.path.isdir(tmp_path / ".step_00000002.tmp")
+    msg = str(err.value)
+    assert "no space left on device" in msg and "step_00000002" in msg and "kept" in msg and "\n" not in msg
+    assert ck.latest() == first  # the partial save is invisible ...
+    assert not os.path.exists(tmp_path / ".step_00000002.tmp")  # ... and removed (its space freed)
+    assert {f: os.path.getsize(os.path.join(first, f)) for f in os.listdir(first)} == before
+    verify_checkpoint(first)
     monkeypatch.undo()
+    # a crash that leaves a .tmp behind (kill -9) is cleaned by the next save
+    os.makedirs(tmp_path / ".step_00000002.tmp")
     _, third = _save(str(tmp_path), 3, model, opt, sched)
-    assert not os.path.exists(tmp_path / ".step_00000002.tmp")  # cleaned by the next save
+    assert not os.path.exists(tmp_path / ".step_00000002.tmp")
     assert ck.latest() == third
 
 

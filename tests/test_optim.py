@@ -537,7 +537,7 @@ def megatron_scalars_on_cpu(monkeypatch):
     monkeypatch.setattr(mopt, "clip_grad_by_total_norm_fp32", clip_by_total_norm)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the CUDA scalars")
+@pytest.mark.cpu_gloo  # CPU stand-in for the CUDA scalars (with CUDA: a CUDA-hidden child pytest)
 @pytest.mark.parametrize("opt_name", ["adamw", "muon"])
 def test_megatron_backend_matches_torch_backend(parallel, megatron_scalars_on_cpu, opt_name):
     """Megatron DDP + ``build_optimizer(use_megatron=True)`` (Megatron's AdamW with our wd
@@ -608,7 +608,7 @@ def test_megatron_backend_matches_torch_backend(parallel, megatron_scalars_on_cp
 # ------------------------------------------------------------------------------------------------
 # Tensor and expert parallelism (2-rank torchrun)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the CPU/gloo path")
+@pytest.mark.cpu_gloo
 def test_tp_and_ep_steps_equal_single_rank_steps(run_torchrun):
     """TP=2+SP (Muon gathers full matrices over TP and expert-TP) and EP=2: grad norms per step
     and the parameters after two AdamW / Muon steps equal the single-rank run; per-shard Muon

@@ -28,6 +28,23 @@ counters) then lives in a ``.distcp`` file next to the tensors, as do the RNG st
 optimizer state; the manifest records those objects' byte ranges (read from the checkpoint's
 ``.metadata``) and their sha256, so ``metadata`` mode covers them on every version.
 
+**Signals.**  A save is not interruptible: SIGTERM / SIGINT / SIGUSR1 / SIGHUP that arrive while
+it runs are held and re-delivered when it is done (the caller's handler then sees them), and the
+writer processes that ``torch_dist`` forks inherit the holding handler, so a signal sent to the
+whole process group (``kill -TERM -- -<pgid>``, torchrun's and SLURM's shutdown) no longer kills
+them mid-write.  The results queue of the synchronous save is an in-process queue instead of
+Megatron's default ``multiprocessing.Manager`` server process (a separate process that a group
+signal killed, giving ``BrokenPipeError``, and that a ``kill -9`` of the trainer left behind).
+
+**Selection and fallback.**  ``checkpoint.load=auto`` takes the newest checkpoint that passes
+:func:`verify_checkpoint`; a newer one that fails is renamed ``step_XXXXXXXX.corrupt`` (kept for
+inspection, never loaded again) with a warning.  A save is verified before any older checkpoint
+is pruned, so the newest good checkpoint always survives.
+
+**Compatibility.**  :func:`check_compatible` compares the manifest's preset, HC config, vocabulary
+and parallel layout with the run about to load it, and raises a one-line error that says what
+differs and how to proceed.
+
 **Contents** (see :func:`build_state`): the model's sharded state dict (reshardable across
 TP/PP/EP), the optimizer (Megatron's sharded optimizer state on GPU; on CPU each rank's torch
 optimizer ``state_dict`` as a per-rank object, so a CPU resume keeps the parallel layout), the
@@ -37,12 +54,17 @@ rank the python / numpy / torch / CUDA RNG states and Megatron's RNG-tracker sta
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import queue
 import random
 import re
 import shutil
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -56,6 +78,8 @@ __all__ = [
     "Checkpointer",
     "build_state",
     "capture_rng_state",
+    "check_compatible",
+    "deferred_signals",
     "checkpoint_name",
     "list_checkpoints",
     "restore_rng_state",
@@ -227,6 +251,161 @@ def verify_checkpoint(directory: str, hashes: bool = True) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# Compatibility of a checkpoint with the run that loads it
+# ------------------------------------------------------------------------------------------------
+_LAYOUT_KEYS = ("tp", "pp", "ep", "cp", "etp", "vpp")
+
+
+def _layout(world: Any, parallel: Optional[dict]) -> str:
+    p = parallel or {}
+    return f"world size {world} (" + " ".join(f"{k}={p.get(k)}" for k in _LAYOUT_KEYS if p.get(k) is not None) + ")"
+
+
+def check_compatible(directory: str, body: dict, expected: dict, load_optimizer: bool = True,
+                     load_rng: bool = True, sharded_optimizer: bool = False) -> None:
+    """Raise a one-line :class:`CheckpointError` when ``directory`` (manifest ``body``) cannot resume this run.
+
+    ``expected``: this run's ``preset``, ``hc`` (dict), ``vocab_size``, ``world_size``, ``parallel`` (dict);
+    keys the manifest lacks (older checkpoints) are not compared.  The model weights reshard across
+    layouts; per-rank state (the RNG states, and on CPU the optimizer) needs the same layout.
+    """
+    where = f"checkpoint {directory}"
+    fresh = "start a fresh run (another run.dir, or checkpoint.load=none)"
+    saved, now = body.get("preset"), expected.get("preset")
+    if saved is not None and now is not None and saved != now:
+        raise CheckpointError(f"{where} holds model.preset={saved}, this run is model.preset={now}: resume with "
+                              f"model.preset={saved}, or {fresh}; weights do not convert between presets")
+    shc, nhc = body.get("hc"), expected.get("hc")
+    if isinstance(shc, dict) and isinstance(nhc, dict):
+        diff = [f"{k}: saved {shc[k]!r}, now {nhc[k]!r}" for k in sorted(set(shc) & set(nhc)) if shc[k] != nhc[k]]
+        if diff:
+            raise CheckpointError(f"{where} has a different hyper-connection config "
+                                  f"(model.hc.{'; model.hc.'.join(diff)}): resume with the saved model.hc values, "
+                                  f"or {fresh}")
+    sv, nv = body.get("vocab_size"), expected.get("vocab_size")
+    if sv is not None and nv is not None and int(sv) != int(nv):
+        raise CheckpointError(f"{where} has a (padded) vocabulary of {sv} ids, this run {nv}: use the tokenizer and "
+                              f"tokenizer.* settings it was trained with, or {fresh}")
+    sw, nw = body.get("world_size"), expected.get("world_size")
+    sp, np_ = body.get("parallel") or {}, expected.get("parallel") or {}
+    same = (sw is None or nw is None or int(sw) == int(nw)) and all(
+        sp.get(k) == np_.get(k) for k in _LAYOUT_KEYS if k in sp and k in np_)
+    per_rank = [name for name, on in (("checkpoint.load_rng", load_rng),
+                                      ("checkpoint.load_optimizer", load_optimizer and not sharded_optimizer)) if on]
+    if not same and per_rank:
+        raise CheckpointError(f"{where} was saved with {_layout(sw, sp)}, this run has {_layout(nw, np_)}: relaunch "
+                              f"with the saved layout to resume exactly, or load the (reshardable) weights only with "
+                              + " ".join(f"{k}=false" for k in per_rank))
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving safely: held signals, no helper server process, one-line disk errors
+# ------------------------------------------------------------------------------------------------
+_HELD_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGTERM / SIGINT / SIGUSR1 / SIGHUP for the duration of the block, then re-deliver them.
+
+    Processes forked inside the block (``torch_dist``'s writers) inherit the holding handler, so a
+    signal sent to the whole process group does not kill them mid-write.  Off the main thread
+    (where Python cannot set handlers) it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    received: List[int] = []
+
+    def hold(signum, _frame):
+        received.append(signum)
+
+    previous = {}
+    for name in _HELD_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[sig] = signal.signal(sig, hold)
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
+def _inprocess_results_queue():
+    """A plain queue for the write results of a *synchronous* ``torch_dist`` save.
+
+    Megatron creates a ``multiprocessing.Manager`` (a spawned server process that re-imports the
+    main module) for the results of async saves and uses it for synchronous ones too; in a
+    synchronous save the results are put and read by this process, so a ``queue.Queue`` is enough.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:  # another Megatron layout: keep its default
+        yield
+        return
+    if not hasattr(fa, "_results_queue"):
+        yield
+        return
+    previous = fa._results_queue
+    fa._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = previous
+
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted"}
+
+
+def _causes(e: BaseException):
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [x.__cause__, x.__context__]
+        for v in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
+            todo += list(v) if isinstance(v, (list, tuple)) else [v]
+        todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
+
+
+def describe_os_error(e: BaseException) -> str:
+    """One line for an exception from a save: names disk-full / read-only / permission errors plainly."""
+    for x in _causes(e):
+        code = getattr(x, "errno", None)
+        if isinstance(x, OSError) and code in _DISK_ERRNOS:
+            return f"{_DISK_ERRNOS[code]} ({errno.errorcode.get(code, code)}{': ' + x.filename if x.filename else ''})"
+    text = str(e).splitlines()[0] if str(e) else ""
+    if "No space left on device" in str(e):
+        return f"no space left on device (ENOSPC): {text}"
+    return f"{type(e).__name__}: {text}"
+
+
+def _explain_save_error(e: BaseException, directory: str) -> str:
+    """:func:`describe_os_error`, plus the free space when the disk is (nearly) full: torch's C++
+    writer reports a full disk as ``basic_ios::clear: iostream error``."""
+    text = describe_os_error(e)
+    if "no space" in text or "quota" in text:
+        return text
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return text
+    if usage.free < max(64 << 20, usage.total // 100):
+        return (f"{text}; the disk holding it has only {usage.free / 2**20:.1f} MiB free of "
+                f"{usage.total / 2**20:.0f} MiB: most likely no space left on device")
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
 # RNG
 # ------------------------------------------------------------------------------------------------
 def capture_rng_state() -> Dict[str, Any]:
@@ -384,28 +563,72 @@ class Checkpointer:
                 return found[-1][1]
         return path
 
+    def select(self, load: Optional[str]) -> Tuple[Optional[str], Optional[dict]]:
+        """The checkpoint to resume from and its verified manifest body (collective).
+
+        ``auto``: the newest checkpoint that verifies; each newer one that does not is renamed
+        ``<name>.corrupt`` with a warning (never deleted).  An explicit path must verify.
+        """
+        if load != "auto":
+            path = self.resolve(load)
+            return (path, self.verify(path)) if path is not None else (None, None)
+        for _step, path in reversed(self.checkpoints()):
+            try:
+                return path, self.verify(path)
+            except CheckpointError as e:
+                if _rank() == 0:
+                    bad = path + ".corrupt"
+                    try:
+                        os.replace(path, bad)
+                    except OSError:
+                        bad = path
+                    self.log(f"[xhc] warning: {e}; set aside as {bad}, trying the previous checkpoint")
+                _barrier()
+        return None, None
+
     # ---- save ----------------------------------------------------------------------------------
     def save(self, step: int, state: dict, info: Optional[dict] = None) -> str:
         """Save ``state`` (from :func:`build_state`) as ``step_<step>``; collective over all ranks.
 
-        Returns the final directory.  An existing checkpoint of the same step is replaced.
+        Returns the final directory.  An existing checkpoint of the same step is replaced.  Signals
+        that arrive during the save are held until it is done (:func:`deferred_signals`).  The new
+        checkpoint is verified before older ones are pruned.  On failure (disk full, read-only, ...)
+        the partial directory is removed and a one-line :class:`CheckpointError` names the cause;
+        the previous checkpoints are untouched.
         """
+        with deferred_signals():
+            return self._save(step, state, info)
+
+    def _save(self, step: int, state: dict, info: Optional[dict]) -> str:
         from megatron.core import dist_checkpointing
 
         t0 = time.perf_counter()
         name = checkpoint_name(step)
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.tmp")
-        if _rank() == 0:
-            os.makedirs(self.root, exist_ok=True)
-            for stale in os.listdir(self.root):  # crashed saves
-                if stale.startswith(".step_") and stale.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
-            os.makedirs(tmp)
-        _barrier()
-        dist_checkpointing.save(state, tmp)
-        _barrier()
+        keep = f"; the previous checkpoint{'s are' if self.keep_last > 1 else ' is'} kept"
         error = None
+        if _rank() == 0:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                for stale in os.listdir(self.root):  # crashed saves
+                    if stale.startswith(".step_") and stale.endswith(".tmp"):
+                        shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as e:
+                error = describe_os_error(e)
+        error = _broadcast_text(error)
+        if error:
+            raise CheckpointError(f"checkpoint {final}: save failed: {error}{keep}")
+        try:
+            with _inprocess_results_queue():
+                dist_checkpointing.save(state, tmp)
+        except Exception as e:
+            why = _explain_save_error(e, self.root)
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # partial: free its space
+            raise CheckpointError(f"checkpoint {final}: save failed: {why}{keep}") from e
+        _barrier()
         if _rank() == 0:
             try:
                 import megatron.core
@@ -413,6 +636,7 @@ class Checkpointer:
                 meta = {"step": int(step), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                         "megatron_core": getattr(megatron.core, "__version__", "?"), **(info or {})}
                 write_manifest(tmp, meta, self.checksum)
+                verify_checkpoint(tmp)
                 if os.path.isdir(final):
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -421,18 +645,21 @@ class Checkpointer:
                 with open(latest_tmp, "w") as f:
                     f.write(name + "\n")
                 os.replace(latest_tmp, os.path.join(self.root, "latest"))
-                self._prune()
             except Exception as e:  # report on every rank rather than hang the others
-                error = f"{type(e).__name__}: {e}"
+                error = _explain_save_error(e, self.root) if not isinstance(e, CheckpointError) else str(e)
+                shutil.rmtree(tmp, ignore_errors=True)
+            if error is None:
+                self._prune()
         error = _broadcast_text(error)
         if error:
-            raise CheckpointError(f"checkpoint {final}: save failed: {error}")
+            raise CheckpointError(f"checkpoint {final}: save failed: {error}{keep}")
         self.last_save_seconds = time.perf_counter() - t0
         return final
 
     def _prune(self) -> None:
+        """Delete the oldest checkpoints beyond ``keep_last``; the newest one is never deleted."""
         found = self.checkpoints()
-        for _step, path in found[: max(0, len(found) - self.keep_last)]:
+        for _step, path in found[: max(0, len(found) - max(1, self.keep_last))]:
             shutil.rmtree(path, ignore_errors=True)
 
     # ---- load ----------------------------------------------------------------------------------
@@ -451,11 +678,13 @@ class Checkpointer:
             body = verify_checkpoint(directory, hashes=False)
         return body
 
-    def load(self, directory: str, state: dict) -> dict:
-        """Verify ``directory`` and load into the template ``state`` (from ``build_state(is_loading=True)``)."""
+    def load(self, directory: str, state: dict, body: Optional[dict] = None) -> dict:
+        """Verify ``directory`` (unless its verified manifest ``body`` is given) and load into the template
+        ``state`` (from ``build_state(is_loading=True)``)."""
         from megatron.core import dist_checkpointing
 
-        body = self.verify(directory)
+        if body is None:
+            body = self.verify(directory)
         try:
             loaded = dist_checkpointing.load(state, directory)
         except Exception as e:

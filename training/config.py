@@ -223,6 +223,12 @@ class RunConfig:
     """``auto`` (bf16 on GPU, fp32 on CPU), ``bf16`` (GPU), ``fp32``."""
     max_skipped_steps: int = 10
     """Abort after this many steps skipped for a non-finite loss or gradient."""
+    on_nonfinite: str = "abort"
+    """Non-finite parameters or validation loss (checked before every save, and on a non-finite loss):
+    ``abort`` (exit 3, nothing saved, the last good checkpoint kept) or ``rollback`` (reload the last good
+    checkpoint and skip the data window since it; at most ``run.max_rollbacks`` times)."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed per process with ``run.on_nonfinite=rollback`` before aborting."""
     num_threads: Optional[int] = None
     """CPU: torch intra-op threads per process (null: torch's default; torchrun sets OMP_NUM_THREADS)."""
     exit_at_step: Optional[int] = None
@@ -651,6 +657,8 @@ def validate_config(cfg: PretrainConfig) -> None:
     _choice("run.device", r.device, ("auto", "cuda", "cpu"))
     _choice("run.precision", r.precision, ("auto", "bf16", "fp32"))
     _positive("run.max_skipped_steps", r.max_skipped_steps, allow_zero=True)
+    _choice("run.on_nonfinite", r.on_nonfinite, ("abort", "rollback"))
+    _positive("run.max_rollbacks", r.max_rollbacks, allow_zero=True)
     _positive("run.num_threads", r.num_threads, allow_none=True)
     _positive("run.exit_at_step", r.exit_at_step, allow_none=True)
     _positive("run.exit_after_minutes", r.exit_after_minutes, allow_none=True)

@@ -173,8 +173,19 @@ class FinetuneConfig:
             path = resolve_config(path, "finetune")  # a path, or a packaged config's name
             if not os.path.isfile(path):
                 raise FinetuneConfigError(f"--config {path}: file not found")
-            with open(path, encoding="utf-8") as f:
-                d = yaml.safe_load(f) or {}
+            try:
+                with open(path, encoding="utf-8") as f:
+                    d = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+                raise FinetuneConfigError(f"--config {path}: not valid YAML ({where}{getattr(e, 'problem', None) or e})"
+                                          ) from None
+            except UnicodeDecodeError:
+                raise FinetuneConfigError(f"--config {path}: not UTF-8 text; save the YAML file as UTF-8") from None
+            if not isinstance(d, dict):
+                raise FinetuneConfigError(f"--config {path}: the top level must be a mapping of sections "
+                                          f"(model, hc, peft, data, train), got a {type(d).__name__}")
         for item in overrides:
             if "=" not in item or "." not in item.split("=", 1)[0]:
                 raise FinetuneConfigError(f"override {item!r}: write section.key=value, e.g. train.max_steps=100")
@@ -183,7 +194,10 @@ class FinetuneConfig:
             d.setdefault(section, {})
             if d[section] is None:
                 d[section] = {}
-            d[section][name] = yaml.safe_load(val)
+            try:
+                d[section][name] = yaml.safe_load(val)
+            except yaml.YAMLError:
+                raise FinetuneConfigError(f"override {item!r}: the value is not valid YAML") from None
         return cls.from_dict(d, source=path or "overrides")
 
     def hc_config(self) -> HCConfig:
@@ -319,10 +333,45 @@ def load_chat_dataset(args: DataArgs):
             fmt = "parquet" if files[0].endswith(".parquet") else "json"
         if fmt == "hub":
             raise FinetuneConfigError(f"data.format=hub but data.path={path} is a local path")
-        return datasets.load_dataset(fmt, data_files=files, split="train")
+        from training.data._util import DataError
+        from training.data.raw import check_text_file
+
+        bars_were_off = datasets.are_progress_bars_disabled()
+        datasets.disable_progress_bars()  # stderr carries errors only
+        try:
+            for f in files:
+                check_text_file(f, fmt)  # empty / not UTF-8 / not JSON Lines: the file and line
+            return datasets.load_dataset(fmt, data_files=files, split="train")
+        except DataError as e:
+            raise FinetuneConfigError(f"data.path: {str(e).removeprefix('input: ')}") from None
+        except Exception as e:  # datasets raises many types: one line naming the file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise FinetuneConfigError(f"data.path={path}: could not read it as {fmt} ({first})") from None
+        finally:
+            if not bars_were_off:
+                datasets.enable_progress_bars()
     if fmt in ("json", "parquet"):
         raise FinetuneConfigError(f"data.path={path}: file not found")
     return datasets.load_dataset(path, split=args.hub_split)  # hub (needs a network)
+
+
+def check_conversations(dataset, args: DataArgs) -> None:
+    """Every row's ``messages_field`` is a non-empty list of ``{"role": str, "content": str}``; a one-line
+    :class:`FinetuneConfigError` naming the file and the (1-based) row otherwise."""
+    field = args.messages_field
+    if len(dataset) == 0:
+        raise FinetuneConfigError(f"data.path={args.path}: no rows; give chat data, one "
+                                  f'{{"{field}": [{{"role": ..., "content": ...}}]}} per line')
+    if field not in dataset.column_names:
+        raise FinetuneConfigError(f"data.path={args.path}: no {field!r} column (columns: "
+                                  f"{', '.join(dataset.column_names)}); set data.messages_field, or give chat data "
+                                  f'as {{"{field}": [{{"role": ..., "content": ...}}]}} per row')
+    for i, conv in enumerate(dataset[field], 1):
+        ok = isinstance(conv, list) and conv and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in conv)
+        if not ok:
+            raise FinetuneConfigError(f"data.path={args.path} row {i}: {field} must be a non-empty list of "
+                                      f'{{"role": str, "content": str}} messages, got {str(conv)[:60]!r}')
 
 
 def tokenize_chats(dataset, tokenizer, messages_field: str = "messages", chunk: int = 1024) -> List[List[int]]:
@@ -407,6 +456,7 @@ def prepare_data(args: DataArgs, tokenizer) -> Splits:
 
 def _prepare_data(args: DataArgs, tokenizer) -> Splits:
     ds = load_chat_dataset(args)
+    check_conversations(ds, args)
     n = len(ds)
     sources = ds[args.source_field] if args.source_field in ds.column_names else ["all"] * n
     sizes = {
@@ -465,6 +515,29 @@ def build_tokenizer(args: ModelArgs):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def check_model_supported(args: ModelArgs) -> None:
+    """Before anything is written: the backbone's family can be wrapped (reads only its config)."""
+    from models.hf.mhc_adapter import FAMILIES
+
+    if args.tiny is not None:
+        family = dict(args.tiny).get("family", "llama")
+        if family not in FAMILIES:
+            raise FinetuneConfigError(f"model.tiny.family={family!r}: not supported; allowed: {', '.join(FAMILIES)}")
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(args.name_or_path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FinetuneConfigError(f"model.name_or_path={args.name_or_path}: cannot read its config ({first})") from None
+    if config.model_type not in FAMILIES:
+        arch = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+        raise FinetuneConfigError(f"model.name_or_path={args.name_or_path}: {arch} (model_type "
+                                  f"{config.model_type!r}) cannot be wrapped with mHC; supported model types: "
+                                  f"{', '.join(FAMILIES)}")
 
 
 def build_backbone(args: ModelArgs, seed: int):
@@ -581,11 +654,12 @@ def run(cfg: FinetuneConfig, stream=None) -> dict:
     random.seed(tr.seed)
     device = _device(tr.device)
     use_bf16 = device.type == "cuda" if tr.bf16 == "auto" else tr.bf16 in (True, "true")
+    # inputs are checked before anything is written to out_dir
+    tokenizer = build_tokenizer(cfg.model)
+    check_model_supported(cfg.model)
+    splits = prepare_data(cfg.data, tokenizer)
     log = MetricsLogger(tr.out_dir, tr.tensorboard, stream)
     log.print(f"[finetune] device={device} bf16_autocast={use_bf16} out_dir={tr.out_dir}")
-
-    tokenizer = build_tokenizer(cfg.model)
-    splits = prepare_data(cfg.data, tokenizer)
     log.print("[finetune] data: " + ", ".join(
         f"{s} {sum(splits.source_counts[s].values())} examples -> {getattr(splits, s)[0].shape[0]} blocks"
         for s in ("train", "validation", "test")))
@@ -687,7 +761,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FinetuneConfigError, ValueError) as e:
         print(f"xhc-finetune: {e}", file=sys.stderr)
         return 2
-    run(cfg)
+    from models.hf.mhc_adapter import UnsupportedModelError
+
+    try:
+        run(cfg)
+    except (FinetuneConfigError, UnsupportedModelError) as e:
+        print(f"xhc-finetune: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,10 @@
   = ``train`` / ``eval`` / ``event``), tensorboard scalars (``train/loss``, ``hc/amax_gain_fwd``,
   ...), optional wandb, and the console lines; :func:`plot_losses` draws ``loss.png`` from the
   JSONL when matplotlib is importable.
+- A resumed run appends to the same ``metrics.jsonl`` after a ``resume`` record (``step``: the
+  checkpoint's step, ``checkpoint``: its path; ``rollback: true`` after a non-finite rollback).
+  :func:`read_metrics` / :func:`dedupe_resumed` drop the records of the abandoned timeline (steps
+  after the resume point written before it), so plots and collectors see each step once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["MetricsLogger", "format_duration", "model_flops_per_token", "peak_tflops", "plot_losses", "read_jsonl"]
+__all__ = ["MetricsLogger", "dedupe_resumed", "format_duration", "model_flops_per_token", "peak_tflops", "plot_losses",
+           "read_jsonl", "read_metrics"]
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets, without sparsity).
 GPU_PEAK_TFLOPS = (
@@ -218,6 +223,30 @@ def read_jsonl(path: str) -> List[dict]:
     return out
 
 
+def dedupe_resumed(records: List[dict]) -> List[dict]:
+    """The records of one consistent timeline: at each ``resume`` record (step ``s``), the earlier
+    ``train`` / ``eval`` records of steps after ``s`` are dropped (they were replayed from step ``s``);
+    then, per (kind, step), the last record wins.  Other kinds (events, resumes) are kept in order."""
+    out: List[dict] = []
+    for r in records:
+        if r.get("kind") == "resume":
+            s = r.get("step", 0)
+            out = [x for x in out if x.get("kind") not in ("train", "eval") or x.get("step", 0) <= s]
+        out.append(r)
+    last = {}
+    for i, r in enumerate(out):
+        if r.get("kind") in ("train", "eval"):
+            last[(r["kind"], r.get("step"))] = i
+    return [r for i, r in enumerate(out)
+            if r.get("kind") not in ("train", "eval") or last[(r["kind"], r.get("step"))] == i]
+
+
+def read_metrics(path: str, kind: Optional[str] = None) -> List[dict]:
+    """``metrics.jsonl`` de-duplicated across resumes (:func:`dedupe_resumed`), optionally one ``kind``."""
+    records = dedupe_resumed(read_jsonl(path))
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
 def plot_losses(jsonl_path: str, out_png: str, title: str = "") -> Optional[str]:
     """``loss.png``: training loss per step and validation loss per evaluation.
 
@@ -230,8 +259,7 @@ def plot_losses(jsonl_path: str, out_png: str, title: str = "") -> Optional[str]
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = read_jsonl(jsonl_path)
-    # A resumed run appends to the same JSONL: keep the last record of each step.
+    records = read_metrics(jsonl_path)  # one record per step across resumes
     train, val = {}, {}
     for r in records:
         if r.get("kind") == "train" and isinstance(r.get("loss"), (int, float)):

@@ -11,7 +11,13 @@ The flow (each step is one method of :class:`Trainer`)::
 
     config  -> parallel state -> data -> model -> optimizer, scheduler -> checkpointer (resume)
             -> loop: forward/backward over micro-batches, grad sync, step (skip if non-finite),
-                     log, evaluate, checkpoint, react to SIGTERM
+                     log, evaluate, checkpoint, react to SIGTERM / SIGINT / SIGUSR1
+
+Reliability (``docs/reliability.md``): a lock on ``run.dir``, writable / free-space checks at
+start-up, a signal sets a flag that all ranks agree on with the step's loss all-reduce, then one
+verified checkpoint and exit 0; non-finite parameters are never saved (exit 3, or a rollback to the
+last good checkpoint with ``run.on_nonfinite=rollback``); the manifest is checked against the run
+before loading; a ``resume`` record in ``metrics.jsonl`` marks where a resumed run continues.
 
 - **GPU**: Megatron's ``get_forward_backward_func()`` schedules (1F1B, interleaved), with the N·C
   pipeline p2p shapes of :func:`models.pipeline.install_hc_p2p_shapes`; Megatron DDP; Megatron's
@@ -53,6 +59,18 @@ __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
 
 class TrainingAborted(RuntimeError):
     """Training stopped on purpose (too many skipped steps, ...); the message says why."""
+
+
+class NonFiniteState(TrainingAborted):
+    """The parameters or the validation loss became non-finite (``run.on_nonfinite`` decides what next).
+
+    ``window_end``: consumed samples up to the step that revealed it (the end of the data window a
+    rollback skips).
+    """
+
+    def __init__(self, message: str, window_end: int):
+        super().__init__(message)
+        self.window_end = window_end
 
 
 def _p(msg: str = "") -> None:
@@ -110,6 +128,11 @@ class Trainer:
         self.metrics = None
         self.history: List[dict] = []
         self.evals: List[dict] = []
+        self.lock = None
+        self.created_dirs: List[str] = []  # by this start-up (removed again, when empty, after a failed start)
+        self.failed = False
+        self._agreed_flags: Optional[List[float]] = None  # stop flags agreed with the last step's all-reduce
+        self.rollbacks = 0
 
     # ----------------------------------------------------------------------------------------
     # Setup
@@ -128,6 +151,8 @@ class Trainer:
         self.setup_model()
         self.setup_optimizer()
         self.setup_checkpointing()
+        self.setup_datasets()
+        self.write_config()
         self.setup_logging()
 
     def setup_parallel(self) -> None:
@@ -138,8 +163,10 @@ class Trainer:
         from models.parallel import initialize_parallel
         from models.zoo import ZooError, load_preset
         from training.config import validate_runtime
+        from training.reliability import exit_with_launcher
 
         cfg = self.cfg
+        exit_with_launcher()  # under torchrun: SIGTERM (save, exit) when the launcher dies
         self.cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
         if not self.cuda and cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
@@ -174,20 +201,69 @@ class Trainer:
         self.run_dir = run_dir
         self.paths["run_dir"] = run_dir
         self.paths["checkpoints"] = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        error = None
+        if self.is_main:  # pre-flight: writable, not in use (the others wait for the verdict)
+            from training.reliability import RunLock, check_writable
+
+            created = [d for d in (run_dir, self.paths["checkpoints"]) if not os.path.exists(d)]
+            self.created_dirs = created
+            try:
+                check_writable(run_dir, "run.dir")
+                lock = RunLock(run_dir, log=self.log)
+                lock.acquire()
+                self.lock = lock
+                check_writable(self.paths["checkpoints"], "checkpoint.dir")
+            except ConfigError as e:
+                error = str(e)
+            if error:  # leave the disk as it was
+                if self.lock is not None:
+                    self.lock.release()
+                for d in reversed(created):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
+        error = self._from_rank0(error)
+        if error:
+            raise ConfigError(error)
+        self.paths["config"] = os.path.join(run_dir, "config.yaml")
+        self.precheck_resume()
+
+    def precheck_resume(self) -> None:
+        """Compare the checkpoint a resume would load with this run's preset and layout before any
+        data or model is built (the full check, with the HC config and vocabulary, runs before loading)."""
+        import json
+
+        from training.checkpoint import MANIFEST, Checkpointer, check_compatible
+        from training.config import config_to_dict
+
+        ck = self.cfg.checkpoint
+        path = Checkpointer(self.paths["checkpoints"], log=self.log).resolve(ck.load)
+        if path is None:
+            return
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                body = json.load(f)["body"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # missing or corrupt: the verification reports (or falls back) later
+        check_compatible(path, body, {"preset": self.cfg.model.preset, "world_size": self.world,
+                                      "parallel": config_to_dict(self.cfg.parallel)},
+                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng, sharded_optimizer=self.cuda)
+
+    def write_config(self) -> None:
+        """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
         if self.is_main:
-            os.makedirs(run_dir, exist_ok=True)
             from training.config import config_to_dict
             import yaml
 
-            with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-        self.paths["config"] = os.path.join(run_dir, "config.yaml")
-        self._barrier()
+            tmp = self.paths["config"] + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                yaml.safe_dump(config_to_dict(self.cfg), f, sort_keys=False)
+            os.replace(tmp, self.paths["config"])
 
     def setup_data(self) -> None:
         from training.config import pad_vocab_size
-        from training.data import DataConfig, NullTokenizer, Tokenizer, build_datasets, prepare_default_data
+        from training.data import NullTokenizer, Tokenizer, prepare_default_data
         from training.data.default import default_paths
+        from training.data.gpt import check_indexed_pair
 
         cfg, d, t = self.cfg, self.cfg.data, self.cfg.tokenizer
         t0 = time.perf_counter()
@@ -202,8 +278,12 @@ class Trainer:
                 paths = info
             self._barrier()
             prefixes = [paths["data_prefix"]]
+            self._default_prefix = paths["data_prefix"]
             tok_path = tok_path or paths["tokenizer"]
             self.paths["corpus"] = paths["corpus"]
+        if not d.mock:  # pre-flight on every rank: each .idx against its .bin (one-line DataError)
+            for prefix in prefixes or [p for v in (per_split or {}).values() for p in (v or [])]:
+                check_indexed_pair(prefix)
         if t.type == "none" or (d.mock and not tok_path):
             self.tokenizer = NullTokenizer(t.vocab_size)
         else:
@@ -216,6 +296,17 @@ class Trainer:
                 raise ConfigError(f"config key tokenizer.padded_vocab_size: {t.padded_vocab_size} is smaller than the "
                                   f"tokenizer's {self.tokenizer.vocab_size} ids")
             self.vocab_size = t.padded_vocab_size
+        self.data_seconds = time.perf_counter() - t0
+
+    def setup_datasets(self) -> None:
+        """Megatron's datasets (index caches under data.cache_dir), after the checkpoint checks."""
+        from training.data import DataConfig, build_datasets
+
+        cfg, d = self.cfg, self.cfg.data
+        t0 = time.perf_counter()
+        prefixes, per_split = d.prefixes, d.per_split
+        if cfg.uses_default_data:
+            prefixes = [self._default_prefix]
         dcfg = DataConfig(prefixes=prefixes, weights=d.weights, split=d.split, per_split=per_split, mock=d.mock,
                           cache_dir=d.cache_dir or os.path.join(self.run_dir, "data_cache"),
                           reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
@@ -231,7 +322,7 @@ class Trainer:
         if not self.is_main:
             self.train_ds, self.valid_ds, _ = build_datasets(dcfg, self.tokenizer, self.seq, cfg.run.seed,
                                                              (n_train, n_valid, None))
-        self.data_seconds = time.perf_counter() - t0
+        self.data_seconds += time.perf_counter() - t0
 
     def setup_model(self) -> None:
         import torch
@@ -352,11 +443,33 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.skipped_steps = 0
+        self.skipped_samples = 0
         self.resumed_from = None
-        path = self.ckpt.resolve(ck.load)
+        self.check_checkpoint_space()
+        path, body = self.ckpt.select(ck.load)
         if path is not None:
-            self.load_checkpoint(path)
+            self.load_checkpoint(path, body)
         self.last_saved_step = self.step if self.resumed_from else None
+        self.last_good_checkpoint = self.resumed_from
+
+    def check_checkpoint_space(self) -> None:
+        """Pre-flight: free space under checkpoint.dir for one checkpoint (estimate: 4 bytes per parameter
+        for the weights + 8 for the optimizer moments, summed over ranks, + 10 %)."""
+        from training.reliability import check_free_space
+
+        n = self._all_reduce([float(self.num_params_local)])[0]
+        needed = 1.1 * 12 * n
+        self.checkpoint_bytes_estimate = needed
+        error = None
+        if self.is_main and (self.cfg.checkpoint.interval or self.cfg.checkpoint.save_final
+                             or self.cfg.checkpoint.save_on_signal):
+            try:
+                check_free_space(self.paths["checkpoints"], needed, "checkpoint.dir")
+            except ConfigError as e:
+                error = str(e)
+        error = self._from_rank0(error)
+        if error:
+            raise ConfigError(error)
 
     def setup_logging(self) -> None:
         from training.metrics import MetricsLogger, model_flops_per_token, peak_tflops
@@ -373,6 +486,9 @@ class Trainer:
                                      wandb=wandb, print_fn=_p)
         self.paths["metrics"] = self.metrics.jsonl_path
         self.paths["tensorboard"] = self.metrics.tensorboard_dir
+        if self.resumed_from:  # consumers drop the records of steps after this one written before it
+            self.metrics.write("resume", self.step, {"checkpoint": self.resumed_from,
+                                                     "consumed_samples": self.consumed_samples})
         self.flops = model_flops_per_token(self.preset, self.seq, self.vocab_size, lg.flops_convention, self.hc)
         self.peak, self.peak_note = peak_tflops(lg.peak_tflops, self.cuda)
         self.tokens_per_step = cfg.batch.global_batch_size * self.seq
@@ -571,7 +687,12 @@ class Trainer:
             total, count = self.forward_backward(iterators)
         if not self.cuda:
             finalize_grads(self.chunks, self.tf_config)  # DP / SP all-reduce, expert-bias update
-        loss = self._global_loss(total, count)
+        s, n, *flags = self._all_reduce([total, count, *self._local_stop_flags()])
+        self._agreed_flags = flags
+        loss = s / n if n > 0 else float("nan")
+        if not math.isfinite(loss):
+            self.check_parameters(f"the loss of step {self.step + 1} is {loss}",
+                                  self.consumed_samples + self.cfg.batch.global_batch_size)
         if math.isfinite(loss):
             result = self.optimizer.step()
             updated, gnorm = result.updated, result.grad_norm
@@ -623,31 +744,49 @@ class Trainer:
     # Checkpoints
     # ----------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
+                "skipped_samples": self.skipped_samples}
 
     def save_checkpoint(self, reason: str) -> str:
         from training.checkpoint import build_state
-        from training.config import config_to_dict
 
         t0 = time.perf_counter()
-        info = {"world_size": self.world, "reason": reason, "preset": self.cfg.model.preset,
-                "parallel": config_to_dict(self.cfg.parallel), "consumed_samples": self.consumed_samples}
+        info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
+                **self._compat_info()}
         with params_synced(self.chunks):  # overlap_param_gather: every shard at this step's values
+            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
             state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state())
             path = self.ckpt.save(self.step, state, info)
         self.last_saved_step = self.step
+        self.last_good_checkpoint = path
         self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
                            f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
         return path
 
-    def load_checkpoint(self, path: str) -> None:
-        from training.checkpoint import build_state, restore_rng_state
+    def _compat_info(self) -> dict:
+        """What a checkpoint must share with the run that loads it (see checkpoint.check_compatible)."""
+        import dataclasses
+
+        from training.config import config_to_dict
+
+        import json
+
+        hc = json.loads(json.dumps(dataclasses.asdict(self.hc), default=str))  # as the manifest stores it
+        return {"preset": self.cfg.model.preset, "hc": hc, "vocab_size": self.vocab_size,
+                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel)}
+
+    def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
+        from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
 
         ck = self.cfg.checkpoint
+        if body is None:
+            body = self.ckpt.verify(path)
+        check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
+                         sharded_optimizer=is_megatron_optimizer(self.optimizer))
         template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
                                self.scheduler if ck.load_optimizer else None, self._trainer_state(),
                                rng=ck.load_rng, is_loading=True)
-        loaded = self.ckpt.load(path, template)
+        loaded = self.ckpt.load(path, template, body)
         keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
         for key, chunk in zip(keys, self.chunks):
             missing, unexpected = self._unwrap(chunk).load_state_dict(loaded[key], strict=False)
@@ -668,6 +807,7 @@ class Trainer:
         t = loaded["trainer"]
         self.step, self.consumed_samples, self.skipped_steps = (int(t["step"]), int(t["consumed_samples"]),
                                                                 int(t["skipped_steps"]))
+        self.skipped_samples = int(t.get("skipped_samples", 0))
         if ck.load_rng:
             restore_rng_state(loaded["rng"])
         self.resumed_from = path
@@ -677,24 +817,39 @@ class Trainer:
     # Stop conditions
     # ----------------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
+        """SIGTERM (SLURM, torchrun shutdown), SIGUSR1 (SLURM ``--signal``), SIGINT (Ctrl-C): save at the
+        next step boundary and exit 0.  A second SIGINT interrupts at once (KeyboardInterrupt)."""
         if not self.cfg.checkpoint.save_on_signal:
             return
 
         def handler(signum, _frame):
-            self.stop_signal = signal.Signals(signum).name
+            name = signal.Signals(signum).name
+            if name == "SIGINT" and self.stop_signal == "SIGINT":
+                raise KeyboardInterrupt
+            self.stop_signal = self.stop_signal or name
 
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             try:
                 signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
 
-    def should_stop(self) -> Optional[str]:
-        """A reason to save and stop now, agreed by all ranks (one small all-reduce per step)."""
+    def _local_stop_flags(self) -> List[float]:
         r = self.cfg.run
-        local = 1.0 if self.stop_signal else 0.0
         timed = r.exit_after_minutes is not None and (time.time() - self.t_start) / 60 >= r.exit_after_minutes
-        flags = self._all_reduce([local, 1.0 if timed else 0.0], op="max")
+        return [1.0 if self.stop_signal else 0.0, 1.0 if timed else 0.0]
+
+    def should_stop(self) -> Optional[str]:
+        """A reason to save and stop now, agreed by all ranks.
+
+        The flags ride on the step's loss all-reduce (no extra collective per step); after a save, an
+        evaluation or before the first step they are agreed with one small all-reduce of their own.
+        """
+        r = self.cfg.run
+        flags = self._agreed_flags
+        if flags is None:
+            flags = self._all_reduce(self._local_stop_flags())
+        self._agreed_flags = None
         if flags[0]:
             return f"signal {self.stop_signal or 'on another rank'}"
         if flags[1]:
@@ -710,25 +865,47 @@ class Trainer:
         cfg = self.cfg
         r, ck, lg = cfg.run, cfg.checkpoint, cfg.logging
         self.install_signal_handlers()
-        its = [self.data_iterator(self.train_ds, self.consumed_samples, cycle=False) for _ in self.chunks]
         for c in self.chunks:
             c.train()
         t_loop = time.perf_counter()
-        steps_this_run = 0
-        stop_reason = None
+        self.steps_this_run = 0
         if self.step == 0 and r.eval_interval:
             self.run_eval()  # the starting point of the validation curve
+        while True:
+            try:
+                stop_reason = self._train_loop(t_loop)
+                self.train_seconds = time.perf_counter() - t_loop
+                if stop_reason:
+                    self.log(f"[xhc] stopping at step {self.step}: {stop_reason}")
+                    if self.last_saved_step != self.step:
+                        self.save_checkpoint(stop_reason)
+                    self.stopped_early = stop_reason
+                    return 0
+                self.stopped_early = None
+                if not self.evals or self.evals[-1]["step"] != self.step:
+                    self.run_eval()
+                if ck.save_final and self.last_saved_step != self.step:
+                    self.save_checkpoint("final")
+                return 0
+            except NonFiniteState as e:
+                self.roll_back(e)  # or TrainingAborted
+
+    def _train_loop(self, t_loop: float) -> Optional[str]:
+        """Steps until ``run.train_steps`` (None) or a stop reason; raises :class:`NonFiniteState`."""
+        r, ck, lg = self.cfg.run, self.cfg.checkpoint, self.cfg.logging
+        its = [self.data_iterator(self.train_ds, self.consumed_samples, cycle=self.skipped_samples > 0)
+               for _ in self.chunks]
         while self.step < r.train_steps:
             stop_reason = self.should_stop()
             if stop_reason:
-                break
+                return stop_reason
             rec = self.train_step(its)
-            steps_this_run += 1
+            self.steps_this_run += 1
             self.history.append({"step": self.step, "loss": rec["loss"]})
             self.metrics.write("train", self.step, rec)
             if self.step % lg.interval == 0 or self.step == 1 or self.step == r.train_steps:
                 elapsed = time.perf_counter() - t_loop
-                eta = elapsed / steps_this_run * (r.train_steps - self.step)
+                eta = elapsed / self.steps_this_run * (r.train_steps - self.step)
                 self.log(self.metrics.train_line(self.step, r.train_steps, rec, eta))
             if self.skipped_steps > r.max_skipped_steps:
                 raise TrainingAborted(
@@ -736,22 +913,63 @@ class Trainer:
                     f"{r.max_skipped_steps}); lower optimizer.lr, check the data, or raise the limit")
             if r.eval_interval and self.step % r.eval_interval == 0 and self.step < r.train_steps:
                 self.run_eval()
+                self._agreed_flags = None  # a signal during it is seen before the next step
             if ck.interval and self.step % ck.interval == 0 and self.step < r.train_steps:
                 self.save_checkpoint("interval")
-        self.train_seconds = time.perf_counter() - t_loop
-        self.steps_this_run = steps_this_run
-        if stop_reason:
-            self.log(f"[xhc] stopping at step {self.step}: {stop_reason}")
-            if self.last_saved_step != self.step:
-                self.save_checkpoint(stop_reason)
-            self.stopped_early = stop_reason
-            return 0
-        self.stopped_early = None
-        if not self.evals or self.evals[-1]["step"] != self.step:
-            self.run_eval()
-        if ck.save_final and self.last_saved_step != self.step:
-            self.save_checkpoint("final")
-        return 0
+                self._agreed_flags = None
+        return None
+
+    # ----------------------------------------------------------------------------------------
+    # Non-finite state: never saved; abort, or roll back to the last good checkpoint
+    # ----------------------------------------------------------------------------------------
+    def _first_nonfinite_parameter(self) -> Optional[str]:
+        import torch
+
+        named = [(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
+                 for i, c in enumerate(self.chunks) for n, p in self._unwrap(c).named_parameters()]
+        if not named:
+            return None
+        finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
+        if bool(finite.all()):  # one device sync
+            return None
+        return named[int((~finite).nonzero()[0])][0]
+
+    def check_parameters(self, context: str, window_end: Optional[int] = None) -> None:
+        """Raise :class:`NonFiniteState` on every rank when any rank holds a non-finite parameter."""
+        bad = self._first_nonfinite_parameter()
+        if self._all_reduce([1.0 if bad else 0.0])[0]:
+            where = bad if bad else "on another rank"
+            raise NonFiniteState(f"{context}: parameters are non-finite ({where})",
+                                 self.consumed_samples if window_end is None else window_end)
+
+    def roll_back(self, err: NonFiniteState) -> None:
+        """``run.on_nonfinite=rollback``: reload the last good checkpoint, skip the data since it; else abort."""
+        r = self.cfg.run
+        good = self.last_good_checkpoint
+        kept = f"the last good checkpoint {good} is kept" if good else "no checkpoint was saved before it"
+        if r.on_nonfinite != "rollback" or good is None or self.rollbacks >= r.max_rollbacks:
+            hint = "lower optimizer.lr or check the data"
+            if r.on_nonfinite != "rollback":
+                why = ""
+                hint += "; run.on_nonfinite=rollback reloads the last good checkpoint and skips this data window"
+            elif good is None:
+                why = " (no checkpoint to roll back to)"
+            else:
+                why = f" ({self.rollbacks} rollbacks, run.max_rollbacks={r.max_rollbacks})"
+            raise TrainingAborted(f"{err}{why}; nothing was saved, {kept}: {hint}")
+        bad_step, window_end = self.step, max(err.window_end, self.consumed_samples)
+        path, body = self.ckpt.select(good)
+        self.load_checkpoint(path, body)
+        skip = window_end - self.consumed_samples
+        self.skipped_samples += skip
+        self.consumed_samples = window_end
+        self.rollbacks += 1
+        self._agreed_flags = None
+        self.metrics.write("resume", self.step, {"checkpoint": path, "consumed_samples": self.consumed_samples,
+                                                 "rollback": True})
+        self.metrics.event(self.step, f"[xhc] rollback {self.rollbacks}/{r.max_rollbacks}: {err} at step {bad_step}; "
+                           f"reloaded {path} (step {self.step}) and skipped {skip} samples of data",
+                           rollback=self.rollbacks, skipped_samples=self.skipped_samples)
 
     def run_eval(self) -> Optional[float]:
         t0 = time.perf_counter()
@@ -759,6 +977,10 @@ class Trainer:
             loss = self.evaluate()
         if loss is None:
             return None
+        if not math.isfinite(loss):
+            self.check_parameters(f"validation loss at step {self.step} is {loss}")
+            raise NonFiniteState(f"validation loss at step {self.step} is {loss} (the parameters are finite)",
+                                 self.consumed_samples)
         self.evals.append({"step": self.step, "loss": loss})
         ppl = math.exp(loss) if loss < 50 else float("inf")
         self.metrics.write("eval", self.step, {"loss": loss, "ppl": ppl, "eval_time_s": time.perf_counter() - t0})
@@ -867,6 +1089,12 @@ class Trainer:
 
         if self.metrics is not None:
             self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()
+        if self.failed:  # a refused start leaves no empty directories behind
+            for d in reversed(self.created_dirs):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
         uninstall_hc_p2p_shapes()
         destroy_parallel(destroy_process_group=destroy_process_group)
 
@@ -915,6 +1143,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+        trainer.failed = trainer.metrics is None
     except TrainingAborted as e:
         print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
         code = 3
@@ -926,6 +1155,7 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+        trainer.failed = trainer.metrics is None
     finally:
         trainer.close()
     return code

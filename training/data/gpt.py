@@ -142,6 +142,50 @@ def _split_ranges(n_docs: int, split: str) -> list[Optional[tuple[int, int]]]:
     return ranges
 
 
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_DTYPE_BYTES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # Megatron's DType codes -> item size
+
+
+def check_indexed_pair(prefix: str) -> int:
+    """Check ``<prefix>.idx`` against ``<prefix>.bin`` before training; return the document count.
+
+    Reads the index header (Megatron's format: magic, version 1, dtype code, sequence and document
+    counts, then int32 lengths, int64 pointers, int64 document indices) and checks the index size
+    and that the ``.bin`` holds exactly the tokens the index points to.  A missing, empty,
+    truncated or mismatched file raises a one-line :class:`DataError` naming it.
+    """
+    import struct
+
+    import numpy as np
+
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    fix = f"re-run tools.preprocess_data for {prefix!r}"
+    for path in (idx, bin_):
+        if not os.path.isfile(path):
+            raise DataError(f"data: {path} not found; check data.prefixes (a prefix has no .bin/.idx suffix) or {fix}")
+    size = os.path.getsize(idx)
+    head = 9 + 8 + 1 + 8 + 8
+    if size < head:
+        raise DataError(f"data: {idx} is {size} bytes, too short for an index (at least {head}): {fix}")
+    with open(idx, "rb") as f:
+        magic, version, code, n_seq, n_doc = (f.read(9), *struct.unpack("<QBQQ", f.read(25)))
+        if magic != _IDX_MAGIC or version != 1 or code not in _DTYPE_BYTES:
+            raise DataError(f"data: {idx} is not a Megatron index file (bad header): {fix}")
+        expected = head + 4 * n_seq + 8 * n_seq + 8 * n_doc
+        if size != expected:
+            raise DataError(f"data: {idx} is {size} bytes, its header says {expected} ({n_seq} sequences): "
+                            f"the file is truncated or corrupt; {fix}")
+        lengths = np.frombuffer(f.read(4 * n_seq), dtype=np.int32)
+        pointers = np.frombuffer(f.read(8 * n_seq), dtype=np.int64)
+    want = int(pointers[-1]) + int(lengths[-1]) * _DTYPE_BYTES[code] if n_seq else 0
+    have = os.path.getsize(bin_)
+    if have != want:
+        what = "truncated" if have < want else "longer than its index says"
+        raise DataError(f"data: {bin_} is {have} bytes, {idx} needs {want}: the .bin is {what} or belongs to "
+                        f"another index; {fix}")
+    return int(n_doc) - 1 if n_doc else 0
+
+
 def _check_splits_nonempty(cfg: DataConfig) -> None:
     """A split with a non-zero share but no documents makes Megatron 0.16 loop forever
     (``GPTDataset._get_num_epochs`` adds 0 tokens per epoch), so refuse it up front."""
@@ -213,6 +257,8 @@ def build_datasets(
         raise DataError(f"data: num_samples needs 3 entries (train, valid, test), got {num_samples}")
     _register_tokenizer_classes()
     if not cfg.mock:
+        for prefix in cfg.prefixes or [p for v in (cfg.per_split or {}).values() for p in (v or [])]:
+            check_indexed_pair(prefix)
         _check_splits_nonempty(cfg)
 
     blend = blend_per_split = None

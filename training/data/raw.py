@@ -98,6 +98,52 @@ def resolve_inputs(inputs: Inputs, fmt: Optional[str] = None) -> tuple[str, Opti
     return fmt, files
 
 
+def check_text_file(path: str, builder: str, text_key: Optional[str] = None) -> None:
+    """One-line :class:`DataError` for a local file ``datasets`` would fail on with a traceback or an
+    opaque message: empty, not UTF-8 (the line and byte), (JSON Lines) a line that is not a JSON
+    object, or a first object without ``text_key``.  One streaming pass; parquet is binary and left
+    to ``datasets``."""
+    import json
+
+    if builder not in ("json", "text", "csv"):
+        return
+    if os.path.getsize(path) == 0:
+        raise DataError(f"input: {path} is empty (0 bytes); remove it from the inputs or give it documents")
+    lines = path.lower().endswith(".jsonl") or builder == "json"
+    whole_json = False
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"input: {path} line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+            if not lines or whole_json or not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                if n == 1 and not path.lower().endswith(".jsonl") and line.lstrip().startswith(("[", "{")):
+                    whole_json = True  # a .json document spanning lines: checked as a whole below
+                    continue
+                raise DataError(f"input: {path} line {n}: not valid JSON ({getattr(e, 'msg', e)} at column "
+                                f"{getattr(e, 'colno', '?')}); one JSON object per line is expected") from None
+            if not isinstance(obj, dict) and not (n == 1 and isinstance(obj, list)):
+                raise DataError(f"input: {path} line {n}: a JSON {type(obj).__name__}, expected an object "
+                                f"like {{\"text\": ...}}")
+            if text_key is not None and isinstance(obj, dict) and text_key not in obj:
+                raise DataError(f"input: column {text_key!r} not found in {path!r} (line {n} has keys "
+                                f"{sorted(obj)}); pass --text-key with the text column")
+            text_key = None  # the first object is enough (datasets unifies the columns)
+    if whole_json:
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except ValueError as e:
+            raise DataError(f"input: {path} line {getattr(e, 'lineno', '?')}: not valid JSON "
+                            f"({getattr(e, 'msg', e)})") from None
+
+
 def load_raw(
     inputs: Inputs,
     text_key: str = "text",
@@ -131,8 +177,12 @@ def load_raw(
             name = _as_list(inputs)[0]
             ds = datasets.load_dataset(name, hub_config, split=split, cache_dir=cache_dir)
         else:
+            for f in files:
+                check_text_file(f, builder, text_key)
             kwargs = {"sample_by": text_sample_by} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **kwargs)
+    except DataError:
+        raise
     except Exception as err:  # datasets raises many types; keep the message to one line
         if builder == "hub":
             what = f"{_as_list(inputs)[0]!r} (not a local file, so tried as a hub dataset)"
