@@ -207,7 +207,9 @@ def test_kill_9_then_resume_is_bit_identical(reference, tmp_path, where):
 # torchrun --nproc_per_node 2
 # ------------------------------------------------------------------------------------------------
 def _rank_exits(out):
-    return sorted(line.split()[1:4:2] for line in out.splitlines() if line.startswith("rank ") and " exit " in line)
+    import re
+
+    return sorted([r, c] for r, c in re.findall(r"rank (\d+) exit (-?\d+)", out))
 
 
 def test_torchrun_sigterm_to_the_launcher_then_exact_resume(tmp_path):

@@ -8,5 +8,6 @@ from training.pretrain import main
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    print(f"rank {os.environ.get('RANK')} exit {code}", flush=True)
+    sys.stdout.flush()
+    os.write(1, f"rank {os.environ.get('RANK')} exit {code}\n".encode())  # one write: lines of ranks do not interleave
     sys.exit(code)
