@@ -5,8 +5,9 @@ import sys
 from setuptools import find_packages, setup
 
 # megatron-core: the tested range.  0.16.x is the newest release that installs on Python 3.11
-# (tested: 0.16.1, the CI's main stage); 0.17+ needs Python 3.12 (tested: the newest 0.19.x, the
-# CI's second stage, tools/compat_check.sh).  API differences are handled by feature detection.
+# (tested: 0.16.1, the CI's main stage); 0.17+ needs Python 3.12 (tested: the newest 0.19.x in the
+# CI's second stage, tools/compat_check.sh; 0.17.1 and 0.18.2 once with the same script).  API
+# differences are handled by feature detection.
 MEGATRON = "megatron-core>=0.16.1,<0.20" if sys.version_info >= (3, 12) else "megatron-core>=0.16.1,<0.17"
 
 setup(
