@@ -654,7 +654,7 @@ def preset_from_hf(cfg: dict, to_variant: Optional[str] = None, hc_overrides: Op
             raise ConversionError(f"--to-variant {to_variant}: the source is already a hyper-connection model "
                                   f"({hc_dict.get('variant')}); upcycling starts from a vanilla model")
         base = meta.get("preset") or ""
-        hc_dict = _variant_defaults(base, to_variant)
+        hc_dict = {**_variant_defaults(base, to_variant), **upcycle_overrides(to_variant)}
     hc_dict.update(hc_overrides or {})
     try:
         hc = HCConfig.from_dict(hc_dict)
@@ -662,6 +662,54 @@ def preset_from_hf(cfg: dict, to_variant: Optional[str] = None, hc_overrides: Op
         raise ConversionError(f"--to-variant / --hc: {e}") from None
     return ModelPreset(name=meta.get("preset") or "hf", backbone=backbone, hc=hc,
                        description=f"converted from Hugging Face ({cfg.get('architectures')})")
+
+
+UPCYCLE_LOGIT = 16.0
+"""Saturation logit of the xHC upcycling state: σ(−16) ≈ 1.1e-7 of leakage per stream (logits equal
+the vanilla model's to ~1e-6), while Adam still moves the biases at its learning rate."""
+
+
+def upcycle_overrides(variant: str) -> dict:
+    """HCConfig settings under which the initial hyper-connection model computes the vanilla model.
+
+    mHC family: the N streams start equal (expand), a uniform read (h_pre = 1/N) returns the
+    residual, every stream receives the branch output (h_post = 1), any doubly stochastic H_res
+    keeps equal streams equal, and the mean readout returns the residual: the dynamic parts are
+    zero because their projections W start at zero.  xHC family (sparse writes make streams
+    differ): everything flows through the always-active stream 0 (see :func:`upcycle_init`); the
+    exit is a softmax readout concentrated on it.
+    """
+    if variant in ("xhc", "xhc_flash", "xhc_flash4"):
+        return {"reduction": "softmax", "read_init": "uniform"}
+    return {"reduction": "mean", "read_init": "uniform", "init_noise": 0.0}
+
+
+@torch.no_grad()
+def upcycle_init(model, hc) -> None:
+    """xHC family: read one-hot on stream 0 (always active, slot 0), H_res = I, write the branch
+    output to slot 0 with weight 1 and its temporal components with weight 0, read out stream 0
+    (all up to σ(−UPCYCLE_LOGIT)).  The mHC family needs nothing beyond :func:`upcycle_overrides`."""
+    if not hc.is_xhc:
+        return
+    from xhc.xhc import PostMapping, ReadMapping, ResMapping
+
+    if hc.m < 1:
+        raise ConversionError(f"--to-variant {hc.variant}: upcycling needs m >= 1 (an always-active stream 0); got m={hc.m}")
+    B = UPCYCLE_LOGIT
+    for name, mod in model.named_modules():
+        if isinstance(mod, ReadMapping) and mod.bias is not None:
+            mod.bias.fill_(-B)
+            mod.bias[0] = B
+        elif isinstance(mod, ResMapping):
+            mod.bias.copy_((-B * (1.0 - torch.eye(mod.k))).flatten())
+        elif isinstance(mod, PostMapping) and mod.bias is not None:
+            b = mod.bias.view(mod.k, mod.K)
+            b.zero_()
+            b[0, 1:] = -B
+    for name, p in model.named_parameters():
+        if name.endswith("hc_readout_logits"):
+            p.fill_(-B)
+            p[0] = 0.0
 
 
 def _variant_defaults(base_preset: str, variant: str) -> dict:
@@ -733,8 +781,9 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
                     own[name].copy_(t.to(own[name].dtype))
                     seen.add(name)
             missing = [k for k, v in own.items() if torch.is_tensor(v) and k not in seen and "_extra_state" not in k]
-            if to_variant:  # upcycling: the HC tensors keep their identity initialisation
+            if to_variant:  # upcycling: the HC tensors start at the state that computes the vanilla model
                 missing = [k for k in missing if not M.is_hc_name(k)]
+                upcycle_init(model, preset.hc)
             if missing:
                 raise ConversionError(f"--hf {hf_dir}: {len(missing)} tensor(s) missing, e.g. {missing[0]}")
             consumed = 0 if to_variant else int(training.get("consumed_samples") or 0)
