@@ -126,10 +126,16 @@ def effective_preset(src: Source):
 @contextlib.contextmanager
 def single_rank():
     """Megatron's parallel state for one process (TP = PP = EP = 1), torn down afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     from models.parallel import destroy_parallel, initialize_parallel
 
-    import torch.distributed as dist
-
+    if dist.is_initialized() and dist.get_world_size() == 1 and ps.model_parallel_is_initialized():
+        yield  # the caller's single-rank state (e.g. a test process): reuse it
+        return
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConversionError("the converter runs on one process: run it with python, not torchrun")
     fresh = not dist.is_initialized()
     initialize_parallel()
     try:
