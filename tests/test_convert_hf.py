@@ -354,3 +354,75 @@ def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     with pytest.raises(C.ConversionError, match="already a hyper-connection model"):
         C.from_hf(exported["mhc"]["hf"], str(tmp_path / "y"), to_variant="xhc", progress=False)
     assert not (tmp_path / "y").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+TRAIN_STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """tiny-moe:xhc pre-trained for 201 AdamW steps on mock data (checkpoints at 200 and 201)."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    cmd = [sys.executable, "-m", "training.pretrain", "model.preset=tiny-moe:xhc", "data.mock=true",
+           f"run.train_steps={TRAIN_STEPS + 1}", "batch.micro_batch_size=2", "batch.global_batch_size=2",
+           "batch.seq_length=32", "run.eval_interval=0", "logging.tensorboard=false", "logging.plot=false",
+           f"checkpoint.interval={TRAIN_STEPS}", f"run.dir={run}", "run.num_threads=1", "tokenizer.vocab_size=512",
+           "logging.interval=100"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return run
+
+
+def _metrics(run, kind="train"):
+    out = {}
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") == kind and "loss" in r:
+                out[r["step"]] = r["loss"]
+    return out
+
+
+def test_parity_after_training(trained_run, megatron, tmp_path):
+    """After 200 real training steps the HC tensors are far from init and parity still holds."""
+    from models.hf.export import convert as C
+    from models.zoo import load_preset
+
+    ckpt = os.path.join(trained_run, "checkpoints", f"step_{TRAIN_STEPS:08d}")
+    src = C.resolve_source(checkpoint=ckpt)
+    C.to_hf(src, str(tmp_path / "hf"), dtype="fp32", progress=False)
+    preset = C.effective_preset(src)
+    model = _load_megatron(ckpt, preset, 512, 32)
+    fresh = C.build_single_rank_model(preset, 512, 32, device="cpu").state_dict()
+    moved = max((model.state_dict()[k] - fresh[k]).abs().max().item()
+                for k in fresh if torch.is_tensor(fresh[k]) and "_hyper_connection." in k)
+    assert moved > 1e-2, f"HC tensors barely moved from init ({moved:.2g})"
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    err = (_hf_logits(_hf(str(tmp_path / "hf")), tokens) - _megatron_logits(model, tokens)).abs().max().item()
+    assert err <= PARITY_TOL, f"trained xhc: max |Δlogit| = {err:.3g}"
+    card = open(tmp_path / "hf" / "README.md").read()
+    assert "tiny-moe:xhc" in card and f"| training step | {TRAIN_STEPS} |" in card
+
+
+def test_from_hf_then_one_step_gives_the_original_next_loss(trained_run, tmp_path):
+    """to-hf (step 200) -> from-hf -> one training step: the loss of step 201 equals the original run's."""
+    code, err = _cli("to-hf", "--checkpoint", os.path.join(trained_run, "checkpoints", f"step_{TRAIN_STEPS:08d}"),
+                     "--output", str(tmp_path / "hf"), "--dtype", "fp32", "--quiet")
+    assert code == 0, err
+    code, err = _cli("from-hf", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "back"), "--quiet")
+    assert code == 0, err
+    cmd = [sys.executable, "-m", "training.pretrain", f"model.preset={tmp_path / 'back' / 'preset.yaml'}:xhc",
+           "data.mock=true", f"run.train_steps={TRAIN_STEPS + 1}", "batch.micro_batch_size=2",
+           "batch.global_batch_size=2", "batch.seq_length=32", "run.eval_interval=0", "logging.tensorboard=false",
+           "logging.plot=false", f"run.dir={tmp_path / 'resumed'}", "run.num_threads=1", "tokenizer.vocab_size=512",
+           f"checkpoint.load={tmp_path / 'back' / 'checkpoints'}", "checkpoint.load_optimizer=false",
+           "checkpoint.load_rng=false", "checkpoint.save_final=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    want = _metrics(trained_run)[TRAIN_STEPS + 1]
+    got = _metrics(tmp_path / "resumed")
+    assert list(got) == [TRAIN_STEPS + 1]
+    assert abs(got[TRAIN_STEPS + 1] - want) <= 1e-5 * abs(want), (got, want)

@@ -546,16 +546,15 @@ def sentencepiece_to_hf(model_path: str, out_dir: str) -> List[str]:
     (no BOS/EOS added on encode, as training tokenises)."""
     import sentencepiece as spm
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SpmConverter
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     shutil.copyfile(model_path, os.path.join(out_dir, "tokenizer.model"))
     sp = spm.SentencePieceProcessor(model_file=model_path)
-
-    class _Orig:  # what SpmConverter reads from a "slow" tokenizer
-        vocab_file = model_path
-        handle_byte_fallback = True
-
-    backend = SpmConverter(_Orig()).converted()
+    proto = import_protobuf().ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
     specials = {}
     for attr, fn in (("unk_token", sp.unk_id), ("bos_token", sp.bos_id), ("eos_token", sp.eos_id), ("pad_token", sp.pad_id)):
         i = fn()
