@@ -426,3 +426,65 @@ def test_from_hf_then_one_step_gives_the_original_next_loss(trained_run, tmp_pat
     got = _metrics(tmp_path / "resumed")
     assert list(got) == [TRAIN_STEPS + 1]
     assert abs(got[TRAIN_STEPS + 1] - want) <= 1e-5 * abs(want), (got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported_with_tokenizer(tmp_path_factory, megatron):
+    """A vanilla tiny model with a SentencePiece tokenizer (trained here on a few stdlib docstrings)."""
+    import inspect
+
+    import yaml
+
+    from models.hf.export import convert as C
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.data.tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("tok")
+    docs = [inspect.getdoc(o) for o in (json, os, subprocess, inspect, dict, list, str, int, textwrap, pytest)]
+    docs = [d for d in docs if d]
+    with open(root / "corpus.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    train_sentencepiece(docs, str(root / "tok.model"), vocab_size=384, log=None)
+    preset = load_preset("tiny-moe:vanilla")
+    torch.manual_seed(0)
+    model = build_model(preset, build_transformer_config(preset, cpu=True), use_transformer_engine=False,
+                        vocab_size=384, seq_length=64)
+    run = root / "run"
+    _write_run(str(run), "tiny-moe:vanilla", model)
+    with open(run / "config.yaml", "w") as f:
+        yaml.safe_dump({"model": {"preset": "tiny-moe:vanilla"}, "tokenizer": {"path": str(root / "tok.model")},
+                        "batch": {"seq_length": 64}}, f)
+    C.to_hf(C.resolve_source(run=str(run)), str(root / "hf"), progress=False)
+    return root, docs
+
+
+def test_tokenizer_encodes_like_training(exported_with_tokenizer):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    root, docs = exported_with_tokenizer
+    assert {"tokenizer.model", "tokenizer.json"} <= set(os.listdir(root / "hf"))
+    hf = AutoTokenizer.from_pretrained(str(root / "hf"))
+    sp = spm.SentencePieceProcessor(model_file=str(root / "tok.model"))
+    for text in docs[:4] + ["  x = 12345 ü 😀  \n\n\tdef f(a):  return  a+1 ##"]:
+        ids = sp.encode(text)
+        assert hf.encode(text, add_special_tokens=False) == ids
+        assert hf.decode(ids) == sp.decode(ids)
+    assert hf.eos_token_id == sp.eos_id()
+
+
+def test_lm_eval_end_to_end(exported_with_tokenizer):
+    """lm-eval-harness (hf model, local task) on the exported folder, through tools.evaluate."""
+    pytest.importorskip("lm_eval")
+    import math
+
+    from tools.evaluate import evaluate
+
+    root, docs = exported_with_tokenizer
+    res = evaluate(str(root / "hf"), str(root / "corpus.jsonl"), split="1,1,1", limit=2)
+    assert res["documents"] == 2
+    # bits per byte and byte perplexity are two views of the same log-likelihood
+    assert math.isfinite(res["bits_per_byte"]) and res["bits_per_byte"] > 0
+    assert abs(2 ** res["bits_per_byte"] - res["byte_perplexity"]) <= 1e-6 * res["byte_perplexity"]
