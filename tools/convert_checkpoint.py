@@ -53,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     f.add_argument("--overwrite", action="store_true")
     f.add_argument("--quiet", action="store_true")
 
+    e = sub.add_parser("estimate", help="peak memory of to-hf for a preset, from a meta-device model")
+    e.add_argument("--preset", required=True, help="e.g. moe-18b:xhc")
+    e.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (padded to 128)")
+    e.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    e.add_argument("--max-shard-size", default="5GB")
+
     c = sub.add_parser("convert", help="checkpoint -> checkpoint through Hugging Face (e.g. --to-variant upcycling)")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--run")
@@ -94,8 +100,26 @@ def main(argv=None) -> int:
                           overwrite=args.overwrite, progress=not args.quiet)
             print(f"[xhc-convert] {src.checkpoint} -> {rep.output}: {rep.architecture}, {rep.parameters:,} parameters "
                   f"(HC {rep.hc_parameters:,}), {rep.bytes_written / 1e6:.1f} MB in {rep.seconds:.1f}s")
+            import resource
+
+            print(f"[xhc-convert] memory: largest tensor group {rep.max_group_bytes / 1e6:.2f} MB, largest shard "
+                  f"buffer {rep.max_shard_buffer_bytes / 1e6:.2f} MB, process peak RSS "
+                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
             print(f"[xhc-convert] load: AutoModelForCausalLM.from_pretrained({rep.output!r}"
                   f"{'' if rep.native else ', trust_remote_code=True'})")
+        elif args.command == "estimate":
+            from models.zoo import ZooError, load_preset
+
+            try:
+                preset = load_preset(args.preset)
+            except ZooError as e:
+                raise C.ConversionError(str(e)) from None
+            vocab = args.vocab_size or -(-preset.vocab_size // 128) * 128
+            est = C.estimate_memory(preset, vocab, preset.seq_length, args.dtype, args.max_shard_size)
+            print(f"[xhc-convert] {args.preset}: {est['parameters'] / 1e9:.2f}B parameters in {est['groups']} groups; "
+                  f"largest group {est['largest_group']} = {est['largest_group_fp32_bytes'] / 1e9:.2f} GB fp32; "
+                  f"to-hf peak tensor memory ≈ {est['peak_bytes'] / 1e9:.2f} GB (group fp32 + {args.dtype} copy + one "
+                  f"{args.max_shard_size} shard) vs {est['full_model_fp32_bytes'] / 1e9:.1f} GB for the whole model")
         elif args.command == "from-hf":
             res = C.from_hf(args.hf, args.output, args.to_variant, _overrides(args.hc), args.overwrite,
                             progress=not args.quiet)

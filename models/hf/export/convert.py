@@ -396,6 +396,9 @@ class ExportReport:
     hc_parameters: int
     seconds: float
     bytes_written: int
+    max_group_bytes: int = 0
+    """The largest group of checkpoint tensors held at once (fp32 as loaded)."""
+    max_shard_buffer_bytes: int = 0
 
 
 def to_hf(src: Source, out_dir: str, dtype: str = "bf16", max_shard_size="5GB", overwrite: bool = False,
@@ -413,12 +416,13 @@ def to_hf(src: Source, out_dir: str, dtype: str = "bf16", max_shard_size="5GB", 
     arch = M.arch_of(preset.backbone)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     limit = parse_size(max_shard_size)
-    n_params = n_hc = 0
+    n_params = n_hc = max_group = 0
     with staged_output(out_dir, overwrite) as tmp:
         writer = ShardWriter(tmp, limit)
         with single_rank():
             model = build_single_rank_model(preset, vocab, seq)
             for _g, tensors in stream_checkpoint(model, src.checkpoint, progress):
+                max_group = max(max_group, sum(t.numel() * t.element_size() for t in tensors.values()))
                 for name, t in M.megatron_to_hf(tensors, arch, fused_experts=not native).items():
                     n_params += t.numel()
                     if M.is_hc_name(name):
@@ -433,7 +437,30 @@ def to_hf(src: Source, out_dir: str, dtype: str = "bf16", max_shard_size="5GB", 
         write_model_card(tmp, preset, native, info, n_params, n_hc, dtype, src)
     secs = time.perf_counter() - t0
     return ExportReport(out_dir, native, "Glm4MoeForCausalLM" if native else "XHCMoeForCausalLM (remote code)",
-                        sorted(os.listdir(out_dir)), n_params, n_hc, secs, writer.total)
+                        sorted(os.listdir(out_dir)), n_params, n_hc, secs, writer.total, max_group, writer.peak_buffer)
+
+
+def estimate_memory(preset, vocab_size: int, seq_length: int, dtype: str = "bf16", max_shard_size="5GB") -> dict:
+    """What :func:`to_hf` holds at most for ``preset``, from a ``meta``-device model (nothing allocated).
+
+    Per group (embedding, each layer, head): its fp32 tensors as loaded plus their converted copy
+    (``dtype``); plus one output shard.  Returns the sizes in bytes and the largest group's name.
+    """
+    out_bytes = 2 if dtype == "bf16" else 4
+    with single_rank():
+        model = build_single_rank_model(preset, vocab_size, seq_length)
+        groups: Dict[str, int] = {}
+        for name, entry in model.sharded_state_dict().items():
+            data = getattr(entry, "data", None)
+            if torch.is_tensor(data):
+                groups[M.group_of(name)] = groups.get(M.group_of(name), 0) + data.numel()
+    worst = max(groups, key=groups.get)
+    shard = parse_size(max_shard_size)
+    total = sum(groups.values())
+    return {"parameters": total, "groups": len(groups), "largest_group": worst,
+            "largest_group_fp32_bytes": groups[worst] * 4,
+            "peak_bytes": groups[worst] * (4 + out_bytes) + min(shard, total * out_bytes),
+            "full_model_fp32_bytes": total * 4, "per_layer_fp32_bytes": {g: n * 4 for g, n in groups.items()}}
 
 
 def _training_info(src: Source) -> dict:
