@@ -122,6 +122,7 @@ def test_logit_parity_perturbed(exported, variant):
     model = _hf(e["hf"])
     assert type(model).__name__ == ("Glm4MoeForCausalLM" if variant == "vanilla" else "XHCMoeForCausalLM")
     err = (_hf_logits(model, _tokens()) - e["logits"]).abs().max().item()
+    print(f"PARITY {variant} single-rank {err:.3g}")
     assert err <= PARITY_TOL, f"{variant}: max |Δlogit| = {err:.3g}"
 
 
@@ -231,6 +232,7 @@ def test_upcycling_keeps_vanilla_logits(exported, variant, tmp_path):
     assert preset.hc.variant == variant
     model = _load_megatron(res["checkpoint"], preset, VOCAB, SEQ)
     err = (_megatron_logits(model, _tokens()) - exported["vanilla"]["logits"]).abs().max().item()
+    print(f"UPCYCLE vanilla->{variant} {err:.3g}")
     assert err <= UPCYCLE_TOL, f"upcycled {variant}: max |Δlogit| = {err:.3g}"
     # it is a real HC model: its HC parameters exist and train (nonzero gradient on them)
     hc = [p for n, p in model.named_parameters() if getattr(p, "is_hyper_connection", False)]
@@ -308,6 +310,7 @@ def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
     else:  # reference: the parallel model's own logits
         ref = torch.load(os.path.join(run, "logits.pt"))
     err = (got - ref).abs().max().item()
+    print(f"PARITY {W.MODES[mode][0]} {mode} {err:.3g}")
     assert err <= PARITY_TOL, f"{mode}: max |Δlogit| = {err:.3g}"
 
 
@@ -401,6 +404,7 @@ def test_parity_after_training(trained_run, megatron, tmp_path):
     assert moved > 1e-2, f"HC tensors barely moved from init ({moved:.2g})"
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     err = (_hf_logits(_hf(str(tmp_path / "hf")), tokens) - _megatron_logits(model, tokens)).abs().max().item()
+    print(f"PARITY tiny-moe:xhc trained-{TRAIN_STEPS}-steps {err:.3g} (HC tensors moved up to {moved:.3g})")
     assert err <= PARITY_TOL, f"trained xhc: max |Δlogit| = {err:.3g}"
     card = open(tmp_path / "hf" / "README.md").read()
     assert "tiny-moe:xhc" in card and f"| training step | {TRAIN_STEPS} |" in card
