@@ -492,3 +492,25 @@ def test_lm_eval_end_to_end(exported_with_tokenizer):
     # bits per byte and byte perplexity are two views of the same log-likelihood
     assert math.isfinite(res["bits_per_byte"]) and res["bits_per_byte"] > 0
     assert abs(2 ** res["bits_per_byte"] - res["byte_perplexity"]) <= 1e-6 * res["byte_perplexity"]
+
+
+def test_bf16_checkpoint_source(megatron, tmp_path):
+    """GPU runs save the backbone in bf16 (HC in fp32): both read back exactly."""
+    from safetensors.torch import load_file
+
+    from models.hf.export import convert as C
+    from models.zoo import build_model, build_transformer_config, load_preset
+
+    preset = load_preset("tiny-moe:mhc")
+    model = build_model(preset, build_transformer_config(preset, cpu=True), use_transformer_engine=False,
+                        vocab_size=VOCAB, seq_length=SEQ)
+    for _, p in model.named_parameters():
+        if not getattr(p, "is_hyper_connection", False):
+            p.data = p.data.bfloat16()
+    _write_run(str(tmp_path / "run"), "tiny-moe:mhc", model)
+    C.to_hf(C.resolve_source(run=str(tmp_path / "run")), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    got, sd = load_file(str(tmp_path / "hf" / "model.safetensors")), model.state_dict()
+    assert torch.equal(got["model.embed_tokens.weight"], sd["embedding.word_embeddings.weight"].float())
+    name = "self_attention_hyper_connection.b_pre"
+    assert got[f"model.layers.0.{name}"].dtype == torch.float32
+    assert torch.equal(got[f"model.layers.0.{name}"], sd[f"decoder.layers.0.{name}"])
