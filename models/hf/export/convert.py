@@ -34,9 +34,6 @@ from models.hf.export import mapping as M
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 XHC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
                        "xhc")
-# The pure-torch xhc modules the remote code needs (imports are rewritten to relative ones).
-XHC_MODULES = ("config", "norms", "doubly_stochastic", "hyper_connection", "router", "xhc", "flash", "temporal",
-               "gram_schmidt")
 MODEL_TYPE_REMOTE = "xhc_moe"
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -278,26 +275,33 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
 
 def export_remote_code(out_dir: str) -> List[str]:
     """Copy the remote code and the xhc modules it uses into ``out_dir`` (``from xhc.x`` -> ``from .x``)."""
+    sources = [os.path.join(REMOTE_DIR, n) for n in ("configuration_xhc_moe.py", "modeling_xhc_moe.py")]
+    sources += [os.path.join(XHC_DIR, f"{mod}.py") for mod in xhc_modules_needed(sources)]
     written = []
-    for name in ("configuration_xhc_moe.py", "modeling_xhc_moe.py"):
-        shutil.copyfile(os.path.join(REMOTE_DIR, name), os.path.join(out_dir, name))
-        written.append(name)
-    for mod in XHC_MODULES:
-        with open(os.path.join(XHC_DIR, f"{mod}.py"), encoding="utf-8") as f:
-            text = f.read()
-        written.append(f"{mod}.py")
-        with open(os.path.join(out_dir, f"{mod}.py"), "w", encoding="utf-8") as f:
-            f.write(relative_imports(text))
-    for name in written:
-        with open(os.path.join(out_dir, name), encoding="utf-8") as f:
-            text = f.read()
-        text = relative_imports(text)
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            f.write(text)
+    for path in sources:
+        with open(path, encoding="utf-8") as f:
+            text = relative_imports(f.read())
+        name = os.path.basename(path)
         left = re.findall(r"^\s*(?:from|import)\s+(xhc|models|training)\b", text, re.M)
         if left:
             raise ConversionError(f"remote code {name}: still imports {left[0]} after the rewrite")
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            f.write(text)
+        written.append(name)
     return written
+
+
+def xhc_modules_needed(files: List[str]) -> List[str]:
+    """The ``xhc`` modules ``files`` import, transitively (module-level and lazy imports)."""
+    pattern = re.compile(r"^\s*from xhc\.(\w+) import", re.M)
+    todo, seen = list(files), set()
+    while todo:
+        with open(todo.pop(), encoding="utf-8") as f:
+            for mod in pattern.findall(f.read()):
+                if mod not in seen:
+                    seen.add(mod)
+                    todo.append(os.path.join(XHC_DIR, f"{mod}.py"))
+    return sorted(seen)
 
 
 def relative_imports(text: str) -> str:
@@ -802,7 +806,9 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
             model = build_single_rank_model(preset, vocab, seq, device="cpu")
             own = model.state_dict()
             seen = set()
-            for _g, tensors in _progress(list(read_hf_tensors(hf_dir)), "convert", progress):
+            for g, tensors in _progress(list(read_hf_tensors(hf_dir)), "convert", progress):
+                if g.startswith("layer.") and int(g.split(".")[1]) >= preset.num_layers:
+                    continue  # multi-token-prediction layers of Hub GLM-4.5 checkpoints: not part of the zoo model
                 for name, t in M.hf_to_megatron(tensors, arch).items():
                     if name not in own:
                         raise ConversionError(f"--hf {hf_dir}: tensor {name} does not exist in the {preset.hc.variant} "
