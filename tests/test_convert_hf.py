@@ -514,3 +514,21 @@ def test_bf16_checkpoint_source(megatron, tmp_path):
     name = "self_attention_hyper_connection.b_pre"
     assert got[f"model.layers.0.{name}"].dtype == torch.float32
     assert torch.equal(got[f"model.layers.0.{name}"], sd[f"decoder.layers.0.{name}"])
+
+
+def test_streaming_reads_one_group_at_a_time(exported, monkeypatch, tmp_path):
+    """to-hf asks dist_checkpointing for one group (embedding, one layer, head) per read, in order."""
+    from megatron.core import dist_checkpointing
+
+    from models.hf.export import convert as C
+    from models.hf.export import mapping as M
+
+    calls, real = [], dist_checkpointing.load
+
+    def spy(sharded, path, *a, **k):
+        calls.append(sorted({M.group_of(n) for n in sharded}))
+        return real(sharded, path, *a, **k)
+
+    monkeypatch.setattr(dist_checkpointing, "load", spy)
+    C.to_hf(C.resolve_source(run=exported["xhc-flash4"]["run"]), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    assert calls == [["embedding"]] + [[f"layer.{i}"] for i in range(4)] + [["head"]]

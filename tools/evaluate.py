@@ -9,9 +9,9 @@ Runs the local task ``configs/lm_eval/xhc_heldout.yaml`` (rolling log-likelihood
 perplexity, bits per byte) through ``lm_eval.simple_evaluate`` with the ``hf`` model
 (``pretrained=hf/X,trust_remote_code=True``), exactly what
 ``lm_eval --model hf --model_args pretrained=hf/X,trust_remote_code=True --tasks xhc_heldout
---include_path <dir>`` does.  The held-out documents are the test split (else the validation
-split) of ``--corpus`` under ``--split`` (the pre-training default ``969,30,1``): the documents the
-run never trained on.  Needs ``pip install -e '.[eval]'``.
+--include_path <dir>`` does.  The held-out documents are the validation and test splits of
+``--corpus`` under ``--split`` (the pre-training default ``969,30,1``): the documents the run never
+trained on.  Needs ``pip install -e '.[eval]'``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class EvalError(RuntimeError):
 
 
 def heldout_documents(corpus: str, split: str = "969,30,1") -> list:
-    """The test split's documents of a ``{"text": ...}`` JSONL corpus (validation if test is empty)."""
+    """The validation and test splits' documents of a ``{"text": ...}`` JSONL corpus (never trained on)."""
     from training.data.gpt import _split_ranges
 
     if not os.path.isfile(corpus):
@@ -41,9 +41,9 @@ def heldout_documents(corpus: str, split: str = "969,30,1") -> list:
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f if line.strip()]
     _, valid, test = _split_ranges(len(docs), split)
-    for rng in (test, valid):
-        if rng is not None and rng[1] > rng[0]:
-            return docs[rng[0]:rng[1]]
+    held = [d for rng in (valid, test) if rng is not None for d in docs[rng[0]:rng[1]]]
+    if held:
+        return held
     raise EvalError(f"--corpus {corpus}: split {split!r} leaves no held-out documents among {len(docs)}")
 
 
