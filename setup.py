@@ -38,14 +38,18 @@ setup(
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
         "te": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=4.56", "safetensors>=0.4", "peft>=0.17"],
-        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=4.56", "safetensors>=0.4", "peft>=0.17"],
+        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=4.56", "safetensors>=0.4", "peft>=0.17",
+                 "lm-eval>=0.4.13"],
         "wandb": ["wandb>=0.17"],
+        # tools.evaluate / tests: lm-eval-harness on exported Hugging Face folders (CPU torch stays).
+        "eval": ["lm-eval>=0.4.13", "transformers>=5.0", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
             "xhc-pretrain=training.pretrain:main",
             "xhc-finetune=training.finetune:main",
+            "xhc-convert=tools.convert_checkpoint:main",
         ]
     },
 )

@@ -1,0 +1,101 @@
+"""Evaluate a Hugging Face folder with lm-eval-harness on held-out documents, offline.
+
+::
+
+    python -m tools.evaluate hf/X                       # the embedded corpus's held-out split
+    python -m tools.evaluate hf/X --limit 20 --corpus data/default/corpus.jsonl --json out.json
+
+Runs the local task ``configs/lm_eval/xhc_heldout.yaml`` (rolling log-likelihood: word and byte
+perplexity, bits per byte) through ``lm_eval.simple_evaluate`` with the ``hf`` model
+(``pretrained=hf/X,trust_remote_code=True``), exactly what
+``lm_eval --model hf --model_args pretrained=hf/X,trust_remote_code=True --tasks xhc_heldout
+--include_path <dir>`` does.  The held-out documents are the validation and test splits of
+``--corpus`` under ``--split`` (the pre-training default ``969,30,1``): the documents the run never
+trained on.  Needs ``pip install -e '.[eval]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+TASK = "xhc_heldout"
+TASK_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "lm_eval",
+                         f"{TASK}.yaml")
+
+
+class EvalError(RuntimeError):
+    pass
+
+
+def heldout_documents(corpus: str, split: str = "969,30,1") -> list:
+    """The validation and test splits' documents of a ``{"text": ...}`` JSONL corpus (never trained on)."""
+    from training.data.gpt import _split_ranges
+
+    if not os.path.isfile(corpus):
+        raise EvalError(f"--corpus {corpus}: not found (build it with `python -m training.data.default` or pass a "
+                        "JSONL file of {\"text\": ...} documents)")
+    with open(corpus, encoding="utf-8") as f:
+        docs = [json.loads(line)["text"] for line in f if line.strip()]
+    _, valid, test = _split_ranges(len(docs), split)
+    held = [d for rng in (valid, test) if rng is not None for d in docs[rng[0]:rng[1]]]
+    if held:
+        return held
+    raise EvalError(f"--corpus {corpus}: split {split!r} leaves no held-out documents among {len(docs)}")
+
+
+def evaluate(hf_dir: str, corpus: str, split: str = "969,30,1", limit=None, batch_size: int = 1,
+             device: str = "cpu") -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise EvalError(f"{hf_dir}: no config.json (export one with `python -m tools.convert_checkpoint to-hf`)")
+    docs = heldout_documents(corpus, split)
+    with tempfile.TemporaryDirectory(prefix="xhc-eval-") as tmp:
+        data = os.path.join(tmp, "heldout.jsonl")
+        with open(data, "w", encoding="utf-8") as f:
+            for d in docs:
+                f.write(json.dumps({"text": d}) + "\n")
+        with open(TASK_YAML, encoding="utf-8") as f:
+            task = f.read().replace("__DATA_FILE__", data)
+        with open(os.path.join(tmp, f"{TASK}.yaml"), "w", encoding="utf-8") as f:
+            f.write(task)
+        out = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={os.path.abspath(hf_dir)},trust_remote_code=True,dtype=float32",
+            tasks=[TASK], task_manager=TaskManager(include_path=tmp), limit=limit, batch_size=batch_size,
+            device=device)
+    res = {k.split(",")[0]: v for k, v in out["results"][TASK].items() if not k.startswith("alias")}
+    res["documents"] = len(docs) if limit is None else min(len(docs), int(limit))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("hf_dir", help="Hugging Face folder written by tools.convert_checkpoint to-hf")
+    p.add_argument("--corpus", default="data/default/corpus.jsonl", help="JSONL corpus (default: the embedded one)")
+    p.add_argument("--split", default="969,30,1", help="train,valid,test shares as in pre-training")
+    p.add_argument("--limit", type=float, default=None, help="at most this many documents (lm-eval --limit)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    try:
+        res = evaluate(args.hf_dir, args.corpus, args.split, args.limit, args.batch_size, args.device)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[xhc-eval] {args.hf_dir}: {TASK} over {res['documents']} held-out documents: "
+          f"word_perplexity {res.get('word_perplexity'):.3f}, byte_perplexity {res.get('byte_perplexity'):.4f}, "
+          f"bits_per_byte {res.get('bits_per_byte'):.4f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
