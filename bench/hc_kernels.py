@@ -32,6 +32,8 @@ Columns
     tensor handed to autograd's pack hook (``torch.autograd.graph.saved_tensors_hooks``) counted
     once per storage; parameters and the branch outputs' own graph excluded, the unit's input state
     and the ``y`` included (they are what an HC layer must keep).  ``floor`` = X + y = (N + 1)·C.
+``rc/flr``  the same count under HC recompute (``models.hc_layer.HCRecompute``, the unit as one
+    region: it keeps the entry state and the y's; Flash windows keep one state for 2 or 4 sublayers).
 ``ms`` / ``vs vanilla``  median wall time of forward + backward of the unit per sublayer, and its
     ratio to the vanilla residual add (``x + y`` and its backward).
 
@@ -304,6 +306,7 @@ class Row:
     fwd: Optional[float] = None
     bwd: Optional[float] = None
     saved: Optional[float] = None
+    saved_rc: Optional[float] = None
     floor: Optional[float] = None
     ms: Optional[float] = None
     vs_vanilla: Optional[float] = None
@@ -317,6 +320,10 @@ class Row:
     @property
     def bwd_over_fwd(self):
         return None if self.bwd is None or not self.fwd else self.bwd / self.fwd
+
+    @property
+    def saved_rc_over_floor(self):
+        return None if self.saved_rc is None or not self.floor else self.saved_rc / self.floor
 
     @property
     def saved_over_floor(self):
@@ -393,6 +400,19 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
             row.note = f"saved: {type(e).__name__}"
         row.floor = (unit.n + 1) * 1.0
         del outs
+        try:  # HC recompute (models.hc_layer.HCRecompute): the unit as one region, inputs X and the y's
+            from models.hc_layer import HCRecompute
+
+            sc = SavedCounter(exclude=params)
+            with sc:
+                rc = HCRecompute(params)
+                for t in [X] + ys:
+                    rc.add_input(t)
+                outs = rc.call(lambda X_, *ys_: step(X_, list(ys_)), X, *ys)
+            row.saved_rc = sc.bytes / per
+            del outs, rc
+        except ImportError:  # a checkout without HC recompute
+            pass
 
     # ---- time -------------------------------------------------------------------------------
     grads = None
@@ -425,22 +445,24 @@ def _f(v, fmt="{:.1f}"):
 
 def format_table(rows: List[Row], title: str) -> str:
     head = (f"{'variant':<9} {'backend':<8} {'C':>5} {'acct':>6} {'fwd':>7} {'fwd/acct':>8} {'bwd':>8} {'bwd/fwd':>7} "
-            f"{'saved':>6} {'floor':>5} {'sv/flr':>6} {'ms':>8} {'vs van':>7}  method")
+            f"{'saved':>6} {'floor':>5} {'sv/flr':>6} {'rc/flr':>6} {'ms':>8} {'vs van':>7}  method")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.variant:<9} {r.backend:<8} {r.C:>5} {_f(r.acct):>6} {_f(r.fwd):>7} {_f(r.fwd_over_acct, '{:.2f}x'):>8} "
             f"{_f(r.bwd):>8} {_f(r.bwd_over_fwd, '{:.2f}x'):>7} {_f(r.saved):>6} {_f(r.floor, '{:.0f}'):>5} "
-            f"{_f(r.saved_over_floor, '{:.2f}x'):>6} {_f(r.ms, '{:.3f}'):>8} {_f(r.vs_vanilla, '{:.2f}x'):>7}  "
+            f"{_f(r.saved_over_floor, '{:.2f}x'):>6} {_f(r.saved_rc_over_floor, '{:.2f}x'):>6} {_f(r.ms, '{:.3f}'):>8} {_f(r.vs_vanilla, '{:.2f}x'):>7}  "
             f"{r.count_method}{(' (' + r.note + ')') if r.note else ''}")
     lines.append("units: C elements of the state dtype per token per sublayer (acct: xhc.accounting, forward); "
-                 "floor = X + y = (N + 1)C; ms per sublayer, forward + backward")
+                 "floor = X + y = (N + 1)C; rc: saved under HC recompute; ms per sublayer, forward + backward")
     return "\n".join(lines)
 
 
 def available_backends(device: str) -> List[str]:
-    from xhc.kernels import triton_available
-
+    try:
+        from xhc.kernels import triton_available
+    except ImportError:  # a checkout without xhc.kernels: only the eager reference exists
+        return ["eager"]
     out = ["eager", "compile"]
     if device == "cuda" and triton_available():
         out.append("triton")
@@ -513,7 +535,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "dtype": args.dtype, "tokens": tokens, "torch": torch.__version__,
                        "rows": [dict(asdict(r), fwd_over_acct=r.fwd_over_acct, bwd_over_fwd=r.bwd_over_fwd,
-                                     saved_over_floor=r.saved_over_floor) for r in all_rows]}, f, indent=1)
+                                     saved_over_floor=r.saved_over_floor, saved_rc_over_floor=r.saved_rc_over_floor) for r in all_rows]}, f, indent=1)
     return 0
 
 
