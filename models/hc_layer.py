@@ -397,13 +397,26 @@ class HCRecompute:
         devices = [t.device for t in self._inputs if t.device.type == "cuda"][:1]
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t), lambda h: None):
-            for fn, specs, rng in self._calls:
-                _set_rng_state(rng)
-                results.append(fn(*(resolve(s) for s in specs)))
+            _REPLAYING[0] += 1
+            try:
+                for fn, specs, rng in self._calls:
+                    _set_rng_state(rng)
+                    results.append(fn(*(resolve(s) for s in specs)))
+            finally:
+                _REPLAYING[0] -= 1
         if len(saved) != self._n_packed:
             raise RuntimeError(f"HC recompute: the replay saved {len(saved)} tensors, the forward {self._n_packed} "
                                "(the HC ops must be deterministic in what they save); set hc_recompute: false")
         self._replayed = saved
+
+
+_REPLAYING = [0]
+
+
+def hc_replaying() -> bool:
+    """True while an :class:`HCRecompute` region re-runs its HC calls in backward (loggers that
+    wrap HC methods use it to skip the replay)."""
+    return _REPLAYING[0] > 0
 
 
 def _outer_saved_tensors_hooks():
@@ -433,6 +446,35 @@ def set_hc_recompute(model: torch.nn.Module, enabled: bool = True) -> int:
     for mod in model.modules():
         if isinstance(mod, HyperConnectionTransformerLayer):
             mod.hc_recompute = bool(enabled)
+            count += 1
+    return count
+
+
+_HC_METHODS = ("read", "write", "begin", "attn_read", "attn_write", "mlp_read", "mlp_write")
+
+
+def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compile_kwargs) -> int:
+    """Wrap the HC methods (``read``/``write``, Flash ``begin``/``attn_*``/``mlp_*``) of every HC
+    module of ``model`` in ``torch.compile``: the ``compile`` kernel backend's fused ops then run as
+    inductor kernels while the backbone (attention, MoE dispatch) stays eager.  Returns the number of
+    modules wrapped.  ``fullgraph=True`` turns a graph break into an error."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, HyperConnectionTransformerLayer) or not layer.hc_enabled:
+            continue
+        for mod in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
+            if mod is None or getattr(mod, "_hc_compiled", False):
+                continue
+            for name in _HC_METHODS:
+                fn = getattr(mod, name, None)
+                if fn is not None:
+                    setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **compile_kwargs))
+            mod._hc_compiled = True
             count += 1
     return count
 

@@ -173,3 +173,28 @@ def test_recompute_keeps_at_most_one_and_a_half_floor(variant, kernels):
     assert saved[True] == pytest.approx(exact, rel=1e-12), saved
     assert saved[True] <= 1.5 * floor, saved
     assert saved[False] > saved[True], saved  # without recompute the HC ops keep more: the count is live
+
+
+def test_health_is_recorded_once_per_forward_under_recompute(parallel):
+    """HC health wraps the HC reads; the recompute replay in backward must not record again, and the
+    statistics equal those without recompute.  Records stay tensors until the summary (no host sync)."""
+    from megatron.core import tensor_parallel
+
+    from training.hc_health import HCHealth
+
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    model = build_tiny_hc_gpt(tiny_moe_config(), hc_config("xhc"))
+    health = HCHealth([model], model.decoder.layers[0].hc_config)
+    out = {}
+    for rc in (False, True):
+        set_hc_recompute(model, rc)
+        with health.recording():
+            lm_loss(model, *tiny_batch(2)).backward()
+        assert all(a.count == 1 and a.load_count == 1 for a in health.acc.values()), rc
+        assert all(isinstance(a.dist, torch.Tensor) for a in health.acc.values())
+        out[rc] = health.summary()
+    assert out[True] == out[False]
+    with torch.no_grad():  # outside recording(): nothing is recorded
+        lm_loss(model, *tiny_batch(2))
+    assert health.acc == {}
