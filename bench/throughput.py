@@ -5,7 +5,7 @@ Run::
     python -m bench.throughput                          # tiny-moe: vanilla, mhc, xhc, xhc-flash, xhc-flash4 on CPU
     python -m bench.throughput --presets tiny-moe:vanilla,tiny-moe:xhc --seq 128 --micro-batch 8 --steps 10
     python -m bench.throughput --json out.json          # also write the table as JSON
-    python -m bench.throughput --presets tiny-moe:vanilla,tiny-moe:mhc,tiny-moe:xhc-flash4 --backends eager,compile
+    python -m bench.throughput --presets tiny-moe:vanilla,tiny-moe:mhc/n=8,tiny-moe:xhc-flash4 --backends eager,compile
 
 Every model is built in the same process with the same seed, sees the same random batch and
 takes full training steps (forward, backward, AdamW update).  After ``--warmup`` untimed steps
@@ -17,7 +17,8 @@ On CUDA the models run in bf16 with HC parameters in fp32 (as training does), wi
 ``--backends``: one row per preset and HC kernel backend (``HCConfig.kernels``, docs/kernels.md):
 ``eager`` (reference ops), ``compile`` (fused ops, each HC module's methods under ``torch.compile``
 via :func:`models.hc_layer.compile_hc_modules`; the backbone stays eager), ``triton`` (CUDA), or
-``preset`` (the preset's own setting, uncompiled; the default).  ``--hc-recompute`` turns HC
+``preset`` (the preset's own setting, uncompiled; the default).  A preset name may carry HC
+overrides, ``tiny-moe:mhc/n=8`` (mHC at the N·C of the tiny xHC variants).  ``--hc-recompute`` turns HC
 recompute on.  A vanilla preset has no HC code, so it gets one row whatever the backends.
 """
 
@@ -37,6 +38,22 @@ if not os.path.exists("/dev/nvidiactl") and "compile" not in " ".join(sys.argv):
 DEFAULT_PRESETS = "tiny-moe:vanilla,tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,tiny-moe:xhc-flash4"
 
 
+def split_name(name: str, backend: str = "preset"):
+    """``file:variant[/key=value+key=value]`` -> (preset name, HCConfig overrides or None)."""
+    import yaml
+
+    base, _, extra = name.partition("/")
+    ov = {}
+    for kv in filter(None, extra.split("+")):
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--presets: {name!r}: HC overrides are written /key=value+key=value, e.g. tiny-moe:mhc/n=8")
+        ov[key] = yaml.safe_load(value)
+    if backend != "preset":
+        ov["kernels"] = backend
+    return base, (ov or None)
+
+
 def build(name: str, seq: int, vocab: int, cuda: bool, seed: int, backend: str = "preset",
           hc_recompute: bool = False):
     import torch
@@ -46,7 +63,8 @@ def build(name: str, seq: int, vocab: int, cuda: bool, seed: int, backend: str =
     from training.optim import OptimizerConfig, build_optimizer
 
     torch.manual_seed(seed)
-    preset = load_preset(name, hc_overrides=None if backend == "preset" else {"kernels": backend})
+    base, hc_overrides = split_name(name, backend)
+    preset = load_preset(base, hc_overrides=hc_overrides)
     extra = dict(bf16=True, params_dtype=torch.bfloat16) if cuda else {}
     config = build_transformer_config(preset, cpu=not cuda, **extra)
     model = build_model(preset, config, vocab_size=vocab, seq_length=seq, hc_recompute=hc_recompute)
@@ -109,7 +127,8 @@ def main(argv=None) -> int:
 
     names = []  # (preset, backend) runs, "preset@backend"
     for n in presets:
-        if not load_preset(n).hc.enabled:
+        base, hc_overrides = split_name(n)
+        if not load_preset(base, hc_overrides=hc_overrides).hc.enabled:
             names.append(n)  # no HC code: one row
             continue
         for b in backends:
