@@ -70,17 +70,11 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     return "compile"
 
 
-def _interpreter_env() -> bool:
+def _interpreting() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors (read at call time)."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_INTERPRET = _interpreter_env()
-
-
-def _interpreting() -> bool:
-    return _INTERPRET
 
 
 # ------------------------------------------------------------------------------------------------
