@@ -119,7 +119,7 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
 
 def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor, H: Optional[torch.Tensor],
           P: torch.Tensor, V: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-          backend: str = "compile") -> torch.Tensor:
+          backend: str = "compile", inplace: bool = False) -> torch.Tensor:
     """The hyper-connection write, residual mixing + branch write + scatter in one op.
 
     new_j = Σ_q H[j, q]·Xa[q] + Σ_s P[j, s]·V[s]  (H ``None`` = identity), then
@@ -131,15 +131,22 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
 
     ``Xa`` ``[..., k, C]``; ``H`` ``[..., k, k]``; ``P`` ``[..., k, K]`` (h_post, or p·H_post);
     ``V`` ``[..., K, C]``.  Output dtype: ``out_dtype``, default X's (or Xa's) dtype.
+
+    ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
+    nor written.  Only for callers that own X and need no gradient through it afterwards
+    (inference, or a state no other op saved for backward); autograd raises otherwise.
     """
     from xhc.kernels import torch_ops
 
+    if inplace and I is not None and backend != "triton":
+        new = torch_ops.write_reference(None, None, Xa, H, P, V, X.dtype)
+        return X.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, X.shape[-1]), new)
     if backend == "eager":
         return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
     if backend == "triton":
         from xhc.kernels import triton_ops
 
-        return triton_ops.write(X, I, Xa, H, P, V, out_dtype)
+        return triton_ops.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
 
 
