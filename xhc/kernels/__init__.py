@@ -53,7 +53,8 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
 
     ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
-    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``.  An explicit
+    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``; while
+    ``torch.compile`` traces, ``auto`` gives ``compile`` (inductor then writes the GPU kernels).  An explicit
     ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
     (the Triton interpreter runs the kernels on CPU tensors).
     """
@@ -63,6 +64,8 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if kernels == "eager" or kernels == "compile":
         return kernels
+    if kernels == "auto" and torch.compiler.is_compiling():
+        return "compile"  # inside a compiled model inductor generates the kernels from the torch ops
     if dev.type == "cuda" and triton_available():
         return "triton"
     if kernels == "triton" and _interpreting() and triton_available():
