@@ -34,6 +34,8 @@ setup(
         "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=4.56", "safetensors>=0.4", "peft>=0.17"],
         "wandb": ["wandb>=0.17"],
         "plot": ["matplotlib>=3.8"],
+        # Triton kernels for the HC ops (docs/kernels.md); optional: without it the torch paths run.
+        "kernels": ["triton>=3.2"],
     },
     entry_points={
         "console_scripts": [

@@ -53,7 +53,8 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
 
     ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
-    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``.  An explicit
+    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``; while
+    ``torch.compile`` traces, ``auto`` gives ``compile`` (inductor then writes the GPU kernels).  An explicit
     ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
     (the Triton interpreter runs the kernels on CPU tensors).
     """
@@ -63,6 +64,8 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if kernels == "eager" or kernels == "compile":
         return kernels
+    if kernels == "auto" and torch.compiler.is_compiling():
+        return "compile"  # inside a compiled model inductor generates the kernels from the torch ops
     if dev.type == "cuda" and triton_available():
         return "triton"
     if kernels == "triton" and _interpreting() and triton_available():
@@ -70,17 +73,11 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     return "compile"
 
 
-def _interpreter_env() -> bool:
+def _interpreting() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors (read at call time)."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_INTERPRET = _interpreter_env()
-
-
-def _interpreting() -> bool:
-    return _INTERPRET
 
 
 # ------------------------------------------------------------------------------------------------
@@ -125,7 +122,7 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
 
 def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor, H: Optional[torch.Tensor],
           P: torch.Tensor, V: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-          backend: str = "compile") -> torch.Tensor:
+          backend: str = "compile", inplace: bool = False) -> torch.Tensor:
     """The hyper-connection write, residual mixing + branch write + scatter in one op.
 
     new_j = Σ_q H[j, q]·Xa[q] + Σ_s P[j, s]·V[s]  (H ``None`` = identity), then
@@ -137,15 +134,22 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
 
     ``Xa`` ``[..., k, C]``; ``H`` ``[..., k, k]``; ``P`` ``[..., k, K]`` (h_post, or p·H_post);
     ``V`` ``[..., K, C]``.  Output dtype: ``out_dtype``, default X's (or Xa's) dtype.
+
+    ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
+    nor written.  Only for callers that own X and need no gradient through it afterwards
+    (inference, or a state no other op saved for backward); autograd raises otherwise.
     """
     from xhc.kernels import torch_ops
 
+    if inplace and I is not None and backend != "triton":
+        new = torch_ops.write_reference(None, None, Xa, H, P, V, X.dtype)
+        return X.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, X.shape[-1]), new)
     if backend == "eager":
         return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
     if backend == "triton":
         from xhc.kernels import triton_ops
 
-        return triton_ops.write(X, I, Xa, H, P, V, out_dtype)
+        return triton_ops.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
 
 

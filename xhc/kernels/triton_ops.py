@@ -37,6 +37,17 @@ def _tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+@triton.jit
+def _cast(x, PTR):
+    """x (fp32/fp64) in PTR's element type; bf16 rounds to nearest even explicitly (the Triton
+    interpreter's float->bf16 conversion truncates; on GPUs this equals the native conversion)."""
+    if PTR.dtype.element_ty == tl.bfloat16:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(PTR.dtype.element_ty)
+
+
 # ================================================================================================
 # Sinkhorn
 # ================================================================================================
@@ -69,7 +80,7 @@ def _sinkhorn_fwd_kernel(Z, OUT, T, n, t_max, eps, ROW_LAST: tl.constexpr, BT: t
         for _ in range(t_max):
             M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
             M = M / tl.maximum(tl.sum(M, 1), eps)[:, None, :]
-    tl.store(OUT + offs, M.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + offs, _cast(M, OUT), mask=mask)
 
 
 @triton.jit
@@ -141,7 +152,7 @@ def _sinkhorn_bwd_kernel(Z, DH, DZ, S, T, n, t_max, eps, ROW_LAST: tl.constexpr,
     at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(CDT)
     cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
     dZ = dZ - at_max * (tl.sum(dZ, 2)[:, :, None] / cnt)
-    tl.store(DZ + offs, dZ.to(DZ.dtype.element_ty), mask=mask)
+    tl.store(DZ + offs, _cast(dZ, DZ), mask=mask)
 
 
 def _sk_block(n: int) -> int:
@@ -206,7 +217,7 @@ def _read_fwd_kernel(H, X, U, R, n, C, RP: tl.constexpr, NP: tl.constexpr, BC: t
         c = c0 + tl.arange(0, BC)[None, :]
         x = tl.load(X + t * n * C + jr * C + c, mask=(jr < n) & (c < C), other=0.0).to(CDT)  # [NP, BC]
         u = tl.sum(h[:, :, None] * x[None, :, :], 1)  # [RP, BC]
-        tl.store(U + t * R * C + rr * C + c, u.to(U.dtype.element_ty), mask=(rr < R) & (c < C))
+        tl.store(U + t * R * C + rr * C + c, _cast(u, U), mask=(rr < R) & (c < C))
 
 
 @triton.jit
@@ -226,8 +237,8 @@ def _read_bwd_kernel(H, X, DU, DH, DX, R, n, C, RP: tl.constexpr, NP: tl.constex
         du = tl.load(DU + t * R * C + rr * C + c, mask=(rr < R) & (c < C), other=0.0).to(CDT)  # [RP, BC]
         dh += tl.sum(du[:, None, :] * x[None, :, :], 2)
         dx = tl.sum(h[:, :, None] * du[:, None, :], 0)  # [NP, BC]
-        tl.store(DX + t * n * C + jr * C + c, dx.to(DX.dtype.element_ty), mask=(jr < n) & (c < C))
-    tl.store(DH + t * R * n + r * n + j, dh.to(DH.dtype.element_ty), mask=hmask)
+        tl.store(DX + t * n * C + jr * C + c, _cast(dx, DX), mask=(jr < n) & (c < C))
+    tl.store(DH + t * R * n + r * n + j, _cast(dh, DH), mask=hmask)
 
 
 class _Read(torch.autograd.Function):
@@ -303,12 +314,12 @@ def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, H
         else:
             new += xa
         if HAS_I:
-            tl.store(OUT + t * N * C + rows * C + c, new.to(OUT.dtype.element_ty), mask=(jr < k) & cm)
+            tl.store(OUT + t * N * C + rows * C + c, _cast(new, OUT), mask=(jr < k) & cm)
             if COPY:
                 x = tl.load(X + t * N * C + nr * C + c, mask=keep & cm, other=0.0)
                 tl.store(OUT + t * N * C + nr * C + c, x, mask=keep & cm)
         else:
-            tl.store(OUT + t * k * C + jr * C + c, new.to(OUT.dtype.element_ty), mask=(jr < k) & cm)
+            tl.store(OUT + t * k * C + jr * C + c, _cast(new, OUT), mask=(jr < k) & cm)
 
 
 @triton.jit
@@ -348,18 +359,18 @@ def _write_bwd_kernel(DOUT, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS
             dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
         else:
             dxa = dn
-        tl.store(DXA + t * k * C + jr * C + c, dxa.to(DXA.dtype.element_ty), mask=(jr < k) & cm)
+        tl.store(DXA + t * k * C + jr * C + c, _cast(dxa, DXA), mask=(jr < k) & cm)
         dv = tl.sum(p[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
-        tl.store(DV + t * K * C + sr * C + c, dv.to(DV.dtype.element_ty), mask=(sr < K) & cm)
+        tl.store(DV + t * K * C + sr * C + c, _cast(dv, DV), mask=(sr < K) & cm)
         dp += tl.sum(dn[:, None, :] * v[None, :, :], 2)
         if HAS_I:
             if NEED_DX:
                 g = tl.load(DOUT + t * N * C + nr * C + c, mask=(nr < N) & cm, other=0.0)
                 g = tl.where(active, 0.0, g.to(CDT))
-                tl.store(DX + t * N * C + nr * C + c, g.to(DX.dtype.element_ty), mask=(nr < N) & cm)
+                tl.store(DX + t * N * C + nr * C + c, _cast(g, DX), mask=(nr < N) & cm)
     if HAS_H:
-        tl.store(DH + t * k * k + jr * k + qc, dh.to(DH.dtype.element_ty), mask=hmask)
-    tl.store(DP + t * k * K + jr * K + sc, dp.to(DP.dtype.element_ty), mask=pmask)
+        tl.store(DH + t * k * k + jr * k + qc, _cast(dh, DH), mask=hmask)
+    tl.store(DP + t * k * K + jr * K + sc, _cast(dp, DP), mask=pmask)
 
 
 def _write_meta(N, k, K, C):
