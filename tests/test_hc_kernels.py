@@ -359,7 +359,17 @@ def _variant_cases():
             yield pytest.param(kind, kw, n, id=f"{vid}-N{n}")
 
 
-@pytest.mark.parametrize("kind, kw, n", list(_variant_cases()))
+ABLATIONS = [  # the compile backend only (the ops are the same as above)
+    pytest.param("hc", dict(variant="mhc", dynamic=False), 4, id="mhc_static"),
+    pytest.param("hc", dict(variant="mhc", mapping_norm_affine=True, ablate_pre=True), 4, id="mhc_gain_no_pre"),
+    pytest.param("hc", dict(variant="hc", dynamic=False), 4, id="hc_static"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,), dense_read=False), 4, id="xhc_sparse_read"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,), ablate_res=True, ablate_post=True), 4,
+                 id="xhc_no_res_post"),
+]
+
+
+@pytest.mark.parametrize("kind, kw, n", list(_variant_cases()) + ABLATIONS)
 def test_module_compile_backend_equals_eager(kind, kw, n):
     cfg = _cfg(kw, n)
     ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
@@ -395,16 +405,11 @@ EXPLAIN_CASES = [pytest.param(kind, kw, id=vid) for vid, kw, kind in VARIANTS if
 def test_zero_graph_breaks(kind, kw, dynamo_reset):
     import torch._dynamo
 
-    cfg = _cfg(kw, 4).replace(kernels="compile")
+    cfg = _cfg(kw, 4)  # kernels: auto (the default), which resolves to compile while dynamo traces
     torch.manual_seed(0)
     mod = _build(kind, cfg).double()
     X = torch.randn(S, B, 4, C, dtype=F64, requires_grad=True)
     seq = SequenceContext(pos_in_doc=POS)
-
-    def step(X):
-        out = _run(kind, mod, X, seq)
-        return torch.autograd.grad(out.sum(), [X] + list(mod.parameters()), allow_unused=True)
-
     expl = torch._dynamo.explain(lambda X: _run(kind, mod, X, seq))(X)
     assert expl.graph_break_count == 0, [str(b.reason) for b in expl.break_reasons]
     assert expl.graph_count == 1

@@ -215,7 +215,7 @@ def fused_entry_projections(
 
 def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: float = 1e-6,
                     fused: bool = False):
-    """The mappings generated from the active state, [m(RMSNorm(vec X_a)) for m in maps] (spec §3.4);
+    """The mappings generated from the active state, [m(RMSNorm(vec X_a)) for m in maps] (docs/math.md §3.4);
     ``None`` entries stay ``None``.  ``fused``: one GEMM on vec(X_a) for every map's projection with
     the RMSNorm applied after it (:func:`xhc.kernels.norm_linear`, docs/math.md §1.5).
 
