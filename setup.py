@@ -44,6 +44,8 @@ setup(
         # tools.evaluate / tests: lm-eval-harness on exported Hugging Face folders (CPU torch stays).
         "eval": ["lm-eval>=0.4.13", "transformers>=5.0", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.8"],
+        # Triton kernels for the HC ops (docs/kernels.md); optional: without it the torch paths run.
+        "kernels": ["triton>=3.2"],
     },
     entry_points={
         "console_scripts": [

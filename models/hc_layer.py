@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -72,10 +73,14 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
     Args (beyond ``TransformerLayer``'s):
         hc_config: the model's :class:`~xhc.config.HCConfig` (given through the spec's ``params``).
+        hc_recompute: HC recompute (:class:`HCRecompute`); also settable later with
+            :func:`set_hc_recompute`.  Independent of, and combinable with, Megatron's selective
+            recompute (``recompute_modules``) of the norms and the MLP.
     """
 
     def __init__(self, config, submodules: HCTransformerLayerSubmodules, layer_number: int = 1,
-                 hidden_dropout=None, hc_config: Optional[HCConfig] = None, **kwargs):
+                 hidden_dropout=None, hc_config: Optional[HCConfig] = None, hc_recompute: bool = False,
+                 **kwargs):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          hidden_dropout=hidden_dropout, **kwargs)
         if hc_config is None:
@@ -85,6 +90,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         validate_hc_transformer_config(config, hc_config)
         self.hc_config = hc_config
         self.hc_enabled = hc_config.enabled
+        self.hc_recompute = bool(hc_recompute)
+        """HC recompute: keep only each sublayer's entry state X and branch output y for backward and
+        regenerate every other tensor the HC ops saved by re-running them (:class:`HCRecompute`)."""
         C = config.hidden_size
         i = self.layer_number - 1  # global 0-based layer index
         self.is_first_hc_layer = i == 0
@@ -145,7 +153,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 "SequenceContext(decode_cache={...})) or run full-sequence forwards without inference_context")
 
         drv = self._driver
-        st = drv.begin(X)
+        st = drv.begin(X, self.hc_recompute and torch.is_grad_enabled())
 
         # ---- attention sublayer ----
         u = drv.read(st, "attn")
@@ -302,28 +310,234 @@ def _build_flash_part(hc: HCConfig, C: int, i: int, config):
     return XHCFlashLayer(hc, C, layer_index=i)
 
 
+class HCRecompute:
+    """HC recompute: the HC ops of one region keep only the region's inputs for backward.
+
+    A region is one sublayer (HC / mHC family / xHC: ``read`` then ``write``), one xHC-Flash layer or
+    one Flash-4sub window.  Its HC calls run under a ``saved_tensors_hooks`` pair: a tensor autograd
+    saves is kept only if it shares storage with a region input (the entry state X, the branch
+    outputs y) or an HC parameter — memory that exists anyway; every other saved tensor is dropped.
+    The branch between the calls (attention, MLP/MoE, norms) runs outside the hooks and saves as
+    usual.  In backward, the first unpack of a dropped tensor re-runs the region's HC calls from the
+    detached inputs (with the forward's RNG states restored) and takes the tensors saved there, in
+    the same order.  The autograd graph is the forward's own, so gradients are bit-identical to no
+    recompute (``tests/test_hc_recompute.py``).  Saved per sublayer: X + y (the mHC paper's recompute).
+    """
+
+    def __init__(self, params=()):
+        # Hooks active around the region (a memory counter, CPU offloading): what the region keeps
+        # goes through them, so an outer saved_tensors_hooks sees exactly the region's inputs.
+        self._outer = _outer_saved_tensors_hooks()
+        self._free = {p.untyped_storage().data_ptr() for p in params}
+        self._inputs: list = []      # tensors kept by reference: X, y_1, y_2, ...
+        self._calls: list = []       # (fn, arg specs, rng state) in forward order
+        self._results: dict = {}     # id(object) -> (weakref or object, spec) of inputs / call results
+        self._kept: dict = {}        # pack index -> tensor kept (shares storage with an input / param)
+        self._n_packed = 0
+        self._replayed: Optional[list] = None
+        self._unpacked = 0
+
+    # ---- forward -----------------------------------------------------------------------------
+    def params_from(self, module: torch.nn.Module) -> None:
+        """Also treat ``module``'s parameters as free to keep (Flash-4sub's second layer)."""
+        self._free.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    def add_input(self, t: torch.Tensor) -> None:
+        """Register a tensor the region keeps (its storage is then free to keep)."""
+        self._register(t, ("in", len(self._inputs)))
+        self._inputs.append(t)
+        self._free.add(t.untyped_storage().data_ptr())
+        if self._outer is not None:
+            self._outer[0](t)  # announce the kept input; the region holds the tensor itself
+
+    def _register(self, obj, spec) -> None:
+        try:  # weak: the region must not keep forward results (the HC context, the new state) alive
+            self._results[id(obj)] = (weakref.ref(obj), spec)
+        except TypeError:  # None, tuples: not referable later anyway
+            pass
+
+    def _spec(self, a):
+        hit = self._results.get(id(a))
+        if hit is not None and hit[0]() is a:
+            return hit[1]
+        return ("const", a)
+
+    def call(self, fn, *args):
+        """``fn(*args)`` with its saved tensors managed by the region; returns its result."""
+        specs = tuple(self._spec(a) for a in args)
+        rng = _rng_state(self._inputs[0].device if self._inputs else None)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = fn(*args)
+        i = len(self._calls)
+        self._calls.append((fn, specs, rng))
+        self._register(out, ("res", i, None))
+        if isinstance(out, tuple):
+            for j, o in enumerate(out):
+                self._register(o, ("res", i, j))
+        return out
+
+    def _pack(self, t: torch.Tensor):
+        i = self._n_packed
+        self._n_packed += 1
+        try:
+            free = t.untyped_storage().data_ptr() in self._free
+        except (RuntimeError, NotImplementedError):
+            free = False
+        if free:
+            self._kept[i] = t if self._outer is None else self._outer[0](t)
+        return i
+
+    # ---- backward ----------------------------------------------------------------------------
+    def _unpack(self, i: int) -> torch.Tensor:
+        if i in self._kept:
+            return self._kept[i] if self._outer is None else self._outer[1](self._kept[i])
+        if self._replayed is None:
+            self._replay()
+        t = self._replayed[i]
+        self._unpacked += 1
+        if self._unpacked >= self._n_packed - len(self._kept):
+            self._replayed, self._unpacked = None, 0  # all handed out: free them (a retained graph replays again)
+        return t
+
+    def _replay(self) -> None:
+        saved: list = []
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._inputs]
+        results: list = []
+
+        def resolve(spec):
+            if spec[0] == "in":
+                return inputs[spec[1]]
+            if spec[0] == "res":
+                r = results[spec[1]]
+                return r if spec[2] is None else r[spec[2]]
+            return spec[1]
+
+        devices = [t.device for t in self._inputs if t.device.type == "cuda"][:1]
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t), lambda h: None):
+            _REPLAYING[0] += 1
+            try:
+                for fn, specs, rng in self._calls:
+                    _set_rng_state(rng)
+                    results.append(fn(*(resolve(s) for s in specs)))
+            finally:
+                _REPLAYING[0] -= 1
+        if len(saved) != self._n_packed:
+            raise RuntimeError(f"HC recompute: the replay saved {len(saved)} tensors, the forward {self._n_packed} "
+                               "(the HC ops must be deterministic in what they save); set hc_recompute: false")
+        self._replayed = saved
+
+
+_REPLAYING = [0]
+
+
+def hc_replaying() -> bool:
+    """True while an :class:`HCRecompute` region re-runs its HC calls in backward (loggers that
+    wrap HC methods use it to skip the replay)."""
+    return _REPLAYING[0] > 0
+
+
+def _outer_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` (pack, unpack) pair active now, or None."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except (AttributeError, RuntimeError):  # private API: without it the region just keeps its tensors
+        return None
+
+
+def _rng_state(device):
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
+    return cpu, cuda, device
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda, device = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def set_hc_recompute(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Switch HC recompute on or off in every HC layer of ``model``; returns the number of layers."""
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, HyperConnectionTransformerLayer):
+            mod.hc_recompute = bool(enabled)
+            count += 1
+    return count
+
+
+_HC_METHODS = ("read", "write", "begin", "attn_read", "attn_write", "mlp_read", "mlp_write")
+
+
+def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compile_kwargs) -> int:
+    """Wrap the HC methods (``read``/``write``, Flash ``begin``/``attn_*``/``mlp_*``) of every HC
+    module of ``model`` in ``torch.compile``: the ``compile`` kernel backend's fused ops then run as
+    inductor kernels while the backbone (attention, MoE dispatch) stays eager.  Returns the number of
+    modules wrapped.  ``fullgraph=True`` turns a graph break into an error."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, HyperConnectionTransformerLayer) or not layer.hc_enabled:
+            continue
+        for mod in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
+            if mod is None or getattr(mod, "_hc_compiled", False):
+                continue
+            for name in _HC_METHODS:
+                fn = getattr(mod, name, None)
+                if fn is not None:
+                    setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **compile_kwargs))
+            mod._hc_compiled = True
+            count += 1
+    return count
+
+
+def _hc_params(*mods):
+    return [p for m in mods if m is not None for p in m.parameters()]
+
+
 class _PairDriver:
     """HC / mHC family / xHC: one module per sublayer with ``read``/``write``."""
 
     def __init__(self, layer):
         self.mods = {"attn": layer.self_attention_hyper_connection, "mlp": layer.mlp_hyper_connection}
 
-    def begin(self, X):
-        return {"X": X}
+    def begin(self, X, recompute: bool = False):
+        return {"X": X, "recompute": recompute}
 
     def read(self, st, which):
-        u, st["ctx"] = self.mods[which].read(st["X"])
+        mod = self.mods[which]
+        if st["recompute"]:  # one region per sublayer: inputs X (here) and y (at the write)
+            rc = st["rc"] = HCRecompute(_hc_params(mod))
+            rc.add_input(st["X"])
+            u, st["ctx"] = rc.call(mod.read, st["X"])
+            return u
+        u, st["ctx"] = mod.read(st["X"])
         return u
 
     def write(self, st, which, y, seq):
-        st["X"] = self.mods[which].write(st["X"], y, st.pop("ctx"), seq)
+        mod = self.mods[which]
+        if st["recompute"]:
+            rc = st.pop("rc")
+            rc.add_input(y)
+            st["X"] = rc.call(mod.write, st["X"], y, st.pop("ctx"), seq)
+            return
+        st["X"] = mod.write(st["X"], y, st.pop("ctx"), seq)
 
     def end(self, st):
         return st["X"]
 
 
 class _FlashDriver:
-    """xHC-Flash (and Flash-4sub's window halves): a window module driven one sublayer at a time."""
+    """xHC-Flash (and Flash-4sub's window halves): a window module driven one sublayer at a time.
+
+    Under HC recompute the whole window is one region (inputs: the window-entry state and the
+    branch outputs), carried from layer 2g to 2g+1 with the Flash-4sub state."""
 
     # Flash-4sub state carried from layer 2g to 2g+1, keyed by (config identity, window index).
     # A window never crosses a pipeline stage, so the two layers run back to back on this rank.
@@ -334,26 +548,39 @@ class _FlashDriver:
         self.kind = type(self.mod).__name__
         self.key = (id(layer.config), (layer.layer_number - 1) // 2)
 
-    def begin(self, X):
+    def _call(self, st, fn, *args):
+        rc = st.get("rc")
+        return fn(*args) if rc is None else rc.call(fn, *args)
+
+    def begin(self, X, recompute: bool = False):
         if self.kind == "Flash4SecondLayer":
-            st = self._carry.pop(self.key, None)
+            carried = self._carry.pop(self.key, None)
+            st, rc = carried if carried is not None else (None, None)
             if st is None or st.X0.data_ptr() != X.data_ptr():
                 raise RuntimeError(
                     "Flash-4sub: layer 2g+1 did not receive the window state of layer 2g (the two layers of a "
                     "window must run back to back on one rank; full-layer recompute is not supported)")
-            return {"st": st}
-        return {"st": self.mod.begin(X), "X0": X}
+            if rc is not None:
+                rc.params_from(self.mod)
+            return {"st": st, "rc": rc}
+        rc = None
+        if recompute:
+            rc = HCRecompute(_hc_params(self.mod))
+            rc.add_input(X)
+        return {"st": self._call({"rc": rc}, self.mod.begin, X), "X0": X, "rc": rc}
 
     def read(self, st, which):
-        return (self.mod.attn_read if which == "attn" else self.mod.mlp_read)(st["st"])
+        return self._call(st, self.mod.attn_read if which == "attn" else self.mod.mlp_read, st["st"])
 
     def write(self, st, which, y, seq):
         fn = self.mod.attn_write if which == "attn" else self.mod.mlp_write
-        st["st"] = fn(st["st"], y, seq)
+        if st.get("rc") is not None:
+            st["rc"].add_input(y)
+        st["st"] = self._call(st, fn, st["st"], y, seq)
 
     def end(self, st):
         if self.kind == "Flash4FirstLayer":
-            self._carry[self.key] = st["st"]
+            self._carry[self.key] = (st["st"], st.get("rc"))
             return st["X0"]  # the state is unchanged until the window's single scatter in layer 2g+1
         return st["st"]
 

@@ -34,7 +34,7 @@ from xhc.config import HCConfig, HCConfigError
 
 CONFIG_DIR = config_dir("models")  # package data: found from any working directory, installed or not
 ZOO_KEYS = {"first_dense_layers", "activation", "vocab_size", "seq_length", "rotary_base",
-            "position_embedding_type", "untie_embeddings", "peak_lr"}
+            "position_embedding_type", "untie_embeddings", "peak_lr", "hc_recompute"}
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
@@ -67,6 +67,12 @@ class ModelPreset:
     @property
     def seq_length(self) -> int:
         return int(self.backbone["seq_length"])
+
+    @property
+    def hc_recompute(self) -> bool:
+        """HC recompute (:class:`models.hc_layer.HCRecompute`): zoo key ``hc_recompute`` of the backbone
+        or of the variant entry (the variant wins)."""
+        return bool(self.backbone.get("hc_recompute", False))
 
 
 def _read_yaml(path: Path) -> dict:
@@ -110,6 +116,10 @@ def load_preset(name: str, backbone_overrides: Optional[dict] = None, hc_overrid
         raise ZooError(f"model preset file {path.name} has no variant {variant!r}; "
                        f"available: {', '.join(variants) or '(none)'}")
     hc_dict = {**(variants[variant] or {}), **(hc_overrides or {})}
+    if "hc_recompute" in hc_dict:  # a zoo key, allowed per variant: not an HCConfig field
+        backbone["hc_recompute"] = hc_dict.pop("hc_recompute")
+    if not isinstance(backbone.get("hc_recompute", False), bool):
+        raise ZooError(f"model preset {name}: hc_recompute={backbone['hc_recompute']!r} must be true or false")
     try:
         hc = HCConfig.from_dict(hc_dict)
     except HCConfigError as e:
@@ -170,10 +180,12 @@ def build_transformer_config(preset: ModelPreset, parallel: Optional[dict] = Non
 
 def build_model(preset: ModelPreset, config, pre_process: bool = True, post_process: bool = True,
                 vp_stage: Optional[int] = None, use_transformer_engine: Optional[bool] = None,
-                vocab_size: Optional[int] = None, seq_length: Optional[int] = None, pg_collection=None):
+                vocab_size: Optional[int] = None, seq_length: Optional[int] = None, pg_collection=None,
+                hc_recompute: Optional[bool] = None):
     """``GPTModel`` with the preset's hyper-connections on this rank's pipeline stage.
 
-    ``pg_collection``: Megatron ``ProcessGroupCollection`` (default: the global parallel state)."""
+    ``pg_collection``: Megatron ``ProcessGroupCollection`` (default: the global parallel state).
+    ``hc_recompute``: HC recompute in every HC layer (default: the preset's ``hc_recompute``)."""
     from megatron.core.models.gpt import GPTModel
 
     from models.specs import get_hc_decoder_block_spec
@@ -197,7 +209,13 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
         kwargs["vp_stage"] = vp_stage
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
-    return GPTModel(**kwargs)
+    model = GPTModel(**kwargs)
+    rc = preset.hc_recompute if hc_recompute is None else hc_recompute
+    if rc:
+        from models.hc_layer import set_hc_recompute
+
+        set_hc_recompute(model, True)
+    return model
 
 
 def hc_parameters(model: torch.nn.Module):

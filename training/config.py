@@ -78,8 +78,29 @@ class ModelConfig:
     """Overrides of the preset's :class:`~xhc.config.HCConfig` fields, e.g. ``gram_schmidt: false``."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (uniform, 1 layer)."""
+    hc_kernels: Optional[str] = None
+    """Kernel backend of the HC ops (``HCConfig.kernels``): ``auto`` (triton on CUDA, else compile),
+    ``eager``, ``compile``, ``triton``; null: the preset's (default ``auto``).  docs/kernels.md."""
+    hc_recompute: Optional[bool] = None
+    """HC recompute: keep only each sublayer's entry state and branch output for backward and
+    recompute the HC coefficients (combinable with ``recompute: selective``); null: the preset's
+    (zoo key ``hc_recompute``, default false)."""
     use_transformer_engine: Optional[bool] = None
     """Transformer Engine layer spec (null: when importable on GPU; never on CPU)."""
+
+    def hc_overrides(self) -> Optional[dict]:
+        """``hc`` with ``hc_kernels`` folded in as ``kernels`` (for :func:`models.zoo.load_preset`)."""
+        hc = dict(self.hc or {})
+        if self.hc_kernels is not None:
+            hc["kernels"] = self.hc_kernels
+        return hc or None
+
+    def backbone_overrides(self) -> Optional[dict]:
+        """``backbone`` with ``hc_recompute`` folded in as the zoo key of the same name."""
+        b = dict(self.backbone or {})
+        if self.hc_recompute is not None:
+            b["hc_recompute"] = self.hc_recompute
+        return b or None
 
 
 @dataclass
@@ -193,8 +214,14 @@ class LoggingConfig:
     """Weights & Biases project."""
     wandb_entity: Optional[str] = None
     """Weights & Biases entity (team or user; null: your default)."""
-    hc_health_interval: int = 1
-    """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps (0: off)."""
+    hc_health_interval: Optional[int] = None
+    """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps
+    (0: off; null: every ``interval`` steps).  Other steps do no health work and no host syncs."""
+
+    @property
+    def hc_health_every(self) -> int:
+        """The resolved health interval (0: off)."""
+        return self.interval if self.hc_health_interval is None else self.hc_health_interval
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s per device for MFU (null: bf16 tensor-core peak of known GPUs; 1.0 nominal on CPU)."""
     flops_convention: str = "megatron"
@@ -571,6 +598,10 @@ def validate_config(cfg: PretrainConfig) -> None:
         raise _err("model.preset", f"{m.preset!r} must be '<file>:<variant>', e.g. tiny-moe:xhc "
                    "(list them with `python -m tools.zoo --list`)")
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
+    if m.hc_kernels is not None:
+        _choice("model.hc_kernels", m.hc_kernels, ("auto", "eager", "compile", "triton"))
+    if m.hc_recompute is not None and not isinstance(m.hc_recompute, bool):
+        raise _err("model.hc_recompute", f"{m.hc_recompute!r} must be true or false")
     if m.hc:
         from xhc.config import HCConfig
 
@@ -645,7 +676,7 @@ def validate_config(cfg: PretrainConfig) -> None:
         raise _err("checkpoint.load", f"{c.load!r} does not exist; use auto, none, or a checkpoint directory")
     # ---- logging
     _positive("logging.interval", lg.interval)
-    _positive("logging.hc_health_interval", lg.hc_health_interval, allow_zero=True)
+    _positive("logging.hc_health_interval", lg.hc_health_interval, allow_zero=True, allow_none=True)
     _positive("logging.peak_tflops", lg.peak_tflops, allow_none=True)
     from xhc.accounting import FLOPS_CONVENTIONS
 

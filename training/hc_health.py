@@ -25,7 +25,10 @@ and returns, for logging:
 - xHC: ``router_load`` (per stream, averaged over sublayers; fixed streams are 1, the loads sum to
   k) with ``router_load_min`` / ``router_load_max`` over the routed streams.
 
-Nothing is recorded (and the wrappers cost one flag test) outside :meth:`recording`.
+Nothing is recorded (and the wrappers cost one flag test) outside :meth:`recording`; while
+recording, the sums stay on the device (no host sync) until :meth:`HCHealth.summary`.  The
+pre-training loop records every ``logging.hc_health_interval`` steps (default: every
+``logging.interval`` steps, the console lines).  HC-recompute replays in backward are not recorded.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from xhc.diagnostics import identity_distance
+from xhc.diagnostics import identity_distance_tensor
 
 __all__ = ["HCHealth"]
 
 
 class _Acc:
-    """Running sums for one sublayer."""
+    """Running sums for one sublayer, kept on the model's device: recording never syncs with the
+    host; :meth:`export` (called by :meth:`HCHealth.summary`) copies them to the CPU once."""
 
     __slots__ = ("H", "count", "dist", "dist_count", "load", "load_count")
 
@@ -54,28 +58,38 @@ class _Acc:
         self.load_count = 0
 
     def add_H(self, H: torch.Tensor) -> None:
-        H = H.detach().double().reshape(-1, *H.shape[-2:]).mean(0).cpu()
+        H = H.detach().double().reshape(-1, *H.shape[-2:]).mean(0)
         self.H = H if self.H is None else self.H + H
         self.count += 1
 
-    def add_dist(self, d: float) -> None:
-        self.dist += float(d)
+    def add_dist(self, d) -> None:
+        self.dist = self.dist + (d.detach().double() if isinstance(d, torch.Tensor) else float(d))
         self.dist_count += 1
 
     def add_load(self, load: torch.Tensor) -> None:
-        load = load.detach().double().cpu()
+        load = load.detach().double()
         self.load = load if self.load is None else self.load + load
         self.load_count += 1
 
     def export(self) -> dict:
-        return {"H": None if self.H is None else self.H.numpy(), "count": self.count, "dist": self.dist,
-                "dist_count": self.dist_count, "load": None if self.load is None else self.load.numpy(),
+        dist = self.dist.item() if isinstance(self.dist, torch.Tensor) else float(self.dist)
+        return {"H": None if self.H is None else self.H.cpu().numpy(), "count": self.count, "dist": dist,
+                "dist_count": self.dist_count, "load": None if self.load is None else self.load.cpu().numpy(),
                 "load_count": self.load_count}
 
 
-def _identity_distance(H: torch.Tensor) -> float:
-    """Mean ‖H − I‖_F over the batch (:func:`xhc.diagnostics.identity_distance`, in fp32, no grad)."""
-    return identity_distance(H.detach().float())
+def _identity_distance(H: torch.Tensor) -> torch.Tensor:
+    """Token-mean ‖H − I‖_F in fp32 as a 0-d tensor on H's device (no host sync)."""
+    return identity_distance_tensor(H.detach().float())
+
+
+def _recording(health) -> bool:
+    """Record now: the health is active and this is not an HC-recompute replay in backward."""
+    if not health.active:
+        return False
+    from models.hc_layer import hc_replaying
+
+    return not hc_replaying()
 
 
 class HCHealth:
@@ -113,7 +127,7 @@ class HCHealth:
 
             def read(X, _orig=orig, _mod=mod, _idx=idx):
                 out = _orig(X)
-                if health.active:
+                if _recording(health):
                     with torch.no_grad():
                         health._record_xhc(_mod, out[1], _idx)
                 return out
@@ -124,7 +138,7 @@ class HCHealth:
 
             def read(X, _orig=orig, _idx=idx):
                 out = _orig(X)
-                if health.active:
+                if _recording(health):
                     with torch.no_grad():
                         health._record_mhc(out[1], _idx)
                 return out
@@ -135,7 +149,7 @@ class HCHealth:
             mlp_idx = 2 * layer + 1  # the window's one H_res sits on this layer's MLP sublayer
 
             def mlp_read(state, _orig=orig, _mod=mod, _idx=mlp_idx):
-                if health.active:
+                if _recording(health):
                     with torch.no_grad():
                         health._record_flash(_mod, state, _idx)
                 return _orig(state)
@@ -159,10 +173,9 @@ class HCHealth:
         from xhc.router import effective_mixing
 
         acc = self._acc(idx)
-        d = mod.diagnostics(ctx)
-        acc.add_load(d["router_load"])
+        acc.add_load(_router_load(ctx.I, self.n))
         if ctx.H_res is not None:
-            acc.add_dist(float(d["h_res_identity_distance"]))
+            acc.add_dist(_identity_distance(ctx.H_res))
             acc.add_H(effective_mixing(ctx.I, ctx.H_res.float(), self.n))
         else:
             acc.add_dist(0.0)

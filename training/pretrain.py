@@ -171,8 +171,8 @@ class Trainer:
         if not self.cuda and cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         try:
-            self.preset = load_preset(cfg.model.preset, backbone_overrides=cfg.model.backbone or None,
-                                      hc_overrides=cfg.model.hc or None)
+            self.preset = load_preset(cfg.model.preset, backbone_overrides=cfg.model.backbone_overrides(),
+                                      hc_overrides=cfg.model.hc_overrides())
         except ZooError as e:
             raise ConfigError(f"config key model.preset: {e}") from None
         p = cfg.parallel
@@ -681,7 +681,7 @@ class Trainer:
             for c in self.chunks:
                 c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        interval = self.cfg.logging.hc_health_interval
+        interval = self.cfg.logging.hc_health_every
         health_now = bool(interval) and (self.step + 1) % interval == 0 and self.health.num_wrapped > 0
         with self.health.recording() if health_now else contextlib.nullcontext():
             total, count = self.forward_backward(iterators)

@@ -48,6 +48,7 @@ PRESETS = ("spec", "peft_paper")
 ROUTERS = ("sigmoid", "softmax")
 SINKHORN_ORDERS = ("row_last", "col_last")
 CONV_DOC_RESET = ("auto", "always", "never")
+KERNEL_BACKENDS = ("auto", "eager", "compile", "triton")
 
 
 class HCConfigError(ValueError):
@@ -133,6 +134,13 @@ class HCConfig:
     attn_temporal: bool = False
     """Temporal augmentation after attention too (ablation; the paper found it hurts)."""
 
+    # ---- kernels (docs/kernels.md) ----------------------------------------------------------
+    kernels: str = "auto"
+    """Backend of the fused HC ops: ``eager`` (readable torch reference), ``compile`` (the same
+    fused functions, meant to run under ``torch.compile``), ``triton`` (GPU kernels), or ``auto``
+    (triton on CUDA when Triton imports, else compile).  Resolved per device by
+    :func:`xhc.kernels.resolve_backend`."""
+
     def __post_init__(self):
         if isinstance(self.kernel_sizes, list):
             self.kernel_sizes = tuple(self.kernel_sizes)
@@ -181,6 +189,8 @@ class HCConfig:
             raise _err("res_logit_dropout", self.res_logit_dropout, "must lie in [0, 1)")
         if self.preset not in PRESETS:
             raise _err("preset", self.preset, f"allowed values are {', '.join(PRESETS)}")
+        if self.kernels not in KERNEL_BACKENDS:
+            raise _err("kernels", self.kernels, f"allowed values are {', '.join(KERNEL_BACKENDS)}")
         if self.reduction not in REDUCTIONS:
             raise _err("reduction", self.reduction, f"allowed values are {', '.join(REDUCTIONS)}")
         if self.variant in XHC_FAMILY:

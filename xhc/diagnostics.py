@@ -165,11 +165,15 @@ def amax_gain(H_list: Sequence[torch.Tensor]) -> AmaxGain:
     return AmaxGain(float(P.abs().sum(-1).max()), float(P.abs().sum(-2).max()))
 
 
+def identity_distance_tensor(H: torch.Tensor) -> torch.Tensor:
+    """Mean Frobenius distance ‖H − I‖_F over the batch, as a 0-d tensor on H's device (no host sync)."""
+    eye = torch.eye(H.shape[-1], dtype=H.dtype, device=H.device)
+    return (H - eye).pow(2).sum((-1, -2)).sqrt().mean()
+
+
 def identity_distance(H: torch.Tensor) -> float:
     """Mean Frobenius distance ‖H − I‖_F over the batch (logging: how far mixing is from identity)."""
-    n = H.shape[-1]
-    eye = torch.eye(n, dtype=H.dtype, device=H.device)
-    return float((H - eye).pow(2).sum((-1, -2)).sqrt().mean())
+    return float(identity_distance_tensor(H))
 
 
 def stream_divergence(X: torch.Tensor) -> float:

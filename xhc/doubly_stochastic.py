@@ -46,27 +46,61 @@ def _sinkhorn_iterations(Z: torch.Tensor, t_max: int, eps: float, order: str) ->
     return M
 
 
-class _SinkhornRecompute(torch.autograd.Function):
-    """Sinkhorn that saves only the logits and recomputes the iterations in backward.
+def _sinkhorn_steps(Z: torch.Tensor, t_max: int, order: str):
+    """The normalisation axes of the reference loop, in order (-1: T_r, -2: T_c)."""
+    if order == "row_last":
+        return [-1] + [-2, -1] * t_max
+    return [-1, -2] * t_max
 
-    Memory is O(n²) per token instead of O(t_max · n²): needed at N = 16 (spec §1.4).
+
+def sinkhorn_backward(Z: torch.Tensor, grad_out: torch.Tensor, t_max: int, eps: float, order: str) -> torch.Tensor:
+    """Hand-written adjoint of :func:`_sinkhorn_iterations` (docs/math.md §1.4): dL/dZ from dL/dH.
+
+    Recomputes the iterations keeping only each step's denominators s_k (``[..., n]``, not the
+    matrices), then walks back.  One step M' = M / d, d = max(s, ε), s = Σ_axis M:
+
+        dM = (G' − [s ≥ ε] · Σ_axis(G' ⊙ M')) / d,      M = M' ⊙ d  (rebuilt, not stored)
+
+    and the entry M_0 = exp(Z − max_row Z): dZ = G_0 ⊙ M_0, minus the row sum of that on the row
+    maxima (shared equally among ties, as autograd's ``amax``).  Same values as autograd through
+    the unrolled loop up to rounding; no autograd inside.  ``Z``, ``grad_out``: ``[..., n, n]``.
+    """
+    Z = fp32(Z)
+    G = grad_out.to(Z.dtype)
+    zmax = Z.amax(-1, keepdim=True)
+    M0 = torch.exp(Z - zmax)
+    M, sums = M0, []
+    for axis in _sinkhorn_steps(Z, t_max, order):
+        s = M.sum(axis, keepdim=True)
+        sums.append(s)
+        M = M / s.clamp_min(eps)
+    for axis, s in zip(reversed(_sinkhorn_steps(Z, t_max, order)), reversed(sums)):
+        d = s.clamp_min(eps)
+        dot = (G * M).sum(axis, keepdim=True)
+        G = (G - dot * (s >= eps).to(G.dtype)) / d
+        M = M * d
+    dZ = G * M0
+    at_max = (Z == zmax).to(Z.dtype)
+    return dZ - at_max * (dZ.sum(-1, keepdim=True) / at_max.sum(-1, keepdim=True))
+
+
+class _SinkhornRecompute(torch.autograd.Function):
+    """Sinkhorn as one op that saves only the logits; backward by :func:`sinkhorn_backward`.
+
+    Memory is O(n²) per token instead of O(t_max · n²): needed at N = 16 (spec §1.4).  No
+    autograd call inside backward, so ``torch.compile(fullgraph=True)`` traces it whole.
     """
 
     @staticmethod
     def forward(ctx, Z, t_max, eps, order):
         ctx.save_for_backward(Z)
         ctx.cfg = (t_max, eps, order)
-        with torch.no_grad():
-            return _sinkhorn_iterations(Z, t_max, eps, order)
+        return _sinkhorn_iterations(Z, t_max, eps, order)
 
     @staticmethod
     def backward(ctx, grad_out):
         (Z,) = ctx.saved_tensors
-        with torch.enable_grad():
-            Zr = Z.detach().requires_grad_(True)
-            M = _sinkhorn_iterations(Zr, *ctx.cfg)
-            (grad_Z,) = torch.autograd.grad(M, Zr, grad_out)
-        return grad_Z, None, None, None
+        return sinkhorn_backward(Z, grad_out, *ctx.cfg), None, None, None
 
 
 def sinkhorn(

@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from xhc import kernels
 from xhc.config import HCConfig
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import StreamRouter
@@ -66,7 +67,9 @@ from xhc.xhc import (
     PostMapping,
     ReadMapping,
     ResMapping,
+    active_mappings,
     check_xhc_config,
+    default_fused,
     entry_mappings,
     gather_active,
     make_temporal,
@@ -129,17 +132,32 @@ def carried_write(
     V: torch.Tensor,
     res: Optional[ResMapping] = None,
     eps: float = 1e-6,
+    fused: bool = False,
+    backend: str = "eager",
+    X0: Optional[torch.Tensor] = None,
+    I: Optional[torch.Tensor] = None,
 ):
     """One window sublayer's write on the carried active streams (spec §4.1, §4.2 "Writes").
 
     H_post (and H_res when ``res`` is given) come from RMSNorm(vec X_a) of the *current* X_a
-    (spec §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.
-    ``Xa``: ``[..., k, C]``  ->  (new X_a fp32 ``[..., k, C]``, H_res or None, H_post).
+    (spec §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.  ``fused``: the res/post projections in
+    one GEMM with the norm after it; a non-eager ``backend`` runs the write as one op
+    (:func:`xhc.kernels.write`).
+    ``Xa``: ``[..., k, C]``  ->  (new X_a ``[..., k, C]``, H_res or None, H_post); new X_a is fp32 on
+    ``eager`` and in X_a's dtype otherwise.  With ``X0`` and ``I`` the new X_a is scattered into
+    X0 (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
     """
-    xa_hat = rms_norm_flat(Xa.flatten(-2), eps)
-    H_res = res(xa_hat) if res is not None else None
-    H_post = post(xa_hat)
-    return sparse_write(Xa, H_res, p, H_post, V), H_res, H_post
+    H_res, H_post = active_mappings(Xa, [res, post], eps, fused)
+    if backend == "eager":
+        new = sparse_write(Xa, H_res, p, H_post, V)
+        return (new if X0 is None else scatter_active(X0, I, new)), H_res, H_post
+    P = p.unsqueeze(-1) * H_post
+    out_dtype = Xa.dtype if X0 is None else X0.dtype
+    return kernels.write(X0, I, Xa, H_res, P, V, out_dtype, backend=backend), H_res, H_post
+
+
+def _backend(module: nn.Module, X: torch.Tensor) -> str:
+    return kernels.resolve_backend(module.cfg.kernels, X.device)
 
 
 def _check_stage(state, expected, what: str) -> None:
@@ -194,11 +212,11 @@ class XHCFlashLayer(_WindowPart):
         fused: router and both pre-projections in one GEMM (:func:`~xhc.xhc.fused_entry_projections`).
     """
 
-    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
         check_xhc_config(cfg, ("xhc_flash", "xhc_flash4"))
         self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
-        self.layer_index, self.fused = layer_index, fused
+        self.layer_index, self.fused = layer_index, default_fused(cfg, fused)
         self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
         C, k = hidden_size, cfg.k
         read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
@@ -222,8 +240,9 @@ class XHCFlashLayer(_WindowPart):
         routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
                                               self.fused)
         h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
-        return FlashState(X0, routing.I, routing.p, routing.score, h, base_readouts(h, X0),
-                          gather_active(X0, routing.I))
+        backend = _backend(self, X0)
+        inp = base_readouts(h, X0) if backend == "eager" else kernels.read(h, X0, fp32(h).dtype, backend=backend)
+        return FlashState(X0, routing.I, routing.p, routing.score, h, inp, gather_active(X0, routing.I))
 
     def attn_read(self, state: FlashState) -> torch.Tensor:
         """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
@@ -234,7 +253,8 @@ class XHCFlashLayer(_WindowPart):
         """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (spec §4.1 attention sublayer)."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
         V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
-        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps)
+        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps, self.fused,
+                                      _backend(self, state.X0))
         return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done")
 
     def mlp_read(self, state: FlashState) -> torch.Tensor:
@@ -248,8 +268,9 @@ class XHCFlashLayer(_WindowPart):
         """X_a^(M) = H_res^M·X_a^(A) + diag(p)·H_post^M·V, scattered into X^(0): X^(1) ``[..., N, C]``."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_write")
         V = write_components(y, self.temporal_M, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
-        Xa, _, _ = carried_write(state.Xa, state.p, self.post_M, V, self.res_M, self.cfg.norm_eps)
-        return scatter_active(state.X0, state.I, Xa)
+        X1, _, _ = carried_write(state.Xa, state.p, self.post_M, V, self.res_M, self.cfg.norm_eps, self.fused,
+                                 _backend(self, state.X0), state.X0, state.I)
+        return X1
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
         """Convenience: the whole window with branch callables ``attn(u)``, ``mlp(u)`` -> X^(1)."""
@@ -299,6 +320,7 @@ class Flash4State:
     base: torch.Tensor  # [..., 4, C] fp32: base_t = Σ_{i∉I} h^t_i X^(0)_i
     Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
     step: int = 0
+    backend: str = "eager"  # resolved kernel backend (xhc.kernels.resolve_backend)
 
     @property
     def stage(self) -> str:
@@ -312,18 +334,27 @@ def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
             f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
         )
-    u = split_read(state.base[..., t, :], state.h_active[..., t, :], state.Xa)
+    h_a = state.h_active[..., t, :]
+    if state.backend == "eager":
+        return split_read(state.base[..., t, :], h_a, state.Xa).to(state.X0.dtype)
+    u = state.base[..., t, :] + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
     return u.to(state.X0.dtype)
 
 
-def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCConfig, seq) -> Flash4State:
+def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCConfig, seq, fused: bool,
+                  scatter: bool = False):
+    """Sublayer ``t``'s write; ``scatter`` (M2): the window exit X' ``[..., N, C]`` instead of a state."""
     if state.step != t:
         raise RuntimeError(
             f"Flash-4sub write of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
         )
     V = write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq)
-    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps)
+    backend = kernels.resolve_backend(cfg.kernels, state.X0.device)
+    if scatter:
+        X, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, state.X0, state.I)
+        return X
+    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend)
     return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1)
 
 
@@ -334,11 +365,11 @@ class Flash4FirstLayer(_WindowPart):
     and M1's temporal convs.  ``layer_index``: the global index 2g of this layer.
     """
 
-    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
         check_xhc_config(cfg, ("xhc_flash4",))
         self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
-        self.layer_index, self.fused = layer_index, fused
+        self.layer_index, self.fused = layer_index, default_fused(cfg, fused)
         self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
         C, k = hidden_size, cfg.k
         read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
@@ -359,22 +390,28 @@ class Flash4FirstLayer(_WindowPart):
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I
         h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]
-        return Flash4State(X0, I, routing.p, routing.score, h, h_active, nonactive_base(h, X0, I),
-                           gather_active(X0, I))
+        backend = _backend(self, X0)
+        if backend == "eager":
+            base = nonactive_base(h, X0, I)
+        else:  # Σ_{i∉I} h_i X_i as one read with the active weights zeroed
+            h_inactive = h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
+            base = kernels.read(h_inactive, X0, fp32(h).dtype, backend=backend)
+        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, gather_active(X0, I),
+                           backend=backend)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 0)
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A1: X_a ← X_a + diag(p)·H_post^{A1}·V."""
-        return _flash4_write(state, 0, y, self.post_A1, self.temporal_A1, None, self.cfg, seq)
+        return _flash4_write(state, 0, y, self.post_A1, self.temporal_A1, None, self.cfg, seq, self.fused)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 1)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """M1: X_a ← X_a + diag(p)·H_post^{M1}·V (no H_res); returns the state for layer 2g+1."""
-        return _flash4_write(state, 1, y, self.post_M1, self.temporal_M1, None, self.cfg, seq)
+        return _flash4_write(state, 1, y, self.post_M1, self.temporal_M1, None, self.cfg, seq, self.fused)
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> Flash4State:
         """Convenience: begin, A1, M1 -> the state to hand to layer 2g+1."""
@@ -397,6 +434,7 @@ class Flash4SecondLayer(_WindowPart):
         super().__init__()
         check_xhc_config(cfg, ("xhc_flash4",))
         self.cfg, self.n, self.k, self.hidden_size, self.layer_index = cfg, cfg.n, cfg.k, hidden_size, layer_index
+        self.fused = default_fused(cfg, None)
         self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
         C, k = hidden_size, cfg.k
         self.post_A2 = PostMapping(k, self.K_A, C, cfg.gate_init, cfg.ablate_post)
@@ -411,15 +449,15 @@ class Flash4SecondLayer(_WindowPart):
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A2: X_a ← X_a + diag(p)·H_post^{A2}·V."""
-        return _flash4_write(state, 2, y, self.post_A2, self.temporal_A2, None, self.cfg, seq)
+        return _flash4_write(state, 2, y, self.post_A2, self.temporal_A2, None, self.cfg, seq, self.fused)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 3)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> torch.Tensor:
         """M2: X_a ← H_res^{M2}·X_a + diag(p)·H_post^{M2}·V, then the window's only scatter -> X ``[..., N, C]``."""
-        st = _flash4_write(state, 3, y, self.post_M2, self.temporal_M2, self.res_M2, self.cfg, seq)
-        return scatter_active(st.X0, st.I, st.Xa)
+        return _flash4_write(state, 3, y, self.post_M2, self.temporal_M2, self.res_M2, self.cfg, seq, self.fused,
+                             scatter=True)
 
     def forward(self, state: Flash4State, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
         """Convenience: A2, M2 on the state from layer 2g -> the window's exit state."""
@@ -446,7 +484,7 @@ class Flash4Window(_WindowPart):
     gives each layer its half and carries the :class:`Flash4State` between the two layer calls.
     """
 
-    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: bool = False):
+    def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
         self.first = Flash4FirstLayer(cfg, hidden_size, layer_index, fused)
         self.second = Flash4SecondLayer(cfg, hidden_size, layer_index + 1)

@@ -32,9 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from xhc import kernels
 from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
 from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix, sinkhorn
-from xhc.norms import fp32, layer_norm_streams, rms_norm_flat
+from xhc.norms import fp32, layer_norm_streams
 
 PEFT_READ_LOGIT = 8.0  # [PEFT] one-hot read-in bias (spec §2.g)
 PEFT_PERM_LOGIT = -12.0  # [PEFT] lite/Krom non-identity logit
@@ -167,6 +168,17 @@ def hc_dynamic_coefficients(
     if w_post is not None:
         h_post = h_post + s_beta * act(Xbar @ fp32(w_post))
     return h_pre, H_res, h_post
+
+
+def mixing_sinkhorn(Z: torch.Tensor, cfg: HCConfig, backend: str) -> torch.Tensor:
+    """Sinkhorn of the residual logits ``Z`` ``[..., n, n]`` with the config's settings (§1.4).
+
+    ``eager`` follows ``cfg.sinkhorn_recompute`` (unrolled autograd or the recompute op); the fused
+    backends always use the one-op Sinkhorn (:func:`xhc.kernels.sinkhorn`).
+    """
+    if backend == "eager":
+        return sinkhorn(Z, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order, recompute=cfg.sinkhorn_recompute)
+    return kernels.sinkhorn(Z, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order, backend=backend)
 
 
 # ================================================================================================
@@ -344,12 +356,11 @@ class HyperConnection(nn.Module):
         if not self.cfg.dynamic:
             batch = X.shape[:-2]
             return [None if b is None else fp32(b).expand(*batch, b.shape[0]) for b, _ in groups]
-        x_hat = rms_norm_flat(X.flatten(-2), self.cfg.norm_eps)  # [..., N·C]
-        if self.norm_weight is not None:
-            x_hat = x_hat * fp32(self.norm_weight)
         present = [(b, getattr(self, f"W_{g}"), getattr(self, f"alpha_{g}")) for b, g in groups if b is not None]
         W = torch.cat([w for _, w, _ in present], 0)
-        proj = F.linear(x_hat, fp32(W))  # one GEMM for all groups: [..., d_total]
+        # one GEMM for all groups, [..., d_total]; fused backends apply the norm after it (§1.5)
+        proj = kernels.norm_linear(X.flatten(-2), W, self.cfg.norm_eps, "rms", self.norm_weight,
+                                   backend=self.backend(X))
         out, start = [], 0
         it = iter(present)
         for b, _ in groups:
@@ -361,16 +372,17 @@ class HyperConnection(nn.Module):
             start += w.shape[0]
         return out
 
+    def backend(self, X: torch.Tensor) -> str:
+        """The resolved kernel backend for tensors like ``X`` (:func:`xhc.kernels.resolve_backend`)."""
+        return kernels.resolve_backend(self.cfg.kernels, X.device)
+
     def mixing(self, z_res: torch.Tensor) -> torch.Tensor:
         """H_res = Φ(z_res) (spec §2.0 table), optional residual-logit dropout, optional row clamp."""
         cfg, n = self.cfg, self.n
         if self.training and cfg.res_logit_dropout > 0:
             z_res = _residual_logit_dropout(z_res, cfg.res_logit_dropout, cfg.variant, n)
         if cfg.variant == "mhc":
-            H = sinkhorn(
-                z_res.unflatten(-1, (n, n)), cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order,
-                recompute=cfg.sinkhorn_recompute,
-            )
+            H = mixing_sinkhorn(z_res.unflatten(-1, (n, n)), cfg, self.backend(z_res))
             return clamp_rows(H) if cfg.row_sum_clamp else H
         if cfg.variant == "mhc_lite":
             return mhc_lite_mix(z_res, n)
@@ -406,7 +418,9 @@ class HyperConnection(nn.Module):
         """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""
         h_pre, h_post, H_res = self.coefficients(X)
         h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, dtype=fp32(X).dtype, device=X.device)
-        return read_streams(h_read, X), HCContext(h_pre, h_post, H_res)
+        backend = self.backend(X)
+        u = read_streams(h_read, X) if backend == "eager" else kernels.read(h_read, X, X.dtype, backend=backend)
+        return u, HCContext(h_pre, h_post, H_res)
 
     def write(self, X: torch.Tensor, y: torch.Tensor, ctx: HCContext, seq=None) -> torch.Tensor:
         """``X``: ``[..., N, C]``, branch output ``y``: ``[..., C]`` -> X' ``[..., N, C]``.
@@ -414,7 +428,10 @@ class HyperConnection(nn.Module):
         ``seq`` is accepted for interface parity with xHC (the mHC family is per token).
         """
         h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], dtype=fp32(X).dtype, device=X.device)
-        return write_streams(X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2))
+        backend = self.backend(X)
+        if backend == "eager":
+            return write_streams(X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2))
+        return kernels.write(None, None, X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2), X.dtype, backend=backend)
 
     def forward(self, X: torch.Tensor, branch) -> torch.Tensor:
         """Convenience: ``write(X, branch(u), ctx)`` with ``u, ctx = read(X)``."""

@@ -270,6 +270,15 @@ def _stack_kernels(weights: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
     return torch.stack([F.pad(w.to(dtype), (0, 0, 0, kmax - w.shape[0])) for w in weights])
 
 
+def _segment_offsets(lengths: Sequence[int], H: int) -> List[int]:
+    """Start of each segment's conv output (= its first row in xpad minus H): segments are laid
+    out as [halo_1 (H rows), seg_1, halo_2, seg_2, …]."""
+    offs = [0]
+    for n in lengths[:-1]:
+        offs.append(offs[-1] + H + n)
+    return offs
+
+
 def _temporal_conv(
     y: Tensor,
     weights: Sequence[Tensor],
@@ -302,13 +311,19 @@ def _temporal_conv(
     weight = W.flip(1).permute(2, 0, 1).reshape(C * r, 1, kmax)
     out = F.conv1d(xpad.permute(1, 2, 0), weight, groups=C)  # [b, C·r, L − H]; out[o] ends at row o+H
     if len(lengths) > 1:
-        offs = [0]
-        for n in lengths[:-1]:
-            offs.append(offs[-1] + H + n)
+        offs = _segment_offsets(lengths, H)
         out = torch.cat([out[..., o : o + n] for o, n in zip(offs, lengths)], -1)
     G = out.view(b, C, r, s).permute(3, 0, 2, 1)  # [s, b, r, C]
 
-    if pos_in_doc is not None and H > 0:
+    if pos_in_doc is not None and H > 0 and torch.compiler.is_compiling():
+        # Same resets without data-dependent shapes (torch.compile, fullgraph): subtract every
+        # dropped tap, G[t] −= Σ_{i > pos_in_doc[t]} w_i ⊙ y[t−i], as H masked dense passes.
+        row = torch.cat([torch.arange(n, device=y.device) + (o + H) for o, n in
+                         zip(_segment_offsets(lengths, H), lengths)])  # row of y[t] inside xpad
+        for i in range(1, kmax):
+            drop = (pos_in_doc < i).to(y.dtype)[:, :, None, None]  # [s, b, 1, 1]
+            G = G - drop * (W[:, i, :] * xpad[row - i][:, :, None, :])
+    elif pos_in_doc is not None and H > 0:
         # Document resets: only tokens with pos_in_doc < H have a tap to drop; recompute those
         # exactly (tap i kept iff pos_in_doc[t] ≥ i) and overwrite the conv output there.
         t_idx, b_idx = (pos_in_doc < H).nonzero(as_tuple=True)

@@ -65,9 +65,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from xhc import kernels
 from xhc.config import HCConfig, HCConfigError
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
-from xhc.hyper_connection import dynamic_logits, near_one_hot_read_bias, uniform_read_bias
+from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
+from xhc.kernels.torch_ops import flat_moments, layer_scale, rms_scale
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
@@ -117,6 +119,11 @@ def res_weights(
     """
     z = dynamic_logits(xa_hat, W_res, fp32(alpha_res), fp32(b_res)).unflatten(-1, (k, k))
     return clamp_rows(sinkhorn(z, t_max, eps, order, recompute=recompute))
+
+
+def res_weights_from_logits(z: torch.Tensor, cfg: HCConfig, backend: str) -> torch.Tensor:
+    """H_res = clamp_rows(Sinkhorn(z)) for logits ``z`` ``[..., k, k]`` on the given kernel backend."""
+    return clamp_rows(mixing_sinkhorn(z, cfg, backend))
 
 
 def post_weights_active(
@@ -191,20 +198,44 @@ def fused_entry_projections(
     x = fp32(x)
     Ws = ([W_router] if W_router is not None else []) + list(W_pres)
     proj = F.linear(x, torch.cat([fp32(W) for W in Ws], 0))
-    mu = x.mean(-1, keepdim=True)
-    nu = x.pow(2).mean(-1, keepdim=True)
+    mu, nu = flat_moments(x)  # norm statistics once per token
     start, z_router = 0, None
     if W_router is not None:
         n = W_router.shape[0]
         col_sum = fp32(W_router).sum(-1)  # 1ᵀ W_r (spec layout) = row sums of the [N, N·C] weight
-        z_router = (proj[..., :n] - mu * col_sum) * torch.rsqrt((nu - mu * mu).clamp_min(0.0) + eps)
+        z_router = (proj[..., :n] - mu * col_sum) * layer_scale(mu, nu, eps)
         start = n
-    r = torch.rsqrt(nu + eps)
+    r = rms_scale(nu, eps)
     outs = []
     for W in W_pres:
         outs.append(proj[..., start : start + W.shape[0]] * r)
         start += W.shape[0]
     return z_router, outs
+
+
+def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: float = 1e-6,
+                    fused: bool = False):
+    """The mappings generated from the active state, [m(RMSNorm(vec X_a)) for m in maps] (docs/math.md §3.4);
+    ``None`` entries stay ``None``.  ``fused``: one GEMM on vec(X_a) for every map's projection with
+    the RMSNorm applied after it (:func:`xhc.kernels.norm_linear`, docs/math.md §1.5).
+
+    ``Xa``: ``[..., k, C]``; maps: :class:`ResMapping` / :class:`PostMapping` / :class:`ReadMapping`.
+    """
+    x = Xa.flatten(-2)
+    Ws = [m.weight for m in maps if m is not None and m.weight is not None]
+    if not fused or not Ws:
+        x_hat = rms_norm_flat(x, eps)
+        return [None if m is None else m(x_hat) for m in maps]
+    proj = kernels.norm_linear(x, torch.cat(Ws, 0), eps, "rms")
+    out, start = [], 0
+    for m in maps:
+        if m is None or m.weight is None:
+            out.append(None if m is None else m(x))
+            continue
+        d = m.weight.shape[0]
+        out.append(m(x, proj[..., start : start + d]))
+        start += d
+    return out
 
 
 def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["ReadMapping"], eps: float = 1e-6,
@@ -295,11 +326,18 @@ class ResMapping(nn.Module):
         self.alpha.fill_(self.cfg.gate_init)
         self.bias.copy_((self.cfg.res_offdiag_init * (1.0 - torch.eye(self.k))).flatten())
 
-    def forward(self, xa_hat: torch.Tensor) -> torch.Tensor:
-        """``xa_hat``: ``[..., k·C]`` -> H_res ``[..., k, k]``."""
+    def forward(self, xa_hat: torch.Tensor, proj: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xa_hat``: ``[..., k·C]`` -> H_res ``[..., k, k]``.  ``proj`` = x̂_a W_res from a fused GEMM
+        (then ``xa_hat`` only lends its device); the fused backends run the one-op Sinkhorn."""
         c = self.cfg
-        return res_weights(xa_hat, self.weight, self.bias, self.alpha, self.k, c.sinkhorn_iters,
-                           c.sinkhorn_eps, c.sinkhorn_order, c.sinkhorn_recompute)
+        backend = kernels.resolve_backend(c.kernels, xa_hat.device)
+        if proj is None and backend == "eager":
+            return res_weights(xa_hat, self.weight, self.bias, self.alpha, self.k, c.sinkhorn_iters,
+                               c.sinkhorn_eps, c.sinkhorn_order, c.sinkhorn_recompute)
+        if proj is None:
+            proj = F.linear(xa_hat, fp32(self.weight))
+        z = (fp32(self.alpha) * proj + fp32(self.bias)).unflatten(-1, (self.k, self.k))
+        return res_weights_from_logits(z, c, backend)
 
 
 class PostMapping(nn.Module):
@@ -326,11 +364,13 @@ class PostMapping(nn.Module):
             self.bias.zero_()
             self.alpha.fill_(self.gate_init)
 
-    def forward(self, xa_hat: torch.Tensor) -> torch.Tensor:
-        """``xa_hat``: ``[..., k·C]`` -> H_post ``[..., k, K]``."""
+    def forward(self, xa_hat: torch.Tensor, proj: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``xa_hat``: ``[..., k·C]`` -> H_post ``[..., k, K]``; ``proj`` = x̂_a W_post from a fused GEMM."""
         if self.weight is None:
             return torch.ones(*xa_hat.shape[:-1], self.k, self.K, dtype=fp32(xa_hat).dtype, device=xa_hat.device)
-        return post_weights_active(xa_hat, self.weight, self.bias, self.alpha, self.k, self.K)
+        if proj is None:
+            return post_weights_active(xa_hat, self.weight, self.bias, self.alpha, self.k, self.K)
+        return (2.0 * torch.sigmoid(fp32(self.alpha) * proj + fp32(self.bias))).unflatten(-1, (self.k, self.K))
 
 
 def make_temporal(cfg: HCConfig, hidden_size: int, augmented: bool) -> Optional[nn.Module]:
@@ -345,6 +385,11 @@ def make_temporal(cfg: HCConfig, hidden_size: int, augmented: bool) -> Optional[
 def num_components(cfg: HCConfig, augmented: bool) -> int:
     """K: r + 1 on augmented sublayers (MLP, or attention with ``attn_temporal``), else 1 (spec §3.1)."""
     return len(cfg.kernel_sizes) + 1 if augmented else 1
+
+
+def default_fused(cfg: HCConfig, fused: Optional[bool]) -> bool:
+    """Fused coefficient generation unless asked otherwise: on for every backend but ``eager``."""
+    return cfg.kernels != "eager" if fused is None else bool(fused)
 
 
 def check_xhc_config(cfg: HCConfig, variants: Sequence[str]) -> None:
@@ -401,17 +446,21 @@ class XHCSublayer(nn.Module):
         layer_index: ℓ, the global 0-based sublayer index (attention of layer i is 2i, its MLP 2i+1);
             only used by ``read_init='one_hot'`` (hot stream ℓ mod n).  xHC's default read is uniform.
         fused: compute the router logits and the pre-projection with one GEMM on vec(X)
-            (:func:`fused_entry_projections`); same values within fp32 rounding.
+            (:func:`fused_entry_projections`), and the res/post projections with one GEMM on
+            vec(X_a) (:func:`active_mappings`), norms applied after the GEMMs; same values within
+            fp32 rounding.  Default (``None``): on unless ``cfg.kernels == 'eager'``.
 
     Parameters: see the module docstring table.  ``read(X)`` -> (u, :class:`XHCContext`);
     ``write(X, y, ctx, seq)`` -> X'.
     """
 
-    def __init__(self, cfg: HCConfig, hidden_size: int, is_mlp: bool, layer_index: int = 0, fused: bool = False):
+    def __init__(self, cfg: HCConfig, hidden_size: int, is_mlp: bool, layer_index: int = 0,
+                 fused: Optional[bool] = None):
         super().__init__()
         check_xhc_config(cfg, ("xhc",))
         self.cfg, self.n, self.k, self.m = cfg, cfg.n, cfg.k, cfg.m
-        self.hidden_size, self.is_mlp, self.layer_index, self.fused = hidden_size, is_mlp, layer_index, fused
+        self.hidden_size, self.is_mlp, self.layer_index = hidden_size, is_mlp, layer_index
+        self.fused = default_fused(cfg, fused)
         augmented = is_mlp or cfg.attn_temporal
         self.K = num_components(cfg, augmented)
         self.router = StreamRouter(cfg.n, hidden_size, cfg.k, cfg.m, cfg.router, cfg.norm_eps)
@@ -444,17 +493,13 @@ class XHCSublayer(nn.Module):
         dense = cfg.dense_read
         routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused)
         Xa = gather_active(X, routing.I)  # [..., k, C]
-        xa_hat = rms_norm_flat(Xa.flatten(-2), cfg.norm_eps)  # [..., k·C]
-        H_res = self.res(xa_hat) if self.res is not None else None
-        H_post = self.post(xa_hat)
-        if dense:
-            h_pre = h_pres[0]
-            u = dense_read(h_pre, X)
-        else:  # ablation: read only the k active streams, weights from the active state
-            h_pre = self.pre(xa_hat)
-            u = dense_read(h_pre, Xa)
+        H_res, H_post, h_pre_a = active_mappings(Xa, [self.res, self.post, None if dense else self.pre],
+                                                 cfg.norm_eps, self.fused)
+        backend = kernels.resolve_backend(cfg.kernels, X.device)
+        h_pre, src = (h_pres[0], X) if dense else (h_pre_a, Xa)  # ablation: read only the k active streams
+        u = dense_read(h_pre, src).to(X.dtype) if backend == "eager" else kernels.read(h_pre, src, X.dtype, backend)
         ctx = XHCContext(routing.I, routing.p, routing.score, h_pre, Xa, H_res, H_post)
-        return u.to(X.dtype), ctx
+        return u, ctx
 
     def components(self, y: torch.Tensor, seq=None) -> torch.Tensor:
         """V ``[..., K, C]`` fp32 from the branch output ``y`` (spec §3.2–§3.3)."""
@@ -467,8 +512,10 @@ class XHCSublayer(nn.Module):
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.
         """
         V = self.components(y, seq)
-        Xa_new = sparse_write(ctx.Xa, ctx.H_res, ctx.p, ctx.H_post, V)
-        return scatter_active(X, ctx.I, Xa_new)
+        backend = kernels.resolve_backend(self.cfg.kernels, X.device)
+        if backend == "eager":
+            return scatter_active(X, ctx.I, sparse_write(ctx.Xa, ctx.H_res, ctx.p, ctx.H_post, V))
+        return kernels.write(X, ctx.I, ctx.Xa, ctx.H_res, ctx.p.unsqueeze(-1) * ctx.H_post, V, X.dtype, backend)
 
     def forward(self, X: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], seq=None) -> torch.Tensor:
         """Convenience: ``write(X, branch(u), ctx, seq)`` with ``u, ctx = read(X)``."""

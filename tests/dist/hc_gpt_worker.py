@@ -75,6 +75,9 @@ def _imports():
 
 
 def _hc(variant, **kw):
+    # XHC_TEST_HC_KERNELS=compile|eager|...: run every mode on that HC kernel backend (HCConfig.kernels)
+    if os.environ.get("XHC_TEST_HC_KERNELS"):
+        kw.setdefault("kernels", os.environ["XHC_TEST_HC_KERNELS"])
     return HCConfig(variant=variant, **({**XHC, **kw} if variant.startswith("xhc") else {"n": 4, **kw}))
 
 

@@ -1,0 +1,543 @@
+"""Hyper-connection kernels side by side: bytes moved, bytes saved for backward, time (docs/kernels-bench.md).
+
+Run::
+
+    python -m bench.hc_kernels                                   # CPU, fp32, C = 1024 and 2048, every variant/backend
+    python -m bench.hc_kernels --device cpu --tokens 512 --backends eager,compile
+    python -m bench.hc_kernels --device cuda --dtype bf16 --hidden 2048 --tokens 8192   # the GPU check
+    python -m bench.hc_kernels --json runs/hc_kernels.json
+
+Per variant (vanilla residual, mHC N=4, xHC N=16 attention and MLP sublayer, xHC-Flash, Flash-4sub)
+and per kernel backend (``HCConfig.kernels``: eager, compile, triton), one *unit* is timed and
+counted: the HC read and write of one sublayer (mHC, xHC), one layer (Flash: begin, two reads, two
+writes) or one two-layer window (Flash-4sub), driven with fixed branch outputs ``y`` (the branch
+itself is not part of the measurement).  Every number is divided by the tokens and by the
+sublayers of the unit (Flash 2, Flash-4sub 4), so the columns read "per token per sublayer".
+
+Columns
+-------
+``fwd`` / ``bwd``  bytes moved, in units of C elements of the state dtype (bytes / (C · itemsize)):
+    * eager / triton: a ``TorchDispatchMode`` adds up the input and output bytes of every aten op
+      that is not a view (views, ``detach`` and metadata ops move nothing; a broadcast input counts
+      its storage, not its logical size); Triton launches do not pass the dispatcher, so each
+      ``JITFunction`` launch adds the bytes of its tensor arguments.
+    * compile: the kernels inductor generated for the forward graph and for the backward graph,
+      each counted by inductor's own estimate (``GraphLowering.count_bytes``, summed into
+      ``torch._inductor.metrics.num_bytes_accessed``: per kernel the bytes of every buffer read or
+      written, the smaller of the buffer size and the indexed range), GEMMs and other extern
+      kernels included.
+``acct``  the designed forward traffic of ``xhc.accounting`` (``memory_traffic_per_sublayer`` /
+    ``memory_traffic_summary``, docs/math.md §5.3), elements in units of C.
+``saved``  bytes kept for backward per token per sublayer, in units of C of the state dtype: every
+    tensor handed to autograd's pack hook (``torch.autograd.graph.saved_tensors_hooks``) counted
+    once per storage; parameters and the branch outputs' own graph excluded, the unit's input state
+    and the ``y`` included (they are what an HC layer must keep).  ``floor`` = X + y = (N + 1)·C.
+``rc/flr``  the same count under HC recompute (``models.hc_layer.HCRecompute``, the unit as one
+    region: it keeps the entry state and the y's; Flash windows keep one state for 2 or 4 sublayers).
+``ms`` / ``vs vanilla``  median wall time of forward + backward of the unit per sublayer, and its
+    ratio to the vanilla residual add (``x + y`` and its backward).
+
+Targets of the fused path (docs/kernels-bench.md): fwd ≤ 1.5 × acct, bwd ≤ 2 × fwd, saved ≤ 1.5 × floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+VARIANTS = ("vanilla", "mhc", "xhc-attn", "xhc-mlp", "flash", "flash4")
+BACKENDS = ("eager", "compile", "triton")
+
+
+# ================================================================================================
+# Byte counters
+# ================================================================================================
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an op touches in ``t``: its logical size, capped by its storage (a broadcast/expanded
+    view reads the storage once)."""
+    logical = t.numel() * t.element_size()
+    try:
+        return min(logical, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (fake/meta)
+        return logical
+
+
+_NO_TRAFFIC = {"detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_like", "empty_strided",
+               "new_empty", "new_empty_strided", "set_", "resize_", "_local_scalar_dense", "sym_size",
+               "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+
+
+def _leaves(obj) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            out.extend(_leaves(o))
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            out.extend(_leaves(o))
+    return out
+
+
+class ByteCounter(TorchDispatchMode):
+    """Sum of input + output bytes of every non-view aten op run under it (``.bytes``; ``.ops`` counts
+    the ops, ``.by_op`` the bytes per op name).  View ops (``OpOverload.is_view``), ``detach`` and
+    allocation/metadata ops count nothing; an in-place op counts its operands read and its result written.
+
+    >>> with ByteCounter() as bc:
+    ...     z = x + y            # counts x, y and z
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.ops = 0
+        self.by_op: Dict[str, int] = {}
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.ops += 1
+        self.by_op[name] = self.by_op.get(name, 0) + nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if getattr(func, "is_view", False) or name in _NO_TRAFFIC:
+            return out
+        nbytes = sum(tensor_bytes(t) for t in _leaves(args) + _leaves(kwargs))
+        nbytes += sum(tensor_bytes(t) for t in _leaves(out))
+        self.add(name, nbytes)
+        return out
+
+
+@contextlib.contextmanager
+def count_triton_launches(counter: ByteCounter):
+    """Add the tensor-argument bytes of every ``triton.jit`` kernel launch to ``counter`` (Triton
+    kernels are launched outside the dispatcher).  A no-op without Triton."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except Exception:  # no triton
+        yield
+        return
+    orig = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        counter.add("triton:" + getattr(self, "__name__", "kernel"), sum(tensor_bytes(t) for t in ts))
+        return orig(self, *args, **kwargs)
+
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = orig
+
+
+class SavedCounter:
+    """Bytes of the tensors autograd saves for backward, each storage counted once.
+
+    ``exclude``: tensors whose storages are not activations (parameters).  Use as a context manager
+    around the forward; read ``.bytes`` (and ``.count``) afterwards.
+    """
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: Dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key not in self._exclude:
+            self._seen[key] = max(self._seen.get(key, 0), nbytes)
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    @property
+    def count(self) -> int:
+        return len(self._seen)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def inductor_bytes():
+    """Yield a callable returning the bytes inductor has counted for the graphs compiled so far in
+    this context (``torch._inductor.metrics.num_bytes_accessed``; needs the ``inductor_metrics`` log
+    artifact at INFO, switched on here and restored after)."""
+    from torch._inductor import metrics
+
+    log = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "inductor_metrics")
+    old_level, old_prop, old_disabled = log.level, log.propagate, log.disabled
+    log.setLevel(logging.INFO)
+    log.propagate = False  # count without printing the per-graph dicts
+    log.disabled = False
+    metrics.reset()
+    try:
+        yield lambda: metrics.num_bytes_accessed
+    finally:
+        log.setLevel(old_level)
+        log.propagate, log.disabled = old_prop, old_disabled
+
+
+# ================================================================================================
+# Units: the HC code of one sublayer / layer / window, driven with fixed branch outputs
+# ================================================================================================
+@dataclass
+class Unit:
+    """``step(X, ys) -> outputs``; gradients ``grads`` are fed to every output in backward."""
+
+    name: str
+    n: int                       # streams of the state (1 for vanilla)
+    sublayers: int               # sublayers the unit covers
+    modules: List[torch.nn.Module]
+    step: Callable
+    acct: float                  # accounted forward traffic per sublayer, units of C
+
+
+def hc_config(variant: str, kernels: str):
+    """The benchmark's HCConfig for a variant (the zoo presets' shapes: mHC N=4; xHC N=16, k=4, m=2)."""
+    from xhc.config import HCConfig
+
+    kw = {}
+    if "kernels" in HCConfig.__dataclass_fields__:
+        kw["kernels"] = kernels
+    if variant == "vanilla":
+        return HCConfig(variant="none", **kw)
+    if variant == "mhc":
+        return HCConfig(variant="mhc", n=4, **kw)
+    v = {"xhc-attn": "xhc", "xhc-mlp": "xhc", "flash": "xhc_flash", "flash4": "xhc_flash4"}[variant]
+    return HCConfig(variant=v, n=16, k=4, m=2, **kw)
+
+
+def build_unit(variant: str, C: int, backend: str, device, dtype) -> Unit:
+    from xhc import accounting
+
+    cfg = hc_config(variant, backend)
+    if variant == "vanilla":
+        return Unit(variant, 1, 1, [], lambda X, ys: (X + ys[0],), accounting.memory_traffic_summary(cfg).total)
+    if variant == "mhc":
+        from xhc.hyper_connection import HyperConnection
+
+        hc = HyperConnection(cfg, C, layer_index=1).to(device)
+
+        def step(X, ys):
+            u, ctx = hc.read(X)
+            return u, hc.write(X, ys[0], ctx)
+
+        return Unit(variant, cfg.n, 1, [hc], step, accounting.memory_traffic_summary(cfg).total)
+    if variant in ("xhc-attn", "xhc-mlp"):
+        from xhc.xhc import XHCSublayer
+
+        is_mlp = variant == "xhc-mlp"
+        hc = XHCSublayer(cfg, C, is_mlp=is_mlp, layer_index=1).to(device)
+
+        def step(X, ys):
+            u, ctx = hc.read(X)
+            return u, hc.write(X, ys[0], ctx)
+
+        acct = accounting.memory_traffic_per_sublayer(cfg, "mlp" if is_mlp else "attention").total
+        return Unit(variant, cfg.n, 1, [hc], step, acct)
+    from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
+
+    acct = accounting.memory_traffic_summary(cfg).total
+    if variant == "flash":
+        fl = XHCFlashLayer(cfg, C, layer_index=0).to(device)
+
+        def step(X, ys):
+            st = fl.begin(X)
+            ua = fl.attn_read(st)
+            st = fl.attn_write(st, ys[0])
+            um = fl.mlp_read(st)
+            return ua, um, fl.mlp_write(st, ys[1])
+
+        return Unit(variant, cfg.n, 2, [fl], step, acct)
+    first, second = Flash4FirstLayer(cfg, C, layer_index=0).to(device), Flash4SecondLayer(cfg, C, layer_index=1).to(device)
+
+    def step(X, ys):
+        st = first.begin(X)
+        us = [first.attn_read(st)]
+        st = first.attn_write(st, ys[0])
+        us.append(first.mlp_read(st))
+        st = first.mlp_write(st, ys[1])
+        us.append(second.attn_read(st))
+        st = second.attn_write(st, ys[2])
+        us.append(second.mlp_read(st))
+        return (*us, second.mlp_write(st, ys[3]))
+
+    return Unit(variant, cfg.n, 4, [first, second], step, acct)
+
+
+# ================================================================================================
+# Measurement
+# ================================================================================================
+@dataclass
+class Row:
+    variant: str
+    backend: str
+    C: int
+    tokens: int
+    acct: float
+    fwd: Optional[float] = None
+    bwd: Optional[float] = None
+    saved: Optional[float] = None
+    saved_rc: Optional[float] = None
+    floor: Optional[float] = None
+    ms: Optional[float] = None
+    vs_vanilla: Optional[float] = None
+    count_method: str = ""
+    note: str = ""
+
+    @property
+    def fwd_over_acct(self):
+        return None if self.fwd is None or not self.acct else self.fwd / self.acct
+
+    @property
+    def bwd_over_fwd(self):
+        return None if self.bwd is None or not self.fwd else self.bwd / self.fwd
+
+    @property
+    def saved_rc_over_floor(self):
+        return None if self.saved_rc is None or not self.floor else self.saved_rc / self.floor
+
+    @property
+    def saved_over_floor(self):
+        return None if self.saved is None or not self.floor else self.saved / self.floor
+
+
+def _inputs(unit: Unit, C: int, tokens: int, device, dtype, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b = 2 if tokens % 2 == 0 else 1
+    s = tokens // b
+    shape = (s, b, C) if unit.n == 1 else (s, b, unit.n, C)
+    X = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    nys = 1 if unit.name in ("vanilla", "mhc", "xhc-attn", "xhc-mlp") else unit.sublayers
+    ys = [torch.randn(s, b, C, generator=g).to(device=device, dtype=dtype).requires_grad_() for _ in range(nys)]
+    return X, ys
+
+
+def _backward(outs, grads):
+    torch.autograd.backward(list(outs), list(grads))
+
+
+def _grads_like(outs, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    return [torch.randn(o.shape, generator=g).to(device=o.device, dtype=o.dtype) for o in outs]
+
+
+def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps: int = 5, seed: int = 0,
+            compile_mode: Optional[str] = None) -> Row:
+    """One row of the table (see the module docstring for the method)."""
+    unit = build_unit(variant, C, backend, device, dtype)
+    row = Row(variant, backend, C, tokens, unit.acct)
+    X, ys = _inputs(unit, C, tokens, device, dtype, seed)
+    per = tokens * unit.sublayers * C * torch.tensor([], dtype=dtype).element_size()  # bytes -> units of C
+    params = [p for m in unit.modules for p in m.parameters()]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    step = unit.step
+    compiled = backend == "compile"
+    if compiled:
+        torch._dynamo.reset()
+        step = torch.compile(unit.step, fullgraph=True, mode=compile_mode)
+
+    # ---- traffic ---------------------------------------------------------------------------
+    if compiled:
+        row.count_method = "inductor kernels"
+        with inductor_bytes() as nbytes:
+            outs = step(X, ys)
+            f = nbytes()
+            _backward(outs, _grads_like(outs, seed))
+            b = nbytes() - f
+        row.fwd, row.bwd = f / per, b / per
+    else:
+        row.count_method = "dispatch ops" + (" + triton launches" if backend == "triton" else "")
+        outs = step(X, ys)  # warm-up (autotuning, lazy init) outside the count
+        _backward(outs, _grads_like(outs, seed))
+        fc, bc = ByteCounter(), ByteCounter()
+        with count_triton_launches(fc), fc:
+            outs = step(X, ys)
+        grads = _grads_like(outs, seed)
+        with count_triton_launches(bc), bc:
+            _backward(outs, grads)
+        row.fwd, row.bwd = fc.bytes / per, bc.bytes / per
+    X.grad = None
+    for y in ys:
+        y.grad = None
+
+    # ---- saved for backward -----------------------------------------------------------------
+    if variant != "vanilla":
+        sc = SavedCounter(exclude=params)
+        try:
+            with sc:
+                outs = step(X, ys)
+            row.saved = sc.bytes / per
+        except Exception as e:  # a compiled graph may refuse Python pack hooks
+            row.note = f"saved: {type(e).__name__}"
+        row.floor = (unit.n + 1) * 1.0
+        del outs
+        try:  # HC recompute (models.hc_layer.HCRecompute): the unit as one region, inputs X and the y's
+            from models.hc_layer import HCRecompute
+
+            sc = SavedCounter(exclude=params)
+            with sc:
+                rc = HCRecompute(params)
+                for t in [X] + ys:
+                    rc.add_input(t)
+                outs = rc.call(lambda X_, *ys_: step(X_, list(ys_)), X, *ys)
+            row.saved_rc = sc.bytes / per
+            del outs, rc
+        except ImportError:  # a checkout without HC recompute
+            pass
+
+    # ---- time -------------------------------------------------------------------------------
+    grads = None
+    times = []
+    for i in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        outs = step(X, ys)
+        if grads is None:
+            grads = _grads_like(outs, seed)
+        _backward(outs, grads)
+        sync()
+        if i:  # first round warms up
+            times.append(time.perf_counter() - t0)
+        for p in params:
+            p.grad = None
+        X.grad = None
+        for y in ys:
+            y.grad = None
+    row.ms = 1e3 * statistics.median(times) / unit.sublayers
+    return row
+
+
+# ================================================================================================
+# Table
+# ================================================================================================
+def _f(v, fmt="{:.1f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def format_table(rows: List[Row], title: str) -> str:
+    head = (f"{'variant':<9} {'backend':<8} {'C':>5} {'acct':>6} {'fwd':>7} {'fwd/acct':>8} {'bwd':>8} {'bwd/fwd':>7} "
+            f"{'saved':>6} {'floor':>5} {'sv/flr':>6} {'rc/flr':>6} {'ms':>8} {'vs van':>7}  method")
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.variant:<9} {r.backend:<8} {r.C:>5} {_f(r.acct):>6} {_f(r.fwd):>7} {_f(r.fwd_over_acct, '{:.2f}x'):>8} "
+            f"{_f(r.bwd):>8} {_f(r.bwd_over_fwd, '{:.2f}x'):>7} {_f(r.saved):>6} {_f(r.floor, '{:.0f}'):>5} "
+            f"{_f(r.saved_over_floor, '{:.2f}x'):>6} {_f(r.saved_rc_over_floor, '{:.2f}x'):>6} {_f(r.ms, '{:.3f}'):>8} {_f(r.vs_vanilla, '{:.2f}x'):>7}  "
+            f"{r.count_method}{(' (' + r.note + ')') if r.note else ''}")
+    lines.append("units: C elements of the state dtype per token per sublayer (acct: xhc.accounting, forward); "
+                 "floor = X + y = (N + 1)C; rc: saved under HC recompute; ms per sublayer, forward + backward")
+    return "\n".join(lines)
+
+
+def available_backends(device: str) -> List[str]:
+    try:
+        from xhc.kernels import triton_available
+    except ImportError:  # a checkout without xhc.kernels: only the eager reference exists
+        return ["eager"]
+    out = ["eager", "compile"]
+    if device == "cuda" and triton_available():
+        out.append("triton")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hc_kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--hidden", default="1024,2048", help="C, comma-separated (default: 1024,2048)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per unit (default: 8192 on CUDA, 256 on CPU)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--backends", default=None, help="comma-separated subset of eager,compile,triton "
+                   "(default: every backend available on the device)")
+    p.add_argument("--reps", type=int, default=5, help="timed forward+backward repetitions (median)")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the rows here as JSON")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible; use --device cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    tokens = args.tokens or (8192 if args.device == "cuda" else 256)
+    hidden = [int(h) for h in str(args.hidden).split(",") if h]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r}; choose from {','.join(VARIANTS)}")
+    if "vanilla" not in variants:
+        variants.insert(0, "vanilla")  # the time ratio needs it
+    avail = available_backends(args.device)
+    backends = [b.strip() for b in (args.backends or ",".join(avail)).split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            p.error(f"--backends: unknown backend {b!r}; choose from {','.join(BACKENDS)}")
+    skipped = [b for b in backends if b not in avail]
+    backends = [b for b in backends if b in avail]
+    if skipped:
+        print(f"skipping backend(s) {','.join(skipped)}: not available on {args.device} "
+              "(triton needs CUDA and `pip install triton`)", file=sys.stderr)
+
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    all_rows: List[Row] = []
+    total = len(hidden) * len(backends) * len(variants)
+    done = 0
+    for C in hidden:
+        rows: List[Row] = []
+        for backend in backends:
+            base = None
+            for v in variants:
+                done += 1
+                print(f"[{done}/{total}] C={C} {backend:<7} {v} ...", file=sys.stderr, flush=True)
+                try:
+                    r = measure(v, backend, C, tokens, args.device, dtype, args.reps, args.seed)
+                except Exception as e:  # report and keep going: one broken path must not hide the others
+                    r = Row(v, backend, C, tokens, float("nan"), note=f"failed: {type(e).__name__}: {str(e)[:80]}")
+                if v == "vanilla":
+                    base = r.ms
+                if r.ms is not None and base:
+                    r.vs_vanilla = r.ms / base
+                rows.append(r)
+        print(format_table(rows, f"\nHC kernels, C = {C}, {tokens} tokens, {args.dtype}, {dev}"))
+        all_rows += rows
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "dtype": args.dtype, "tokens": tokens, "torch": torch.__version__,
+                       "rows": [dict(asdict(r), fwd_over_acct=r.fwd_over_acct, bwd_over_fwd=r.bwd_over_fwd,
+                                     saved_over_floor=r.saved_over_floor, saved_rc_over_floor=r.saved_rc_over_floor) for r in all_rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

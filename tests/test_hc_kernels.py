@@ -1,0 +1,427 @@
+"""Fused hyper-connection kernels (docs/kernels.md) against the eager reference.
+
+* ``compile`` backend (torch custom autograd ops): float64 forward and every gradient equal to
+  the eager path, module by module, N ∈ {4, 16}, document resets, Gram–Schmidt on/off;
+  a few cases through ``torch.compile`` itself; zero graph breaks (``torch._dynamo.explain``).
+* ``triton`` backend: the same comparisons with the Triton kernels, on CPU under
+  ``TRITON_INTERPRET=1`` (few tokens) and natively on a GPU (test ids contain ``cuda``:
+  ``pytest tests/test_hc_kernels.py -k cuda``).  Skipped when Triton is not installed.
+* bf16: the fused read/write accumulate in fp32 and round once; tolerance derived below.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # the Triton kernels run in the interpreter on CPU tensors (set before importing them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from xhc import kernels  # noqa: E402
+from xhc.config import HCConfig, HCConfigError  # noqa: E402
+from xhc.doubly_stochastic import sinkhorn as sinkhorn_ref  # noqa: E402
+from xhc.flash import Flash4Window, XHCFlashLayer  # noqa: E402
+from xhc.hyper_connection import HyperConnection  # noqa: E402
+from xhc.kernels import torch_ops  # noqa: E402
+from xhc.temporal import SequenceContext  # noqa: E402
+from xhc.xhc import XHCSublayer  # noqa: E402
+
+F64 = torch.float64
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def _triton_ops():
+    pytest.importorskip("triton")
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+    from xhc.kernels import triton_ops
+
+    return triton_ops
+
+
+def _close(a, b, rtol=1e-9, atol=1e-11, what=""):
+    """float64: fused and eager differ only by the order of roundings (≈ 1e-16 relative per op,
+    tens of ops deep for Sinkhorn): 1e-9 relative leaves a 10⁶ margin and still catches any
+    wrong term."""
+    assert a.shape == b.shape, what
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# ================================================================================================
+# backend selection
+# ================================================================================================
+def test_resolve_backend_rules():
+    assert kernels.resolve_backend("eager", "cpu") == "eager"
+    assert kernels.resolve_backend("compile", "cuda") == "compile"
+    assert kernels.resolve_backend(HCConfig(), "cpu") == "compile"  # auto on CPU
+    env = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        assert kernels.resolve_backend("triton", "cpu") == "compile"  # no GPU, no interpreter
+    finally:
+        if env is not None:
+            os.environ["TRITON_INTERPRET"] = env
+    if kernels.triton_available():
+        assert kernels.resolve_backend("auto", "cuda") == "triton"
+    with pytest.raises(ValueError, match="kernels"):
+        kernels.resolve_backend("fast", "cpu")
+
+
+def test_config_field_validated():
+    assert HCConfig().kernels == "auto"
+    for k in ("auto", "eager", "compile", "triton"):
+        assert HCConfig(kernels=k).kernels == k
+    with pytest.raises(HCConfigError, match=r"HCConfig.kernels='cuda'.*auto, eager, compile, triton"):
+        HCConfig(kernels="cuda")
+
+
+# ================================================================================================
+# Sinkhorn as one op
+# ================================================================================================
+def _unrolled_grad(Z, G, t, order):
+    Zr = Z.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(sinkhorn_ref(Zr, t, order=order, recompute=False), Zr, G)
+    return g
+
+
+@pytest.mark.parametrize("order", ["row_last", "col_last"])
+@pytest.mark.parametrize("n", [4, 16])
+def test_sinkhorn_op_forward_bitwise_and_adjoint(order, n):
+    g = torch.Generator().manual_seed(n)
+    Z = torch.randn(5, n, n, generator=g) * 3
+    ref = sinkhorn_ref(Z, 20, order=order)
+    out = kernels.sinkhorn(Z.clone().requires_grad_(True), 20, order=order, backend="compile")
+    assert torch.equal(out.detach(), ref)  # same ops in the same order: bitwise in fp32
+    for t in (0, 1, 20):
+        Z64 = (torch.randn(5, n, n, generator=g, dtype=F64) * 3).requires_grad_(True)
+        G = torch.randn(5, n, n, generator=g, dtype=F64)
+        (g_op,) = torch.autograd.grad(kernels.sinkhorn(Z64, t, order=order, backend="compile"), Z64, G)
+        _close(g_op, _unrolled_grad(Z64, G, t, order), what=f"dZ t={t}")
+
+
+def test_sinkhorn_op_gradcheck_and_ties():
+    Z = (torch.randn(2, 3, 3, dtype=F64) * 2).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: kernels.sinkhorn(z, 5, backend="compile"), (Z,))
+    # tied row maxima (zero logits) and an unnormalised col_last t=0 output: amax's gradient split
+    Zt = torch.zeros(2, 4, 4, dtype=F64)
+    G = torch.randn(2, 4, 4, dtype=F64)
+    for order, t in (("row_last", 3), ("col_last", 0)):
+        (g,) = torch.autograd.grad(kernels.sinkhorn(Zt.clone().requires_grad_(True), t, order=order,
+                                                    backend="compile"), Zt.requires_grad_(True), G) \
+            if False else torch.autograd.grad(kernels.sinkhorn(Zr := Zt.clone().requires_grad_(True), t,
+                                                               order=order, backend="compile"), Zr, G)
+        _close(g, _unrolled_grad(Zt, G, t, order), what=f"ties {order} t={t}")
+
+
+def test_sinkhorn_op_saves_only_logits():
+    """The autograd graph holds Z only: no unrolled iterations (O(n²) per token saved)."""
+    Z = torch.randn(8, 4, 4, requires_grad=True)
+    H = kernels.sinkhorn(Z, 20, backend="compile")
+    saved = [getattr(H.grad_fn, a) for a in dir(H.grad_fn) if a.startswith("_saved_")]
+    assert H.grad_fn.next_functions[0][0].variable is Z
+    assert len(H.grad_fn.saved_tensors) == 1 and H.grad_fn.saved_tensors[0].shape == Z.shape
+    del saved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("order", ["row_last", "col_last"])
+@pytest.mark.parametrize("n", [4, 16])
+def test_sinkhorn_triton(device, order, n):
+    ops = _triton_ops()
+    g = torch.Generator().manual_seed(n)
+    Z = (torch.randn(6, n, n, generator=g, dtype=F64) * 3).to(device).requires_grad_(True)
+    G = torch.randn(6, n, n, generator=g, dtype=F64).to(device)
+    H = ops.sinkhorn(Z, 20, order=order)
+    _close(H, sinkhorn_ref(Z.detach(), 20, order=order), what="H")
+    (dZ,) = torch.autograd.grad(H, Z, G)
+    _close(dZ, _unrolled_grad(Z, G, 20, order), what="dZ")
+    # fp32: the kernel's reductions run in another order than torch's; entries are in [0, 1] and
+    # each of the 41 normalisations rounds at 2^-24 relative: 1e-5 absolute is > 10× that bound
+    H32 = ops.sinkhorn(Z.detach().float(), 20, order=order)
+    torch.testing.assert_close(H32, sinkhorn_ref(Z.detach().float(), 20, order=order), rtol=0, atol=1e-5)
+
+
+# ================================================================================================
+# read / write ops
+# ================================================================================================
+def _op_impls(device):
+    impls = [("compile", torch_ops.read, torch_ops.write)]
+    try:
+        ops = _triton_ops()
+        impls.append(("triton", ops.read, ops.write))
+    except pytest.skip.Exception:
+        pass
+    if device == "cuda":
+        impls = [i for i in impls if i[0] == "triton"]
+    return impls
+
+
+def _grads(fn, args, G):
+    out = fn(*args)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return out, torch.autograd.grad(out, leaves, G)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [4, 16])
+def test_read_ops_match_reference(device, n):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(3, 2, n, 40, generator=g, dtype=F64).to(device).requires_grad_(True)
+    for reads in (None, 2, 4):  # one read [.., n], or T reads [.., T, n] of the same state
+        shape = (3, 2, n) if reads is None else (3, 2, reads, n)
+        h = torch.rand(*shape, generator=g, dtype=F64).to(device).requires_grad_(True)
+        G = torch.randn(*shape[:-1], 40, generator=g, dtype=F64).to(device)
+        ref, ref_g = _grads(torch_ops.read_reference, [h, X], G)
+        for name, read, _ in _op_impls(device):
+            out, gr = _grads(read, [h, X], G)
+            _close(out, ref, what=f"{name} u")
+            for a, b, w in zip(gr, ref_g, ("dh", "dX")):
+                _close(a, b, what=f"{name} {w} reads={reads}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [4, 16])
+def test_write_ops_match_reference(device, n):
+    g = torch.Generator().manual_seed(2)
+    T, C = 5, 37
+    for k, K, scatter, mix in ((n, 1, False, True), (4, 4, True, True), (4, 1, True, False), (4, 4, False, False)):
+        r = lambda *s: torch.randn(*s, generator=g, dtype=F64).to(device).requires_grad_(True)  # noqa: E731
+        X = r(T, n, C) if scatter else None
+        I = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(T)]).to(device) \
+            if scatter else None
+        Xa, H, P, V = r(T, k, C), (r(T, k, k) if mix else None), r(T, k, K), r(T, K, C)
+        G = torch.randn(T, n if scatter else k, C, generator=g, dtype=F64).to(device)
+        args = [X, I, Xa, H, P, V]
+        ref, ref_g = _grads(torch_ops.write_reference, args, G)
+        for name, _, write in _op_impls(device):
+            out, gr = _grads(write, args, G)
+            _close(out, ref, what=f"{name} out k={k} K={K}")
+            if scatter:  # rows outside I are the input rows, bit for bit
+                keep = torch.ones(T, n, dtype=torch.bool, device=device).scatter(1, I, False)
+                assert torch.equal(out[keep], X[keep])
+            for i, (a, b) in enumerate(zip(gr, ref_g)):
+                _close(a, b, what=f"{name} grad {i} k={k} K={K} scatter={scatter} mix={mix}")
+
+
+@pytest.mark.parametrize("backend", ["compile", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_inplace_touches_only_active_rows(device, backend):
+    if backend == "triton":
+        _triton_ops()
+    elif device == "cuda":
+        pytest.skip("the compile backend is covered on CPU")
+    g = torch.Generator().manual_seed(3)
+    T, N, k, K, C = 4, 16, 4, 4, 24
+    X = torch.randn(T, N, C, generator=g).to(device)
+    I = torch.stack([torch.randperm(N, generator=g)[:k].sort().values for _ in range(T)]).to(device)
+    Xa = X.gather(1, I[..., None].expand(T, k, C))
+    H, P, V = (torch.rand(T, k, k, generator=g).to(device), torch.rand(T, k, K, generator=g).to(device),
+               torch.randn(T, K, C, generator=g).to(device))
+    ref = torch_ops.write_reference(X, I, Xa, H, P, V)
+    ptr = X.data_ptr()
+    out = kernels.write(X, I, Xa, H, P, V, backend=backend, inplace=True)
+    assert out.data_ptr() == ptr and out is X
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)  # fp32, reduction order only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_read_write_round_once(device):
+    """bf16 state, fp32 accumulation inside the op, one rounding of the result.
+
+    Bound per entry: |out − exact| ≤ u_bf16·|exact| + (1 + u_bf16)·|δ_fp32|, with u_bf16 = 2^-8
+    (round to nearest, 8 significant bits) and δ_fp32 ≤ m·2^-24·Σ|terms| for m ≤ 8 summed terms;
+    we allow 2^-8·|exact| + 2^-18·Σ|terms|.  An fp32→bf16 rounding *before* the sum (or a bf16
+    accumulator) breaks it by ~2^-8·Σ|terms|.
+    """
+    g = torch.Generator().manual_seed(4)
+    T, N, k, K, C = 6, 16, 4, 4, 64
+    X = torch.randn(T, N, C, generator=g).to(torch.bfloat16).to(device)
+    h = torch.rand(T, N, generator=g).to(device)
+    I = torch.stack([torch.randperm(N, generator=g)[:k].sort().values for _ in range(T)]).to(device)
+    Xa = X.gather(1, I[..., None].expand(T, k, C))
+    H, P = torch.rand(T, k, k, generator=g).to(device), torch.rand(T, k, K, generator=g).to(device)
+    V = torch.randn(T, K, C, generator=g).to(device)
+    u_ex = torch.einsum("tn,tnc->tc", h.double(), X.double())
+    u_abs = torch.einsum("tn,tnc->tc", h.double().abs(), X.double().abs())
+    new_ex = torch.einsum("tjq,tqc->tjc", H.double(), Xa.double()) + torch.einsum("tjs,tsc->tjc", P.double(), V.double())
+    new_abs = torch.einsum("tjq,tqc->tjc", H.double(), Xa.double().abs()) + torch.einsum(
+        "tjs,tsc->tjc", P.double(), V.double().abs())
+    out_ex = X.double().scatter(1, I[..., None].expand(T, k, C), new_ex)
+    out_abs = X.double().abs().scatter(1, I[..., None].expand(T, k, C), new_abs)
+    for name, read, write in _op_impls(device):
+        u = read(h, X, torch.bfloat16)
+        assert u.dtype == torch.bfloat16
+        assert ((u.double() - u_ex).abs() <= 2**-8 * u_ex.abs() + 2**-18 * u_abs).all(), name
+        out = write(X, I, Xa, H, P, V)
+        assert out.dtype == torch.bfloat16
+        assert ((out.double() - out_ex).abs() <= 2**-8 * out_ex.abs() + 2**-18 * out_abs).all(), name
+
+
+# ================================================================================================
+# modules: every variant, fused backends == eager (float64, forward and every gradient)
+# ================================================================================================
+S, B, C = 6, 2, 8  # few tokens: the Triton interpreter runs one program per token
+POS = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]).T.contiguous()  # document resets
+
+
+_BRANCH_W = {seed: torch.randn(8, 8, generator=torch.Generator().manual_seed(seed), dtype=F64) / 8**0.5
+             for seed in range(1, 5)}
+
+
+def _branch(seed, C):
+    """y = tanh(u A): a smooth stand-in for attention / MLP (fixed A per seed, built outside any trace)."""
+    A = _BRANCH_W[seed][:C, :C]
+    return lambda u: torch.tanh(u @ A.to(u.device, u.dtype))
+
+
+def _perturb(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
+
+
+VARIANTS = [  # (id, cfg kwargs, module kind)
+    ("mhc", dict(variant="mhc"), "hc"),
+    ("mhc_lite", dict(variant="mhc_lite"), "hc"),
+    ("kromhc", dict(variant="kromhc"), "hc"),
+    ("identity", dict(variant="identity"), "hc"),
+    ("hc", dict(variant="hc"), "hc"),
+    ("xhc_attn", dict(variant="xhc", kernel_sizes=(2, 3)), "xhc_attn"),
+    ("xhc_mlp", dict(variant="xhc", kernel_sizes=(2, 3)), "xhc_mlp"),
+    ("xhc_mlp_nogs", dict(variant="xhc", kernel_sizes=(2, 3), gram_schmidt=False), "xhc_mlp"),
+    ("xhc_flash", dict(variant="xhc_flash", kernel_sizes=(2, 3)), "flash"),
+    ("xhc_flash4", dict(variant="xhc_flash4", kernel_sizes=(2, 3)), "flash4"),
+    ("xhc_flash4_nogs", dict(variant="xhc_flash4", kernel_sizes=(2,), gram_schmidt=False), "flash4"),
+]
+
+
+def _build(kind, cfg):
+    if kind == "hc":
+        return HyperConnection(cfg, C, layer_index=1)
+    if kind in ("xhc_attn", "xhc_mlp"):
+        return XHCSublayer(cfg, C, is_mlp=kind == "xhc_mlp", layer_index=1)
+    if kind == "flash":
+        return XHCFlashLayer(cfg, C, layer_index=0)
+    return Flash4Window(cfg, C, layer_index=0)
+
+
+def _run(kind, mod, X, seq):
+    if kind == "hc":
+        return mod(X, _branch(1, C))
+    if kind in ("xhc_attn", "xhc_mlp"):
+        u, ctx = mod.read(X)
+        return mod.write(X, _branch(1, C)(u), ctx, seq)
+    if kind == "flash":
+        return mod(X, _branch(1, C), _branch(2, C), seq)
+    return mod(X, [_branch(i, C) for i in range(1, 5)], seq)
+
+
+def _cfg(kw, n):
+    kw = dict(kw, n=n)
+    if kw["variant"].startswith("xhc"):
+        kw.update(k=4, m=2)
+    return HCConfig(**kw)
+
+
+def _forward_backward(kind, cfg, device, seed=0, wrap=None):
+    torch.manual_seed(seed)
+    mod = _build(kind, cfg).double().to(device)
+    _perturb(mod, seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    X = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(device).requires_grad_(True)
+    G = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(device)
+    seq = SequenceContext(pos_in_doc=POS.to(device))
+    run = wrap(lambda X: _run(kind, mod, X, seq)) if wrap else (lambda X: _run(kind, mod, X, seq))
+    out = run(X)
+    names = [n for n, p in mod.named_parameters()]
+    grads = torch.autograd.grad((out * G).sum(), [X] + list(mod.parameters()), allow_unused=True)
+    return out.detach(), dict(zip(["X"] + names, grads))
+
+
+def _compare(ref, got, what):
+    out_r, g_r = ref
+    out_g, g_g = got
+    _close(out_g, out_r, what=f"{what} output")
+    assert g_r.keys() == g_g.keys()
+    for name in g_r:
+        if g_r[name] is None:
+            assert g_g[name] is None or not g_g[name].any(), f"{what} {name}"
+            continue
+        _close(g_g[name], g_r[name], what=f"{what} d{name}")
+
+
+def _variant_cases():
+    for vid, kw, kind in VARIANTS:
+        for n in (4, 16):
+            if vid == "mhc_lite" and n > 4:
+                continue  # n! permutations: mhc_lite needs n <= 6
+            yield pytest.param(kind, kw, n, id=f"{vid}-N{n}")
+
+
+ABLATIONS = [  # the compile backend only (the ops are the same as above)
+    pytest.param("hc", dict(variant="mhc", dynamic=False), 4, id="mhc_static"),
+    pytest.param("hc", dict(variant="mhc", mapping_norm_affine=True, ablate_pre=True), 4, id="mhc_gain_no_pre"),
+    pytest.param("hc", dict(variant="hc", dynamic=False), 4, id="hc_static"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,), dense_read=False), 4, id="xhc_sparse_read"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,), ablate_res=True, ablate_post=True), 4,
+                 id="xhc_no_res_post"),
+]
+
+
+@pytest.mark.parametrize("kind, kw, n", list(_variant_cases()) + ABLATIONS)
+def test_module_compile_backend_equals_eager(kind, kw, n):
+    cfg = _cfg(kw, n)
+    ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
+    _compare(ref, _forward_backward(kind, cfg.replace(kernels="compile"), "cpu"), f"compile {kind} N={n}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind, kw, n", list(_variant_cases()))
+def test_module_triton_backend_equals_eager(device, kind, kw, n):
+    _triton_ops()
+    cfg = _cfg(kw, n)
+    ref = _forward_backward(kind, cfg.replace(kernels="eager"), device)
+    got = _forward_backward(kind, cfg.replace(kernels="triton"), device)
+    _compare(ref, got, f"triton {kind} N={n}")
+
+
+# ================================================================================================
+# torch.compile: zero graph breaks, and the compiled fused path equals eager
+# ================================================================================================
+@pytest.fixture
+def dynamo_reset():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+EXPLAIN_CASES = [pytest.param(kind, kw, id=vid) for vid, kw, kind in VARIANTS if not vid.endswith("nogs")]
+
+
+@pytest.mark.parametrize("kind, kw", EXPLAIN_CASES)
+def test_zero_graph_breaks(kind, kw, dynamo_reset):
+    import torch._dynamo
+
+    cfg = _cfg(kw, 4)  # kernels: auto (the default), which resolves to compile while dynamo traces
+    torch.manual_seed(0)
+    mod = _build(kind, cfg).double()
+    X = torch.randn(S, B, 4, C, dtype=F64, requires_grad=True)
+    seq = SequenceContext(pos_in_doc=POS)
+    expl = torch._dynamo.explain(lambda X: _run(kind, mod, X, seq))(X)
+    assert expl.graph_break_count == 0, [str(b.reason) for b in expl.break_reasons]
+    assert expl.graph_count == 1
+
+
+@pytest.mark.parametrize("kind, kw", [pytest.param("hc", dict(variant="mhc"), id="mhc"),
+                                      pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2, 3)), id="xhc_mlp")])
+def test_compiled_fused_equals_eager(kind, kw, dynamo_reset):
+    """The ``compile`` backend under ``torch.compile(fullgraph=True)`` (inductor): float64 forward
+    and every gradient equal to eager."""
+    cfg = _cfg(kw, 4)
+    ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
+    got = _forward_backward(kind, cfg.replace(kernels="compile"), "cpu",
+                            wrap=lambda f: torch.compile(f, fullgraph=True, dynamic=False))
+    _compare(ref, got, f"compiled {kind}")

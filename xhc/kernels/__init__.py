@@ -1,0 +1,170 @@
+"""Fused hyper-connection ops and the one place that picks their backend (docs/kernels.md).
+
+Backends (``HCConfig.kernels``):
+
+=========  ============================================================================
+``eager``  the readable reference functions of :mod:`xhc` (autograd through every op)
+``compile``  the fused torch implementations of :mod:`xhc.kernels.torch_ops`: custom autograd
+           functions with hand-written backwards, traceable by ``torch.compile(fullgraph=True)``
+           (zero graph breaks); eager-callable too
+``triton`` the Triton kernels of :mod:`xhc.kernels.triton_ops` (CUDA tensors; the interpreter,
+           ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
+``auto``   ``triton`` on CUDA when Triton imports, ``compile`` otherwise
+=========  ============================================================================
+
+Every op here has the signature of its reference and takes ``backend`` (a *resolved* name, from
+:func:`resolve_backend`).  The reference functions stay in :mod:`xhc.doubly_stochastic`,
+:mod:`xhc.hyper_connection`, :mod:`xhc.xhc`; tests compare every backend against them.
+
+==================  ==========================================================================
+:func:`sinkhorn`    H = Sinkhorn–Knopp(Z) (docs/math.md §1.4), one op, hand-written backward
+:func:`read`        u_t = Σ_j h[t, j] · X_j  (T reads of one state in one pass; §1.3, §3.4, §4.1)
+:func:`write`       X'[I_j] = Σ_q H[j, q]·X_a[q] + Σ_s P[j, s]·V_s;  X'[i] = X[i] for i ∉ I  (§1.3, §3.4)
+:func:`norm_linear` RMSNorm(x)·Wᵀ or LayerNorm(x)·Wᵀ with the norm applied after the GEMM (§1.5)
+==================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+BACKENDS = ("eager", "compile", "triton")
+KERNEL_CHOICES = ("auto",) + BACKENDS
+
+_TRITON_OK: Optional[bool] = None
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` works (checked once; never raises)."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:  # ImportError, or a broken install
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.device, str, None] = None) -> str:
+    """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
+
+    ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
+    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``; while
+    ``torch.compile`` traces, ``auto`` gives ``compile`` (inductor then writes the GPU kernels).  An explicit
+    ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
+    (the Triton interpreter runs the kernels on CPU tensors).
+    """
+    kernels = getattr(cfg_or_kernels, "kernels", cfg_or_kernels)
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"HCConfig.kernels={kernels!r} is invalid: allowed values are {', '.join(KERNEL_CHOICES)}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kernels == "eager" or kernels == "compile":
+        return kernels
+    if kernels == "auto" and torch.compiler.is_compiling():
+        return "compile"  # inside a compiled model inductor generates the kernels from the torch ops
+    if dev.type == "cuda" and triton_available():
+        return "triton"
+    if kernels == "triton" and _interpreting() and triton_available():
+        return "triton"
+    return "compile"
+
+
+def _interpreting() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors (read at call time)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Ops
+# ------------------------------------------------------------------------------------------------
+def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "row_last",
+             backend: str = "compile") -> torch.Tensor:
+    """Sinkhorn–Knopp of ``Z`` ``[..., n, n]`` -> fp32 ``[..., n, n]`` (float64 stays float64).
+
+    ``eager``: :func:`xhc.doubly_stochastic.sinkhorn` with autograd through the unrolled loop;
+    ``compile``: one autograd op saving only Z, backward by recomputation and a hand-written
+    adjoint; ``triton``: the same op as two kernels (one program per matrix).
+    """
+    from xhc import doubly_stochastic as ds
+
+    if backend == "eager":
+        return ds.sinkhorn(Z, t_max, eps, order, recompute=False)
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+
+        return triton_ops.sinkhorn(Z, t_max, eps, order)
+    return ds.sinkhorn(Z, t_max, eps, order, recompute=True)
+
+
+def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+         backend: str = "compile") -> torch.Tensor:
+    """u = Σ_j h[..., j] · X[..., j, :]: ``h`` ``[..., n]`` or ``[..., T, n]``, ``X`` ``[..., n, C]``.
+
+    Returns ``[..., C]`` (or ``[..., T, C]``) in ``out_dtype`` (default: fp32, float64 stays float64),
+    accumulated in fp32 without an fp32 copy of X (compile / triton).
+    """
+    from xhc.kernels import torch_ops
+
+    if backend == "eager":
+        return torch_ops.read_reference(h, X, out_dtype)
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+
+        return triton_ops.read(h, X, out_dtype)
+    return torch_ops.read(h, X, out_dtype)
+
+
+def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor, H: Optional[torch.Tensor],
+          P: torch.Tensor, V: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+          backend: str = "compile", inplace: bool = False) -> torch.Tensor:
+    """The hyper-connection write, residual mixing + branch write + scatter in one op.
+
+    new_j = Σ_q H[j, q]·Xa[q] + Σ_s P[j, s]·V[s]  (H ``None`` = identity), then
+
+    * ``I is None``: returns ``new`` ``[..., k, C]`` (the mHC-family write with k = N and Xa = X,
+      or a Flash carried write);
+    * ``I`` given: returns X with rows ``I`` replaced by ``new`` ``[..., N, C]``, the other rows
+      copied bit-exactly (xHC scatter).
+
+    ``Xa`` ``[..., k, C]``; ``H`` ``[..., k, k]``; ``P`` ``[..., k, K]`` (h_post, or p·H_post);
+    ``V`` ``[..., K, C]``.  Output dtype: ``out_dtype``, default X's (or Xa's) dtype.
+
+    ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
+    nor written.  Only for callers that own X and need no gradient through it afterwards
+    (inference, or a state no other op saved for backward); autograd raises otherwise.
+    """
+    from xhc.kernels import torch_ops
+
+    if inplace and I is not None and backend != "triton":
+        new = torch_ops.write_reference(None, None, Xa, H, P, V, X.dtype)
+        return X.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, X.shape[-1]), new)
+    if backend == "eager":
+        return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+
+        return triton_ops.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
+    return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
+
+
+def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str = "rms",
+                gain: Optional[torch.Tensor] = None, backend: str = "compile") -> torch.Tensor:
+    """Norm(x) · Wᵀ with the flat norm folded after the GEMM (docs/math.md §1.5).
+
+    ``rms``:   (x ⊙ g / rms(x)) Wᵀ = (x (W diag g)ᵀ) · rsqrt(mean(x²) + ε)
+    ``layer``: LayerNorm(x) Wᵀ = (x Wᵀ − μ·(W 1)) · rsqrt(mean(x²) − μ² + ε)
+
+    ``x`` ``[..., D]``, ``W`` ``[d, D]``, ``gain`` ``[D]`` or None  ->  fp32 ``[..., d]``.
+    ``eager`` normalises first (the reference order).
+    """
+    from xhc.kernels import torch_ops
+
+    if backend == "eager":
+        return torch_ops.norm_linear_reference(x, W, eps, kind, gain)
+    return torch_ops.norm_linear(x, W, eps, kind, gain)

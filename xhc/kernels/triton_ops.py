@@ -1,0 +1,458 @@
+"""Triton kernels for the fused hyper-connection ops (the ``triton`` backend, docs/kernels.md).
+
+One program per token (per matrix for Sinkhorn, a block of matrices per program), a loop over
+C in blocks, fp32 accumulation in registers (float64 inputs compute in float64, for tests):
+
+=====================  =================================================================
+:func:`sinkhorn`       forward: the reference iterations; backward: recompute keeping the
+                       per-step denominators (a small scratch buffer), then the adjoint of
+                       :func:`xhc.doubly_stochastic.sinkhorn_backward`
+:func:`read`           u[t] = Σ_j h[t, j]·X_j;  backward: dX and dh in one pass over X
+:func:`write`          new = H·Xa + P·V (+ scatter into X at rows I, the other rows copied in
+                       the same pass);  backward: dXa, dH, dP, dV (and dX) in one pass
+=====================  =================================================================
+
+The kernels take contiguous ``[T, ...]`` tensors; the wrappers flatten the token dims and
+expand broadcast inputs.  ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _np2(x: int) -> int:
+    return max(2, triton.next_power_of_2(int(x)))
+
+
+def _cdt(*ts) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _tl(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@triton.jit
+def _cast(x, PTR):
+    """x (fp32/fp64) in PTR's element type; bf16 rounds to nearest even explicitly (the Triton
+    interpreter's float->bf16 conversion truncates; on GPUs this equals the native conversion)."""
+    if PTR.dtype.element_ty == tl.bfloat16:
+        b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(PTR.dtype.element_ty)
+
+
+# ================================================================================================
+# Sinkhorn
+# ================================================================================================
+@triton.jit
+def _sk_load(Z, T, n, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)[:, None, None]
+    i = tl.arange(0, NP)[None, :, None]
+    j = tl.arange(0, NP)[None, None, :]
+    mask = (t < T) & (i < n) & (j < n)
+    offs = t * n * n + i * n + j
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(CDT)
+    zm = tl.where(mask, z, float("-inf"))
+    zmax = tl.max(zm, 2)[:, :, None]
+    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
+    M0 = tl.where(mask, tl.exp(z - zmax), 0.0)
+    return z, zmax, M0, mask, offs
+
+
+@triton.jit
+def _sinkhorn_fwd_kernel(Z, OUT, T, n, t_max, eps, ROW_LAST: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                         CDT: tl.constexpr):
+    z, zmax, M, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
+    if ROW_LAST:
+        M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 1), eps)[:, None, :]
+            M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
+    else:
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
+            M = M / tl.maximum(tl.sum(M, 1), eps)[:, None, :]
+    tl.store(OUT + offs, _cast(M, OUT), mask=mask)
+
+
+@triton.jit
+def _sk_row_fwd(M, S, base, k, eps, NS: tl.constexpr, NP: tl.constexpr):
+    s = tl.sum(M, 2)  # [BT, NP] over i
+    tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
+    return M / tl.maximum(s, eps)[:, :, None]
+
+
+@triton.jit
+def _sk_col_fwd(M, S, base, k, eps, NS: tl.constexpr, NP: tl.constexpr):
+    s = tl.sum(M, 1)  # [BT, NP] over j
+    tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
+    return M / tl.maximum(s, eps)[:, None, :]
+
+
+@triton.jit
+def _sk_row_bwd(G, M, S, base, k, eps, NP: tl.constexpr):
+    s = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, :, None]
+    d = tl.maximum(s, eps)
+    dot = tl.sum(G * M, 2)[:, :, None]
+    G = (G - tl.where(s >= eps, dot, 0.0)) / d
+    return G, M * d
+
+
+@triton.jit
+def _sk_col_bwd(G, M, S, base, k, eps, NP: tl.constexpr):
+    s = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, None, :]
+    d = tl.maximum(s, eps)
+    dot = tl.sum(G * M, 1)[:, None, :]
+    G = (G - tl.where(s >= eps, dot, 0.0)) / d
+    return G, M * d
+
+
+@triton.jit
+def _sinkhorn_bwd_kernel(Z, DH, DZ, S, T, n, t_max, eps, ROW_LAST: tl.constexpr, NS: tl.constexpr,
+                         BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
+    z, zmax, M0, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)[:, None]
+    base = t * NS * NP  # [BT, 1]; the scratch rows of padded tokens exist (S has BT-padded rows)
+    M = M0
+    k = 0
+    if ROW_LAST:
+        M = _sk_row_fwd(M, S, base, k, eps, NS, NP)
+        k += 1
+        for _ in range(t_max):
+            M = _sk_col_fwd(M, S, base, k, eps, NS, NP)
+            M = _sk_row_fwd(M, S, base, k + 1, eps, NS, NP)
+            k += 2
+    else:
+        for _ in range(t_max):
+            M = _sk_row_fwd(M, S, base, k, eps, NS, NP)
+            M = _sk_col_fwd(M, S, base, k + 1, eps, NS, NP)
+            k += 2
+    G = tl.load(DH + offs, mask=mask, other=0.0).to(CDT)
+    if ROW_LAST:
+        for _ in range(t_max):
+            G, M = _sk_row_bwd(G, M, S, base, k - 1, eps, NP)
+            G, M = _sk_col_bwd(G, M, S, base, k - 2, eps, NP)
+            k -= 2
+        G, M = _sk_row_bwd(G, M, S, base, k - 1, eps, NP)
+    else:
+        for _ in range(t_max):
+            G, M = _sk_col_bwd(G, M, S, base, k - 1, eps, NP)
+            G, M = _sk_row_bwd(G, M, S, base, k - 2, eps, NP)
+            k -= 2
+    dZ = G * M0
+    at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(CDT)
+    cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
+    dZ = dZ - at_max * (tl.sum(dZ, 2)[:, :, None] / cnt)
+    tl.store(DZ + offs, _cast(dZ, DZ), mask=mask)
+
+
+def _sk_block(n: int) -> int:
+    return max(1, 256 // (_np2(n) ** 2))
+
+
+class _Sinkhorn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Z, t_max, eps, order):
+        n = Z.shape[-1]
+        Zc = Z.reshape(-1, n, n).contiguous()
+        T = Zc.shape[0]
+        out = torch.empty_like(Zc)
+        BT, NP = _sk_block(n), _np2(n)
+        grid = (triton.cdiv(T, BT),)
+        _sinkhorn_fwd_kernel[grid](Zc, out, T, n, t_max, eps, order == "row_last", BT=BT, NP=NP, CDT=_tl(Z.dtype))
+        ctx.save_for_backward(Z)
+        ctx.cfg = (t_max, eps, order)
+        return out.view(Z.shape)
+
+    @staticmethod
+    def backward(ctx, dH):
+        (Z,) = ctx.saved_tensors
+        t_max, eps, order = ctx.cfg
+        n = Z.shape[-1]
+        Zc = Z.reshape(-1, n, n).contiguous()
+        T = Zc.shape[0]
+        BT, NP = _sk_block(n), _np2(n)
+        NS = 2 * t_max + (1 if order == "row_last" else 0)
+        grid = (triton.cdiv(T, BT),)
+        S = torch.empty(grid[0] * BT, max(NS, 1), NP, dtype=Zc.dtype, device=Z.device)
+        dZ = torch.empty_like(Zc)
+        _sinkhorn_bwd_kernel[grid](Zc, dH.reshape(-1, n, n).to(Zc.dtype).contiguous(), dZ, S, T, n, t_max, eps,
+                                   order == "row_last", NS=max(NS, 1), BT=BT, NP=NP, CDT=_tl(Z.dtype))
+        return dZ.view(Z.shape), None, None, None
+
+
+def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "row_last") -> torch.Tensor:
+    """Sinkhorn–Knopp ``[..., n, n]`` -> fp32 (float64 stays float64); saves only Z."""
+    if order not in ("row_last", "col_last"):
+        raise ValueError(f"sinkhorn order={order!r}: allowed values are ('row_last', 'col_last')")
+    Z = Z if Z.dtype == torch.float64 else Z.float()
+    return _Sinkhorn.apply(Z, t_max, eps, order)
+
+
+# ================================================================================================
+# read: u[t, r, :] = Σ_j h[t, r, j] X[t, j, :]
+# ================================================================================================
+def _block_c(C: int, rows: int, inner: int) -> int:
+    return max(16, min(triton.next_power_of_2(C), 8192 // (rows * inner)))
+
+
+@triton.jit
+def _read_fwd_kernel(H, X, U, R, n, C, RP: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, RP)[:, None]
+    j = tl.arange(0, NP)[None, :]
+    h = tl.load(H + t * R * n + r * n + j, mask=(r < R) & (j < n), other=0.0).to(CDT)  # [RP, NP]
+    jr = tl.arange(0, NP)[:, None]
+    rr = tl.arange(0, RP)[:, None]
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        x = tl.load(X + t * n * C + jr * C + c, mask=(jr < n) & (c < C), other=0.0).to(CDT)  # [NP, BC]
+        u = tl.sum(h[:, :, None] * x[None, :, :], 1)  # [RP, BC]
+        tl.store(U + t * R * C + rr * C + c, _cast(u, U), mask=(rr < R) & (c < C))
+
+
+@triton.jit
+def _read_bwd_kernel(H, X, DU, DH, DX, R, n, C, RP: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr,
+                     CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, RP)[:, None]
+    j = tl.arange(0, NP)[None, :]
+    hmask = (r < R) & (j < n)
+    h = tl.load(H + t * R * n + r * n + j, mask=hmask, other=0.0).to(CDT)  # [RP, NP]
+    jr = tl.arange(0, NP)[:, None]
+    rr = tl.arange(0, RP)[:, None]
+    dh = tl.zeros([RP, NP], dtype=CDT)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        x = tl.load(X + t * n * C + jr * C + c, mask=(jr < n) & (c < C), other=0.0).to(CDT)  # [NP, BC]
+        du = tl.load(DU + t * R * C + rr * C + c, mask=(rr < R) & (c < C), other=0.0).to(CDT)  # [RP, BC]
+        dh += tl.sum(du[:, None, :] * x[None, :, :], 2)
+        dx = tl.sum(h[:, :, None] * du[:, None, :], 0)  # [NP, BC]
+        tl.store(DX + t * n * C + jr * C + c, _cast(dx, DX), mask=(jr < n) & (c < C))
+    tl.store(DH + t * R * n + r * n + j, _cast(dh, DH), mask=hmask)
+
+
+class _Read(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, X, out_dtype):
+        n, C = X.shape[-2:]
+        R = h.shape[-2]
+        hc, Xc = h.reshape(-1, R, n).contiguous(), X.reshape(-1, n, C).contiguous()
+        T = Xc.shape[0]
+        U = torch.empty(T, R, C, dtype=out_dtype, device=X.device)
+        RP, NP = _np2(R), _np2(n)
+        if T > 0:
+            _read_fwd_kernel[(T,)](hc, Xc, U, R, n, C, RP=RP, NP=NP, BC=_block_c(C, RP, NP), CDT=_tl(_cdt(h, X)))
+        ctx.save_for_backward(h, X)
+        return U.view(*X.shape[:-2], R, C)
+
+    @staticmethod
+    def backward(ctx, dU):
+        h, X = ctx.saved_tensors
+        n, C = X.shape[-2:]
+        R = h.shape[-2]
+        hc, Xc = h.reshape(-1, R, n).contiguous(), X.reshape(-1, n, C).contiguous()
+        T = Xc.shape[0]
+        dh, dX = torch.empty_like(hc), torch.empty_like(Xc)
+        RP, NP = _np2(R), _np2(n)
+        if T > 0:
+            _read_bwd_kernel[(T,)](hc, Xc, dU.reshape(T, R, C).contiguous(), dh, dX, R, n, C, RP=RP, NP=NP,
+                                   BC=_block_c(C, RP, NP), CDT=_tl(_cdt(h, X)))
+        return dh.view(h.shape), dX.view(X.shape), None
+
+
+def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """u = Σ_j h[..., j]·X_j: ``h`` ``[..., n]`` or ``[..., T, n]``, ``X`` ``[..., n, C]``."""
+    single = h.dim() == X.dim() - 1
+    hh = h.unsqueeze(-2) if single else h
+    hh = hh.expand(*X.shape[:-2], *hh.shape[-2:])
+    u = _Read.apply(hh, X, out_dtype or _cdt(h, X))
+    return u.squeeze(-2) if single else u
+
+
+# ================================================================================================
+# write: new = H·Xa + P·V, optionally scattered into X at rows I
+# ================================================================================================
+@triton.jit
+def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, HAS_H: tl.constexpr,
+                      COPY: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr,
+                      CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    jr = tl.arange(0, KP)[:, None]  # output slot (rows)
+    qc = tl.arange(0, KP)[None, :]
+    sc = tl.arange(0, SP)[None, :]
+    sr = tl.arange(0, SP)[:, None]
+    if HAS_H:
+        h = tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)  # [KP, KP]
+    p = tl.load(P + t * k * K + jr * K + sc, mask=(jr < k) & (sc < K), other=0.0).to(CDT)  # [KP, SP]
+    if HAS_I:
+        rows = tl.load(I + t * k + jr, mask=jr < k, other=0)  # [KP, 1]
+        nr = tl.arange(0, NP)[:, None]
+        kk = tl.arange(0, KP)[None, :]
+        idx_row = tl.load(I + t * k + kk, mask=kk < k, other=-1)  # [1, KP]
+        active = tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] > 0  # [NP, 1]
+        keep = (nr < N) & (active == 0)
+    else:
+        rows = jr
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        cm = c < C
+        xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
+        v = tl.load(V + t * K * C + sr * C + c, mask=(sr < K) & cm, other=0.0).to(CDT)  # [SP, BC]
+        new = tl.sum(p[:, :, None] * v[None, :, :], 1)
+        if HAS_H:
+            new += tl.sum(h[:, :, None] * xa[None, :, :], 1)
+        else:
+            new += xa
+        if HAS_I:
+            tl.store(OUT + t * N * C + rows * C + c, _cast(new, OUT), mask=(jr < k) & cm)
+            if COPY:
+                x = tl.load(X + t * N * C + nr * C + c, mask=keep & cm, other=0.0)
+                tl.store(OUT + t * N * C + nr * C + c, x, mask=keep & cm)
+        else:
+            tl.store(OUT + t * k * C + jr * C + c, _cast(new, OUT), mask=(jr < k) & cm)
+
+
+@triton.jit
+def _write_bwd_kernel(DOUT, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS_I: tl.constexpr,
+                      HAS_H: tl.constexpr, NEED_DX: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                      SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    jr = tl.arange(0, KP)[:, None]
+    qc = tl.arange(0, KP)[None, :]
+    sc = tl.arange(0, SP)[None, :]
+    sr = tl.arange(0, SP)[:, None]
+    hmask = (jr < k) & (qc < k)
+    pmask = (jr < k) & (sc < K)
+    if HAS_H:
+        h = tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
+    p = tl.load(P + t * k * K + jr * K + sc, mask=pmask, other=0.0).to(CDT)
+    if HAS_I:
+        rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+        nr = tl.arange(0, NP)[:, None]
+        kk = tl.arange(0, KP)[None, :]
+        idx_row = tl.load(I + t * k + kk, mask=kk < k, other=-1)
+        active = tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] > 0
+        Nrows = N
+    else:
+        rows = jr
+        Nrows = k
+    dh = tl.zeros([KP, KP], dtype=CDT)
+    dp = tl.zeros([KP, SP], dtype=CDT)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        cm = c < C
+        dn = tl.load(DOUT + t * Nrows * C + rows * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
+        xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)
+        v = tl.load(V + t * K * C + sr * C + c, mask=(sr < K) & cm, other=0.0).to(CDT)
+        if HAS_H:
+            dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
+            dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
+        else:
+            dxa = dn
+        tl.store(DXA + t * k * C + jr * C + c, _cast(dxa, DXA), mask=(jr < k) & cm)
+        dv = tl.sum(p[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
+        tl.store(DV + t * K * C + sr * C + c, _cast(dv, DV), mask=(sr < K) & cm)
+        dp += tl.sum(dn[:, None, :] * v[None, :, :], 2)
+        if HAS_I:
+            if NEED_DX:
+                g = tl.load(DOUT + t * N * C + nr * C + c, mask=(nr < N) & cm, other=0.0)
+                g = tl.where(active, 0.0, g.to(CDT))
+                tl.store(DX + t * N * C + nr * C + c, _cast(g, DX), mask=(nr < N) & cm)
+    if HAS_H:
+        tl.store(DH + t * k * k + jr * k + qc, _cast(dh, DH), mask=hmask)
+    tl.store(DP + t * k * K + jr * K + sc, _cast(dp, DP), mask=pmask)
+
+
+def _write_meta(N, k, K, C):
+    NP, KP, SP = _np2(N), _np2(k), _np2(K)
+    return NP, KP, SP, _block_c(C, KP, max(KP, SP, NP // KP if NP > KP else 1))
+
+
+class _Write(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, I, Xa, H, P, V, out_dtype, inplace):
+        k, C = Xa.shape[-2:]
+        K = V.shape[-2]
+        lead = Xa.shape[:-2]
+        Xac = Xa.reshape(-1, k, C).contiguous()
+        T = Xac.shape[0]
+        Hc = None if H is None else H.reshape(T, k, k).contiguous()
+        Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
+        cdt = _tl(_cdt(Xa, H, P, V))
+        if I is not None:
+            N = X.shape[-2]
+            Ic = I.reshape(T, k).contiguous()
+            Xc = X.reshape(T, N, C)
+            if inplace:
+                out = Xc
+            else:
+                Xc = Xc.contiguous()
+                out = torch.empty(T, N, C, dtype=out_dtype, device=X.device)
+        else:
+            N, Ic, Xc = k, None, None
+            out = torch.empty(T, k, C, dtype=out_dtype, device=Xa.device)
+        NP, KP, SP, BC = _write_meta(N, k, K, C)
+        if T > 0:
+            _write_fwd_kernel[(T,)](Xc, Ic, Xac, Hc, Pc, Vc, out, N, k, K, C, HAS_I=I is not None,
+                                    HAS_H=H is not None, COPY=not inplace, NP=NP, KP=KP, SP=SP, BC=BC, CDT=cdt)
+        ctx.save_for_backward(I, Xa, H, P, V)
+        ctx.meta = (None if X is None else X.dtype, N)
+        if inplace:
+            ctx.mark_dirty(X)
+            return X
+        return out.view(*lead, N, C)
+
+    @staticmethod
+    def backward(ctx, dout):
+        I, Xa, H, P, V = ctx.saved_tensors
+        x_dtype, N = ctx.meta
+        k, C = Xa.shape[-2:]
+        K = V.shape[-2]
+        Xac = Xa.reshape(-1, k, C).contiguous()
+        T = Xac.shape[0]
+        Hc = None if H is None else H.reshape(T, k, k).contiguous()
+        Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
+        Ic = None if I is None else I.reshape(T, k).contiguous()
+        need_dx = I is not None and ctx.needs_input_grad[0]
+        dXa, dV = torch.empty_like(Xac), torch.empty_like(Vc)
+        dH = None if H is None else torch.empty_like(Hc)
+        dP = torch.empty_like(Pc)
+        dX = torch.empty(T, N, C, dtype=x_dtype, device=dout.device) if need_dx else None
+        NP, KP, SP, BC = _write_meta(N, k, K, C)
+        if T > 0:
+            _write_bwd_kernel[(T,)](dout.reshape(T, N, C).contiguous(), Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP, dV,
+                                    N, k, K, C, HAS_I=I is not None, HAS_H=H is not None, NEED_DX=need_dx,
+                                    NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(_cdt(Xa, H, P, V)))
+        lead = Xa.shape[:-2]
+        return (None if dX is None else dX.view(*lead, N, C), None, dXa.view(Xa.shape),
+                None if dH is None else dH.view(H.shape), dP.view(P.shape), dV.view(V.shape), None, None)
+
+
+def write(X, I, Xa, H, P, V, out_dtype=None, inplace: bool = False):
+    """See :func:`xhc.kernels.write`.  ``inplace`` (only with ``I``): rows outside ``I`` are not
+    copied, X is updated in place and returned (allowed when nothing saved X for backward)."""
+    lead = Xa.shape[:-2]
+    k, K = Xa.shape[-2], V.shape[-2]
+    if H is not None:
+        H = H.expand(*lead, k, k)
+    P = P.expand(*lead, k, K)
+    V = V.expand(*lead, *V.shape[-2:])
+    if I is not None:
+        I = I.expand(*lead, k)
+        out_dtype = out_dtype or X.dtype
+        if inplace and out_dtype != X.dtype:
+            raise ValueError("write(inplace=True) needs out_dtype == X.dtype")
+    else:
+        out_dtype = out_dtype or Xa.dtype
+        inplace = False
+    return _Write.apply(X, I, Xa, H, P, V, out_dtype, inplace)
