@@ -290,3 +290,18 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert body["step"] == step >= 2 and "SIGTERM" in body["reason"]
     trained = [json.loads(line) for line in open(metrics) if '"kind": "train"' in line]
     assert trained[-1]["step"] == step  # saved at the step boundary where it stopped
+
+
+def test_compatibility_ignores_how_the_maths_runs_but_not_what_it_is():
+    """A run may resume with another kernel backend or Sinkhorn backward, not another HC config."""
+    import dataclasses
+
+    from training.checkpoint import CheckpointError, check_compatible
+    from xhc.config import HCConfig
+
+    saved = dataclasses.asdict(HCConfig(variant="xhc", n=16, kernels="eager", sinkhorn_recompute=False))
+    now = dataclasses.asdict(HCConfig(variant="xhc", n=16, kernels="compile", sinkhorn_recompute=True))
+    check_compatible("ck", {"hc": saved}, {"hc": now})  # no error
+    other = dataclasses.asdict(HCConfig(variant="xhc", n=16, k=8, kernels="compile"))
+    with pytest.raises(CheckpointError, match=r"model\.hc\.k: saved 4, now 8"):
+        check_compatible("ck", {"hc": saved}, {"hc": other})

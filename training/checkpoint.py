@@ -261,6 +261,10 @@ def _layout(world: Any, parallel: Optional[dict]) -> str:
     return f"world size {world} (" + " ".join(f"{k}={p.get(k)}" for k in _LAYOUT_KEYS if p.get(k) is not None) + ")"
 
 
+RUNTIME_HC_FIELDS = frozenset({"kernels", "sinkhorn_recompute"})
+"""HCConfig fields that choose how the maths runs, not what it is: a run may resume with other values."""
+
+
 def check_compatible(directory: str, body: dict, expected: dict, load_optimizer: bool = True,
                      load_rng: bool = True, sharded_optimizer: bool = False) -> None:
     """Raise a one-line :class:`CheckpointError` when ``directory`` (manifest ``body``) cannot resume this run.
@@ -277,7 +281,8 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
                               f"model.preset={saved}, or {fresh}; weights do not convert between presets")
     shc, nhc = body.get("hc"), expected.get("hc")
     if isinstance(shc, dict) and isinstance(nhc, dict):
-        diff = [f"{k}: saved {shc[k]!r}, now {nhc[k]!r}" for k in sorted(set(shc) & set(nhc)) if shc[k] != nhc[k]]
+        keys = (set(shc) & set(nhc)) - RUNTIME_HC_FIELDS
+        diff = [f"{k}: saved {shc[k]!r}, now {nhc[k]!r}" for k in sorted(keys) if shc[k] != nhc[k]]
         if diff:
             raise CheckpointError(f"{where} has a different hyper-connection config "
                                   f"(model.hc.{'; model.hc.'.join(diff)}): resume with the saved model.hc values, "
