@@ -1,4 +1,4 @@
-"""Megatron-Core transformer layer with hyper-connections (spec §1.7).
+"""Megatron-Core transformer layer with hyper-connections (docs/math.md §1.7).
 
 :class:`HyperConnectionTransformerLayer` is a ``TransformerLayer`` whose two residual adds
 (``self_attn_bda`` and ``mlp_bda``) are replaced by an ``xhc`` hyper-connection::
@@ -69,10 +69,10 @@ class HCTransformerLayerSubmodules(TransformerLayerSubmodules):
 
 
 class HyperConnectionTransformerLayer(TransformerLayer):
-    """A ``TransformerLayer`` whose residual connections are hyper-connections (spec §1.7).
+    """A ``TransformerLayer`` whose residual connections are hyper-connections (docs/math.md §1.7).
 
     Args (beyond ``TransformerLayer``'s):
-        hc_config: the model's :class:`~xhc.config.HCConfig` (given through the spec's ``params``).
+        hc_config: the model's :class:`~xhc.config.HCConfig` (given through the documented ``params``).
         hc_recompute: HC recompute (:class:`HCRecompute`); also settable later with
             :func:`set_hc_recompute`.  Independent of, and combinable with, Megatron's selective
             recompute (``recompute_modules``) of the norms and the MLP.
@@ -228,7 +228,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         return sd
 
     def _bias_dropout(self, out_with_bias):
-        """y = dropout(out + bias): Megatron's bias-dropout-add without the add (spec §1.3 #3)."""
+        """y = dropout(out + bias): Megatron's bias-dropout-add without the add (docs/math.md §1.3 #3)."""
         out, bias = out_with_bias
         if bias is not None:
             out = out + bias
@@ -280,7 +280,7 @@ def _build_hc(cls_or_spec, hc_config: HCConfig, hidden_size: int, is_mlp: bool, 
 def _mark_param(p: torch.nn.Parameter, config) -> None:
     """HC parameters are replicated across TP.  With sequence parallelism every TP rank sees other
     tokens, so their gradients must be all-reduced over TP: Megatron does that for parameters
-    tagged ``sequence_parallel`` (spec §1.7).  ``is_hyper_connection`` routes them to AdamW under
+    tagged ``sequence_parallel`` (docs/math.md §1.7).  ``is_hyper_connection`` routes them to AdamW under
     Muon and lets loggers find them."""
     p.sequence_parallel = bool(config.sequence_parallel)
     p.is_hyper_connection = True
@@ -298,7 +298,7 @@ def _mark_hc_parameters(layer, config) -> None:
 # ------------------------------------------------------------------------------------------------
 def _build_flash_part(hc: HCConfig, C: int, i: int, config):
     """xHC-Flash: one window per layer.  Flash-4sub: layers (2g, 2g+1) share a window; a final odd
-    layer falls back to Flash (spec §4.3, §8 #25).  ``layer_index`` is the layer index i here."""
+    layer falls back to Flash (docs/math.md §4.3, §8 #25).  ``layer_index`` is the layer index i here."""
     from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
 
     if hc.variant == "xhc_flash":

@@ -1,9 +1,9 @@
-"""Pipeline-parallel p2p tensor shapes for hyper-connected models (spec §1.2, §1.7).
+"""Pipeline-parallel p2p tensor shapes for hyper-connected models (docs/math.md §1.2, §1.7).
 
 Megatron sizes the activations exchanged between pipeline stages as ``[s, b, hidden_size]``
 (``schedules.get_tensor_shapes`` for the 1F1B schedule, an inline ``[seq, mbs, hidden_size]`` in
 the interleaved schedule; 0.16.1–0.19.0).  With N residual streams the state crossing a stage
-boundary is ``[s, b, N·C]`` (stream-major, spec §1.2).  In this design the first stage expands
+boundary is ``[s, b, N·C]`` (stream-major, docs/math.md §1.2).  In this design the first stage expands
 inside its first layer and the last stage reduces inside its last layer, so **every p2p edge —
 forward activations and backward grads alike — carries ``[s, b, N·C]``**: the first stage's
 input is the embedding and the last stage's output goes to the final norm and loss, and neither

@@ -1,4 +1,4 @@
-"""Where the local rows of a Megatron micro-batch sit, for xHC's temporal convolution (spec §3.6).
+"""Where the local rows of a Megatron micro-batch sit, for xHC's temporal convolution (docs/math.md §3.6).
 
 The convolution is the only part of the hyper-connection maths that is not per token: it needs
 the κ_max − 1 preceding rows, which under sequence parallelism (SP) or context parallelism (CP)

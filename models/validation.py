@@ -1,4 +1,4 @@
-"""Reject Megatron options that cannot work with hyper-connections (spec §1.7).
+"""Reject Megatron options that cannot work with hyper-connections (docs/math.md §1.7).
 
 Every error is one line that names the option, why, and the alternative.
 """

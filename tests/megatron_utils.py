@@ -102,7 +102,7 @@ def tiny_batch(batch: int = 4, seq_len: int = SEQ, seed: int = 0):
 
 
 def lm_loss(model, tokens, labels, pos) -> torch.Tensor:
-    """Mean next-token loss of a GPTModel (causal mask comes from the spec)."""
+    """Mean next-token loss of a GPTModel (causal mask comes from docs/math.md)."""
     per_token = model(tokens, pos, None, labels=labels)  # [b, s]
     return per_token.float().mean()
 

@@ -1,6 +1,6 @@
-"""Cost accounting against the spec's worked numbers (spec §2, §3.1, §4.3, §5.1–§5.4).
+"""Cost accounting against the documented worked numbers (docs/math.md §2, §3.1, §4.3, §5.1–§5.4).
 
-Expectations are the spec's printed integers and closed-form formulas, written out here
+Expectations are the documented printed integers and closed-form formulas, written out here
 independently of :mod:`xhc.accounting`.
 """
 
@@ -23,7 +23,7 @@ FLASH = XHC.replace(variant="xhc_flash")
 FLASH4 = XHC.replace(variant="xhc_flash4")
 VANILLA = HCConfig(variant="none")
 
-# (C, L) of the paper sizes (spec §6.1)
+# (C, L) of the paper sizes (docs/math.md §6.1)
 SIZES = {"18B": (2112, 28), "28B": (2560, 32), "10B": (2080, 15), "2.5B": (1024, 15)}
 
 

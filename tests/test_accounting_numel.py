@@ -1,8 +1,8 @@
-"""The accounted parameter count equals the real modules' numel, for every variant (spec §5).
+"""The accounted parameter count equals the real modules' numel, for every variant (docs/math.md §5).
 
 Builds :class:`xhc.hyper_connection.HyperConnection`, :class:`xhc.xhc.XHCSublayer` and the Flash
 modules of :mod:`xhc.flash`, and compares ``sum(p.numel())`` with :mod:`xhc.accounting`.  The
-paper-size checks (C = 2112) also tie the modules to the spec's printed integers.
+paper-size checks (C = 2112) also tie the modules to the documented printed integers.
 """
 
 import pytest
@@ -111,7 +111,7 @@ def test_flash4_model_with_odd_layer_count():
 
 
 def test_paper_size_modules_match_spec_integers():
-    """At C = 2112 (18B) the modules hold the spec's counts: xHC 2,652,672 + 90 per layer
+    """At C = 2112 (18B) the modules hold the documented counts: xHC 2,652,672 + 90 per layer
     (§5.1, §3.1), mHC N=4 405,504 + 2·27 per layer (§2.b small terms: N² + 2N + 3 per sublayer)."""
     Cp = 2112
     x = HCConfig(variant="xhc", n=16, k=4, m=2)

@@ -57,7 +57,7 @@ def test_valid_defaults_and_round_trip():
     x = HCConfig(variant="xhc", n=16, k=4, m=2, kernel_sizes=[4, 8, 12])
     assert x.kernel_sizes == (4, 8, 12)
     assert HCConfig.from_dict(x.to_dict()) == x
-    assert HCConfig(variant="hc", n=1).n == 1  # N = 1 is valid for HC only (spec §8 #34)
+    assert HCConfig(variant="hc", n=1).n == 1  # N = 1 is valid for HC only (docs/math.md §8 #34)
     assert not HCConfig(variant="none").enabled and not HCConfig(variant="mhc", disabled=True).enabled
 
 

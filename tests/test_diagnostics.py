@@ -1,4 +1,4 @@
-"""Diagnostics (spec §2.g, [PEFT] App. C.5, [mHC] Amax gain)."""
+"""Diagnostics (docs/math.md §2.g, [PEFT] App. C.5, [mHC] Amax gain)."""
 
 import pytest
 import torch
@@ -45,7 +45,7 @@ def test_gradient_flow_detects_frozen_and_missing():
     u, ctx = hc.read(X)
     hc.write(X, backbone(u), ctx).pow(2).sum().backward()
     # H_res gets exactly zero gradient at step 0 on identical streams; here streams differ, and the
-    # gates α are zero-gradient because W = 0 (spec §2.g #3)
+    # gates α are zero-gradient because W = 0 (docs/math.md §2.g #3)
     rep = check_gradient_flow(model, lambda n, p: n.startswith("hc."), allow_zero=("alpha",))
     assert rep.ok and "hc.W_pre" in rep.with_grad and not rep.unexpected
     # a frozen parameter that receives a gradient is reported

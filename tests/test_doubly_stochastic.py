@@ -1,4 +1,4 @@
-"""Doubly-stochastic maps (spec §1.4, §2.c, §2.d, §2.f, §5.4)."""
+"""Doubly-stochastic maps (docs/math.md §1.4, §2.c, §2.d, §2.f, §5.4)."""
 
 import itertools
 import math
@@ -19,7 +19,7 @@ from xhc.doubly_stochastic import (
 )
 
 # ---------------------------------------------------------------------------------------------
-# float64 reference written directly from the spec's code block (§1.4), independent loop
+# float64 reference written directly from the documented code block (§1.4), independent loop
 # ---------------------------------------------------------------------------------------------
 
 
@@ -66,7 +66,7 @@ class TestSinkhorn:
     @settings(max_examples=200, deadline=None)
     @given(logit_matrices())
     def test_extreme_logits_fp32(self, Z):
-        """Finite, ≥ 0, rows within 1e-6 for any logits in ±1e4 (spec §1.4 tests)."""
+        """Finite, ≥ 0, rows within 1e-6 for any logits in ±1e4 (docs/math.md §1.4 tests)."""
         H = sinkhorn(Z)
         assert H.dtype == torch.float32
         assert torch.isfinite(H).all()
@@ -84,7 +84,7 @@ class TestSinkhorn:
         torch.testing.assert_close(H, sinkhorn(Zb.float()))
 
     def test_columns_in_converging_regime(self):
-        """i.i.d. std 0.5 at n ≤ 4 and std 1 at n ≥ 8: column error ≤ 1e-3 (spec §1.4)."""
+        """i.i.d. std 0.5 at n ≤ 4 and std 1 at n ≥ 8: column error ≤ 1e-3 (docs/math.md §1.4)."""
         g = torch.Generator().manual_seed(0)
         for n, std in ((2, 0.5), (3, 0.5), (4, 0.5), (8, 1.0), (16, 1.0)):
             H = sinkhorn(torch.randn(1000, n, n, generator=g) * std)
@@ -97,13 +97,13 @@ class TestSinkhorn:
         assert (H.sum(-2) - 1).abs().max() <= 1e-8
 
     def test_slow_2x2_example_from_spec(self):
-        """Z = [[1.5, −1.5], [−2, 2]] keeps a column error ≈ 2.5e-3 after 20 iterations (spec §1.4)."""
+        """Z = [[1.5, −1.5], [−2, 2]] keeps a column error ≈ 2.5e-3 after 20 iterations (docs/math.md §1.4)."""
         H = sinkhorn(torch.tensor([[1.5, -1.5], [-2.0, 2.0]], dtype=torch.float64))
         err = float((H.sum(-2) - 1).abs().max())
         assert 1e-3 < err < 5e-3
 
     def test_init_constants(self):
-        """−8 off-diagonal logits: N=4 diag 0.998995 / off 3.351e-4; N=16 diag 0.994993 (spec §5.4)."""
+        """−8 off-diagonal logits: N=4 diag 0.998995 / off 3.351e-4; N=16 diag 0.994993 (docs/math.md §5.4)."""
         for n, diag, off in ((4, 0.998995, 3.351e-4), (16, 0.994993, 3.338e-4)):
             H = sinkhorn(-8.0 * (1 - torch.eye(n, dtype=torch.float64)))
             assert abs(float(H[0, 0]) - diag) < 5e-7
@@ -115,7 +115,7 @@ class TestSinkhorn:
         assert sinkhorn(torch.tensor([[123.0]])).item() == 1.0
 
     def test_recompute_backward_matches_reference(self):
-        """Recompute-in-backward autograd function within 1e-6 relative (fp32; spec §1.4)."""
+        """Recompute-in-backward autograd function within 1e-6 relative (fp32; docs/math.md §1.4)."""
         torch.manual_seed(0)
         Z = (torch.randn(64, 4, 4) * 2).requires_grad_(True)
         G = torch.randn(64, 4, 4)
@@ -155,7 +155,7 @@ class TestSinkhorn:
 
 class TestRowClamp:
     def test_col_last_rows_bounded(self):
-        """With col_last the clamp binds: rows ≤ 1 + n·2⁻²³ (fp32), ≤ 1 + 1e-12 (float64) (spec §2.f)."""
+        """With col_last the clamp binds: rows ≤ 1 + n·2⁻²³ (fp32), ≤ 1 + 1e-12 (float64) (docs/math.md §2.f)."""
         g = torch.Generator().manual_seed(0)
         Z = torch.randn(2000, 4, 4, generator=g) * 3
         H = sinkhorn(Z, order="col_last")
@@ -197,7 +197,7 @@ class TestMhcLite:
         assert (H.sum(-2) - 1).abs().max() <= 1e-6
 
     def test_init_constants(self):
-        """Identity logit 0, others −8, N=4: diag 0.994008, off 0.001997 (spec §2.0, §5.4)."""
+        """Identity logit 0, others −8, N=4: diag 0.994008, off 0.001997 (docs/math.md §2.0, §5.4)."""
         z = torch.full((24,), -8.0, dtype=torch.float64)
         z[0] = 0
         H = mhc_lite_mix(z, 4)
@@ -221,7 +221,7 @@ class TestKromHC:
             for t in range(1, K):
                 ref = torch.kron(ref, U[t])
             torch.testing.assert_close(H, ref)
-            # H[i,j] = Π_t U_t[bit_t(i), bit_t(j)], U_0 on the most significant bit (spec §2.d)
+            # H[i,j] = Π_t U_t[bit_t(i), bit_t(j)], U_0 on the most significant bit (docs/math.md §2.d)
             for i in range(n):
                 for j in range(n):
                     v = 1.0
@@ -241,7 +241,7 @@ class TestKromHC:
         torch.testing.assert_close(H, H.transpose(-1, -2))
 
     def test_init_constant(self):
-        """[0, −8] per factor: p = 0.999665, diag p² = 0.999329 at N=4 (spec §2.0)."""
+        """[0, −8] per factor: p = 0.999665, diag p² = 0.999329 at N=4 (docs/math.md §2.0)."""
         H = kromhc_mix(torch.tensor([0.0, -8.0, 0.0, -8.0], dtype=torch.float64), 4)
         assert abs(float(H[0, 0]) - 0.999329) < 5e-7
 

@@ -1,4 +1,4 @@
-"""xHC-Flash and Flash-4sub (spec §4.1, §4.2, §4.3, §8 #24–#25).
+"""xHC-Flash and Flash-4sub (docs/math.md §4.1, §4.2, §4.3, §8 #24–#25).
 
 The reference below runs a window the slow, explicit way in float64: it keeps the FULL N-stream
 state, reads every sublayer input by an explicit dense read Σ_i h_i X_i of the current full state,
@@ -45,7 +45,7 @@ def make_cfg(variant="xhc_flash", **kw):
 
 
 def spec_map(mod):
-    """(W in the spec's [in, out] layout, b, α) of a Read/Post/ResMapping, float64."""
+    """(W in the documented [in, out] layout, b, α) of a Read/Post/ResMapping, float64."""
     return mod.weight.detach().double().T, mod.bias.detach().double(), float(mod.alpha.detach())
 
 
@@ -152,7 +152,7 @@ def test_flash_matches_explicit_dense_reads(case):
 
 def test_flash_correction_equals_dense_read_of_intermediate_state():
     """§4.1 exactness, directly: inp_M + β·y_A == Σ_i h^M_i X^(A)_i with X^(A) = scatter(X^(0), I, X_a^(A))
-    and h^M generated from X^(0) (re-derived here from the spec formula)."""
+    and h^M generated from X^(0) (re-derived here from docs/math.md formula)."""
     cfg = make_cfg(n=8, k=4, m=2)
     C = 5
     f = XHCFlashLayer(cfg, C).double()
@@ -338,7 +338,7 @@ def test_flash4_split_read_equals_full_dense_read():
     h = st.h_pre  # [s, b, 4, N]
     for t, name in enumerate(("A1", "M1", "A2", "M2")):
         W, b, a = spec_map(getattr(w.first, f"pre_{name}"))
-        for tt in range(4):  # h^t re-derived from the spec formula
+        for tt in range(4):  # h^t re-derived from docs/math.md formula
             ref = torch.tensor(ref_read_weights(X0[tt, 0].reshape(-1), W, b, a), dtype=torch.float64)
             assert (h[tt, 0, t] - ref).abs().max() <= 1e-12
     full_states = [X0] + states[:3]

@@ -1,7 +1,7 @@
-"""Gram–Schmidt over the write-back components (spec §3.3, §8 #20).
+"""Gram–Schmidt over the write-back components (docs/math.md §3.3, §8 #20).
 
 References are plain-Python loops over components and channels (float64 Python floats), written
-from the spec: the MGS pseudo-code with its mean-based ε, and the classical form.
+from docs/math.md: the MGS pseudo-code with its mean-based ε, and the classical form.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _mean(a, b):
 
 
 def ref_mgs(V, eps):
-    """Spec §3.3 pseudo-code, one token: V is a list of K lists of C floats."""
+    """docs/math.md §3.3 pseudo-code, one token: V is a list of K lists of C floats."""
     out = [list(V[0])]
     for j in range(1, len(V)):
         w = list(V[j])

@@ -1,4 +1,4 @@
-"""Hyper-connection layers inside Megatron-Core (spec §1.6, §1.7, §4.3), on CPU.
+"""Hyper-connection layers inside Megatron-Core (docs/math.md §1.6, §1.7, §4.3), on CPU.
 
 Single-process tests run here: the vanilla/disabled specs against stock Megatron (bitwise),
 equivalence at initialisation, PP=2 stages chained by hand, dist_checkpointing coverage of every
@@ -119,7 +119,7 @@ def test_vanilla_and_disabled_specs_are_bitwise_stock(parallel):
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. Equivalence at initialisation (spec §1.6)
+# 2. Equivalence at initialisation (docs/math.md §1.6)
 # ------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -154,7 +154,7 @@ def test_hc_family_equals_vanilla_at_init(parallel, reduction):
 @cpu_only
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_first_attention_input_is_the_embedding(parallel, variant):
-    """Σ h_pre = 1 at init (spec §1.6, §3.7 #3): the first branch input u equals the embedding."""
+    """Σ h_pre = 1 at init (docs/math.md §1.6, §3.7 #3): the first branch input u equals the embedding."""
     config = tiny_moe_config()
     model = build_tiny_hc_gpt(config, hc_config(variant))
     seen = {}

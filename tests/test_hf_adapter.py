@@ -1,7 +1,7 @@
-"""mHC adapter on frozen Hugging Face causal LMs ([PEFT], spec §2.g, §5.1).
+"""mHC adapter on frozen Hugging Face causal LMs ([PEFT], docs/math.md §2.g, §5.1).
 
 Tiny random models are built from configs (``LlamaConfig``, ``Olmo2Config``, ...); nothing is
-downloaded.  Expectations come from the spec/paper (identity at init, Table 1/2 parameter counts,
+downloaded.  Expectations come from docs/math.md and the papers (identity at init, Table 1/2 parameter counts,
 init values of App. C.3) or from an independent float64 re-implementation of the wrapped forward.
 """
 
@@ -40,7 +40,7 @@ from xhc.config import HCConfig, HCConfigError  # noqa: E402
 
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
 
-# (label, kwargs of peft_paper_config) — every variant and ablation of the issue
+# (label, kwargs of peft_paper_config) — every variant and ablation the adapter supports
 VARIANTS = [
     ("static_mhc", dict(variant="mhc", dynamic=False)),
     ("static_lite", dict(variant="mhc_lite", dynamic=False)),
@@ -74,19 +74,19 @@ def wrapped(family: str, **cfg_kwargs):
 
 
 # ================================================================================================
-# Identity at initialisation (spec §1.6, §2.g #4; [PEFT] App. C.3)
+# Identity at initialisation (docs/math.md §1.6, §2.g #4; [PEFT] App. C.3)
 # ================================================================================================
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("label,kw", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_logits_equal_backbone_at_init(family, label, kw):
     ref = backbone_logits(family)
-    # noise off: exact identity, fp32 tolerance 1e-5 (spec §2.g #4)
+    # noise off: exact identity, fp32 tolerance 1e-5 (docs/math.md §2.g #4)
     m = wrapped(family, init_noise=0.0, **kw)
     with torch.no_grad():
         out = m(IDS).logits
     assert out.shape == ref.shape
     assert (out - ref).abs().max() <= 1e-5
-    # paper init noise 1e-4 on: within 1e-2 * max|logit| (spec §2.g #4), and not bit-equal
+    # paper init noise 1e-4 on: within 1e-2 * max|logit| (docs/math.md §2.g #4), and not bit-equal
     m = wrapped(family, **kw)
     with torch.no_grad():
         out = m(IDS).logits
@@ -104,10 +104,10 @@ def test_adapter_is_live_not_bypassed(family):
 
 
 # ================================================================================================
-# Independent float64 reference of the wrapped forward (spec §1.3, §1.4, §2.0–§2.e, §2.g)
+# Independent float64 reference of the wrapped forward (docs/math.md §1.3, §1.4, §2.0–§2.e, §2.g)
 # ================================================================================================
 def _ref_sinkhorn(Z, t_max=20, eps=1e-6):
-    """spec §1.4 reference: row-max shift, initial row normalisation, t_max × (T_c, T_r), eps clamped."""
+    """docs/math.md §1.4 reference: row-max shift, initial row normalisation, t_max × (T_c, T_r), eps clamped."""
     M = torch.exp(Z - Z.amax(-1, keepdim=True))
     M = M / M.sum(-1, keepdim=True).clamp_min(eps)
     for _ in range(t_max):
@@ -117,7 +117,7 @@ def _ref_sinkhorn(Z, t_max=20, eps=1e-6):
 
 
 def _ref_mixing(variant, z, n):
-    """H_res from the residual logits z [..., R], written directly from the spec tables."""
+    """H_res from the residual logits z [..., R], written directly from docs/math.md tables."""
     if variant == "mhc":
         return _ref_sinkhorn(z.reshape(*z.shape[:-1], n, n))
     if variant == "mhc_lite":
@@ -216,7 +216,7 @@ def _reference_logits(m, ids, family):
     ("mhc_no_post", dict(variant="mhc", dynamic=True, ablate_post=True)),
 ])
 def test_wrapped_forward_matches_float64_reference(family, label, kw):
-    """With random (trained-looking) adapter parameters the wrapper equals the spec formula."""
+    """With random (trained-looking) adapter parameters the wrapper equals the formula of docs/math.md."""
     # float64 throughout; the H_pre-ablated case runs in fp32 because xhc's HyperConnection.read
     # builds its uniform 1/N read in the default dtype (float64 input then fails in einsum)
     dtype = torch.float32 if kw.get("ablate_pre") else torch.float64
@@ -314,7 +314,7 @@ def test_unwrap_restores_backbone_modules():
 
 
 # ================================================================================================
-# Initialisation as the paper states ([PEFT] App. C.3, spec §2.g)
+# Initialisation as the paper states ([PEFT] App. C.3, docs/math.md §2.g)
 # ================================================================================================
 def _routing(m):
     with torch.no_grad(), record_routing(m) as rec:
@@ -433,8 +433,8 @@ def test_generate_with_kv_cache():
 
 
 def test_bf16_backbone_keeps_fp32_adapter():
-    """bf16 weights: adapter parameters and routing maths stay fp32 (spec §1.5); logits within the
-    bf16 tolerance 1e-2 · max|logit| of the bf16 backbone (spec §2.g #4)."""
+    """bf16 weights: adapter parameters and routing maths stay fp32 (docs/math.md §1.5); logits within the
+    bf16 tolerance 1e-2 · max|logit| of the bf16 backbone (docs/math.md §2.g #4)."""
     m = tiny_causal_lm("olmo2").to(torch.bfloat16)
     with torch.no_grad():
         ref = m(IDS).logits.float()
@@ -488,7 +488,7 @@ def test_gradient_checkpointing_matches():
 
 
 # ================================================================================================
-# Diagnostics ([PEFT] App. C.5, spec §2.g)
+# Diagnostics ([PEFT] App. C.5, docs/math.md §2.g)
 # ================================================================================================
 @pytest.mark.parametrize("family,kw", [
     ("olmo2", dict(variant="kromhc")),
@@ -500,7 +500,7 @@ def test_gradient_checkpointing_matches():
 def test_diagnostics_pass_for_paper_inits(family, kw):
     m = wrapped(family, **kw)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    rep = run_adapter_diagnostics(m, IDS, overfit_steps=50)  # spec §2.g #5: a 50-step overfit
+    rep = run_adapter_diagnostics(m, IDS, overfit_steps=50)  # docs/math.md §2.g #5: a 50-step overfit
     assert rep.ok, rep.table()
     assert [c.name for c in rep.checks] == ["output_shape", "logits_identity", "routing", "frozen_backbone",
                                             "gradient_flow", "sublayer_identity", "stream_divergence"]
@@ -648,7 +648,7 @@ def test_peft_combination(kind, order):
 
 
 # ================================================================================================
-# Parameter counts: [PEFT] Tables 1/2 on the OLMo-2-1B geometry, meta device (spec §5.1)
+# Parameter counts: [PEFT] Tables 1/2 on the OLMo-2-1B geometry, meta device (docs/math.md §5.1)
 # ================================================================================================
 @pytest.fixture(scope="module")
 def olmo2_1b_meta():
@@ -666,7 +666,7 @@ def _reported(x: int) -> str:
     return f"{v:.{max(0, 2 - int(math.floor(math.log10(v))))}f}{unit}"
 
 
-PAPER_COUNTS = [  # (variant, n, dynamic, exact total spec §5.1, as reported in [PEFT] Table 1/2)
+PAPER_COUNTS = [  # (variant, n, dynamic, exact total docs/math.md §5.1, as reported in [PEFT] Table 1/2)
     ("mhc", 4, False, 772, "772"),
     ("mhc_lite", 4, False, 1024, "1024"),
     ("kromhc", 4, False, 384, "384"),
@@ -712,7 +712,7 @@ def test_identity_equals_krom_with_res_ablated(olmo2_1b_meta):
 
 def test_olmo2_1b_geometry_matches_paper(olmo2_1b_meta):
     """The backbone built from the config is the paper's: 384 params = 0.00002586 % (App. D.1), one
-    layer = 67.1M (Table 4 'layer tuning'), 16 layers -> 32 wrapped sublayers (spec §2.g)."""
+    layer = 67.1M (Table 4 'layer tuning'), 16 layers -> 32 wrapped sublayers (docs/math.md §2.g)."""
     m = olmo2_1b_meta
     total = sum(p.numel() for p in m.parameters())
     assert f"{100 * 384 / total:.8f}" == "0.00002586"

@@ -1,4 +1,4 @@
-"""HyperConnection (HC, mHC, mHC-lite, KromHC, identity): spec §1.3, §1.6, §2.0–§2.e."""
+"""HyperConnection (HC, mHC, mHC-lite, KromHC, identity): docs/math.md §1.3, §1.6, §2.0–§2.e."""
 
 import itertools
 import math
@@ -35,7 +35,7 @@ def postnorm_branch(C, seed=0, dtype=torch.float32):
 
 
 def expected_numel(cfg, C):
-    """Parameter formulas of spec §2.0 / §2.a written independently of the module."""
+    """Parameter formulas of docs/math.md §2.0 / §2.a written independently of the module."""
     N = cfg.n
     if cfg.variant == "hc":
         return N * N + 2 * N if not cfg.dynamic else C * (N + 2) + N * N + 2 * N + 2
@@ -57,10 +57,10 @@ def randomize(hc, scale=0.3, seed=0):
 
 
 # ------------------------------------------------------------------------------------------------
-# float64 references written from the spec equations (per token, explicit loops)
+# float64 references written from docs/math.md equations (per token, explicit loops)
 # ------------------------------------------------------------------------------------------------
 def mhc_reference_token(X, hc):
-    """Dynamic mHC, spec §2.b, one token: X [N, C] float64 -> (u, X')."""
+    """Dynamic mHC, docs/math.md §2.b, one token: X [N, C] float64 -> (u, X')."""
     N, C = X.shape
     x = X.reshape(N * C)
     xh = x / torch.sqrt((x * x).mean() + 1e-6)
@@ -165,7 +165,7 @@ class TestReference:
             torch.testing.assert_close(ctx.H_res, H, rtol=1e-12, atol=1e-12)
 
     def test_hc_dynamic_matches_reference(self):
-        """[HC] tanh form (spec §2.a): H_res[j,i] uses stream i's normalised state."""
+        """[HC] tanh form (docs/math.md §2.a): H_res[j,i] uses stream i's normalised state."""
         torch.manual_seed(2)
         N, C = 3, 5
         hc = HyperConnection(HCConfig(variant="hc", n=N), C).double()
@@ -198,7 +198,7 @@ class TestReference:
 
 
 class TestIdentityAtInit:
-    """Spec §1.6: with the pre-norm-equivalent init, a wrapped sublayer equals x + F(x)."""
+    """docs/math.md §1.6: with the pre-norm-equivalent init, a wrapped sublayer equals x + F(x)."""
 
     @pytest.mark.parametrize("variant", ALL)
     @pytest.mark.parametrize("dynamic", [False, True])
@@ -236,7 +236,7 @@ class TestIdentityAtInit:
         torch.testing.assert_close(norm(reduce_streams(X, "sum")), norm(h), rtol=1e-5, atol=1e-5)
 
     def test_hc_n1_is_exact_residual(self):
-        """N = 1 with static HC is exactly a residual connection (spec §1.6)."""
+        """N = 1 with static HC is exactly a residual connection (docs/math.md §1.6)."""
         C = 8
         hc = HyperConnection(HCConfig(variant="hc", n=1, dynamic=False), C)
         F = prenorm_branch(C)
@@ -249,7 +249,7 @@ class TestIdentityAtInit:
 
 class TestInitialisation:
     def test_near_one_hot_constants(self):
-        """Spec §2.0: N=4 3.476099 / −4.595120; N=16 1.734601 / −4.595120; Σ σ(b) = 1."""
+        """docs/math.md §2.0: N=4 3.476099 / −4.595120; N=16 1.734601 / −4.595120; Σ σ(b) = 1."""
         for n, hot, other in ((4, 3.476099, -4.595120), (16, 1.734601, -4.595120)):
             b = near_one_hot_read_bias(n, 1, 0.01)
             assert abs(float(b[1]) - hot) < 1e-5
@@ -257,7 +257,7 @@ class TestInitialisation:
             assert abs(float(torch.sigmoid(b.double()).sum()) - 1) < 1e-6
 
     def test_uniform_read_constants(self):
-        """Spec §5.4: −ln(N−1) = 0 / −1.098612 / −1.945910 / −2.708050 for N = 2/4/8/16."""
+        """docs/math.md §5.4: −ln(N−1) = 0 / −1.098612 / −1.945910 / −2.708050 for N = 2/4/8/16."""
         for n, v in ((2, 0.0), (4, -1.098612), (8, -1.945910), (16, -2.708050)):
             assert abs(float(uniform_read_bias(n)[0]) - v) < 1e-6
 
@@ -272,7 +272,7 @@ class TestInitialisation:
             assert hc.W_pre.abs().sum() == 0
 
     def test_res_bias_init_values(self):
-        """mHC H_res diag 0.998995 (N=4); lite diag 0.994008; Krom diag 0.999329 (spec §2.0)."""
+        """mHC H_res diag 0.998995 (N=4); lite diag 0.994008; Krom diag 0.999329 (docs/math.md §2.0)."""
         X = torch.randn(4, 2)
         for variant, diag in (("mhc", 0.998995), ("mhc_lite", 0.994008), ("kromhc", 0.999329)):
             hc = HyperConnection(HCConfig(variant=variant, n=4), 2)
@@ -280,7 +280,7 @@ class TestInitialisation:
             assert abs(float(H[0, 0]) - diag) < 1e-6, variant
 
     def test_peft_preset(self):
-        """[PEFT] (spec §2.g): +8 read, mHC diag +8, lite/Krom −12, static Sinkhorn uniform + noise."""
+        """[PEFT] (docs/math.md §2.g): +8 read, mHC diag +8, lite/Krom −12, static Sinkhorn uniform + noise."""
         n = 4
         hc = HyperConnection(HCConfig(variant="mhc", n=n, preset="peft_paper"), 8, layer_index=6)
         assert float(hc.b_pre[2]) == 8.0

@@ -1,4 +1,4 @@
-"""Optimisers (training/optim.py; spec §1.7, §3.1, §6.4, §8 #31).
+"""Optimisers (training/optim.py; docs/math.md §1.7, §3.1, §6.4, §8 #31).
 
 Single process: param-group membership and weight decay on real zoo models (every HC variant),
 the Megatron ``config_overrides`` mapping, Newton–Schulz against an SVD float64 reference and its
@@ -70,7 +70,7 @@ def group_of(groups):
 # Configuration
 # ------------------------------------------------------------------------------------------------
 def test_defaults_follow_the_spec():
-    """Spec §6.4 / §8 #31: AdamW β = (0.9, 0.95), wd 0.1, clip 1.0; Muon momentum 0.95, Nesterov,
+    """docs/math.md §6.4 / §8 #31: AdamW β = (0.9, 0.95), wd 0.1, clip 1.0; Muon momentum 0.95, Nesterov,
     5 quintic NS steps (3.4445, −4.7750, 2.0315), RMS 0.2.  ε defaults to 1e-8; the paper's 1e-15
     is a named setting."""
     c = OptimizerConfig()
@@ -112,7 +112,7 @@ def test_from_dict_and_round_trip():
 
 
 def test_gram_schmidt_defaults_off_under_muon():
-    """Spec §3.1: Gram–Schmidt on under AdamW, off under Muon, unless the user set it."""
+    """docs/math.md §3.1: Gram–Schmidt on under AdamW, off under Muon, unless the user set it."""
     hc = HCConfig(variant="xhc", n=8, k=4, m=2)
     assert hc.gram_schmidt is True
     assert hc_defaults_for_optimizer(hc, "muon").gram_schmidt is False
@@ -170,7 +170,7 @@ def test_every_param_in_exactly_one_group(parallel, variant, opt_name):
     ("hc", {"W_r", "w_pre", "w_post"}, {"a_pre", "a_post", "S_res", "s_alpha", "s_beta"}),
 ])
 def test_weight_decay_by_name(parallel, variant, decayed, not_decayed):
-    """Spec §6.4 / §8 #12: HC projections and conv kernels get the backbone wd; biases, gates and
+    """docs/math.md §6.4 / §8 #12: HC projections and conv kernels get the backbone wd; biases, gates and
     static logits get none.  Backbone: matrices (incl. the MoE router) decayed, norms not."""
     model = zoo_model(f"tiny-moe:{variant}", reduction="softmax")
     seen = {}

@@ -75,7 +75,7 @@ def test_gpu_configs_validate_for_their_layout(name):
     dp = validate_runtime(cfg, world, load_preset(cfg.model.preset), cuda=True)
     assert dp == world // (cfg.parallel.tp * cfg.parallel.pp)
     assert cfg.run.precision == "bf16" and cfg.batch.seq_length == 8192
-    assert cfg.schedule.kind == "wsd" and cfg.schedule.warmup_steps == 500  # spec §6.4
+    assert cfg.schedule.kind == "wsd" and cfg.schedule.warmup_steps == 500  # docs/math.md §6.4
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.eps == 1e-15 and cfg.optimizer.clip_grad == 1.0
     if "muon" in name:
         assert cfg.optimizer.name == "muon" and load_preset(cfg.model.preset).hc.gram_schmidt is False

@@ -1,4 +1,4 @@
-"""Scaling-law fit and compute multipliers (spec §5.4, §6.5)."""
+"""Scaling-law fit and compute multipliers (docs/math.md §5.4, §6.5)."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""Learning-rate schedules (training/schedule.py; spec §6.3, §6.4, §8 #30).
+"""Learning-rate schedules (training/schedule.py; docs/math.md §6.3, §6.4, §8 #30).
 
 Boundary values are computed by hand from the formulas in the module docstring; the scheduler is
 checked on real torch param groups (per-group multipliers, weight-decay multipliers, state).
@@ -29,7 +29,7 @@ def approx(x):
 
 
 def test_defaults_are_the_xhc_wsd_recipe():
-    """Spec §6.4 / §8 #30: 500 warmup steps, WSD, decay over the last 10 % to 0.1 × peak."""
+    """docs/math.md §6.4 / §8 #30: 500 warmup steps, WSD, decay over the last 10 % to 0.1 × peak."""
     cfg = ScheduleConfig(total_steps=10_000)
     assert (cfg.kind, cfg.warmup_steps, cfg.decay_fraction, cfg.final_ratio) == ("wsd", 500, 0.1, 0.1)
     assert cfg.decay_steps == 1000

@@ -1,6 +1,6 @@
-"""Temporal feature augmentation (spec §3.2, §3.6, §3.7 #4): equations, resets, layouts, decoding.
+"""Temporal feature augmentation (docs/math.md §3.2, §3.6, §3.7 #4): equations, resets, layouts, decoding.
 
-References are written directly from the spec with explicit Python loops over positions, taps and
+References are written directly from docs/math.md with explicit Python loops over positions, taps and
 channels, using *document ids* (not pos_in_doc) to decide which history a token may see.
 """
 

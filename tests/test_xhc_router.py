@@ -1,4 +1,4 @@
-"""xHC stream router (spec §3.4 router, §8 #14–#16): selection, ties, route weights, gradients."""
+"""xHC stream router (docs/math.md §3.4 router, §8 #14–#16): selection, ties, route weights, gradients."""
 
 import math
 
@@ -129,7 +129,7 @@ def test_router_module_rejects_bad_sizes():
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["sigmoid", "softmax"])
 def test_gradient_reaches_router_only_through_routed_weights(kind):
-    """Single token: W_router rows (the spec's columns) of fixed and unselected streams get exactly
+    """Single token: W_router rows (the documented columns) of fixed and unselected streams get exactly
     zero gradient under sigmoid; under softmax every non-fixed row is coupled through the
     normaliser, but the fixed rows stay at zero."""
     N, C, k, m = 7, 5, 4, 2

@@ -1,6 +1,6 @@
-"""XHCSublayer: routing, dense read, sparse write, scatter (spec §3.4, §3.5, §3.7, §1.6).
+"""XHCSublayer: routing, dense read, sparse write, scatter (docs/math.md §3.4, §3.5, §3.7, §1.6).
 
-The ``ref_*`` functions below are a float64 reference written directly from the spec equations,
+The ``ref_*`` functions below are a float64 reference written directly from docs/math.md equations,
 per token and per stream with Python loops; they share no code with ``xhc/`` (the Sinkhorn,
 causal conv and Gram–Schmidt references are re-derived here too).  ``tests/test_flash.py``
 reuses them.
@@ -26,7 +26,7 @@ def _seed():
 
 
 # ================================================================================================
-# float64 reference from the spec (per token, explicit loops)
+# float64 reference from docs/math.md (per token, explicit loops)
 # ================================================================================================
 def ref_sigmoid(z):
     return 1.0 / (1.0 + math.exp(-z))
@@ -46,12 +46,12 @@ def ref_rms_norm(x):
 
 
 def ref_matvec(x, W_spec):
-    """z = x W with W in the spec's [in, out] layout, one output at a time."""
+    """z = x W with W in the documented [in, out] layout, one output at a time."""
     return [float((x * W_spec[:, o]).sum()) for o in range(W_spec.shape[1])]
 
 
 def ref_sinkhorn(Z, t_max=20, eps=1e-6):
-    """Spec §1.4 with explicit entry loops: exp(Z − rowmax), T_r, then t_max × (T_c, T_r)."""
+    """docs/math.md §1.4 with explicit entry loops: exp(Z − rowmax), T_r, then t_max × (T_c, T_r)."""
     n = len(Z)
     M = [[math.exp(Z[i][j] - max(Z[i])) for j in range(n)] for i in range(n)]
 
@@ -134,7 +134,7 @@ def ref_components(Y, convs, use_gs, pos_in_doc=None, gs_eps=1e-6):
 
 
 def spec_params(hc):
-    """Parameters of an XHCSublayer in the spec's [in, out] layout, float64."""
+    """Parameters of an XHCSublayer in the documented [in, out] layout, float64."""
     d = lambda t: t.detach().double()  # noqa: E731
     P = {"W_router": d(hc.router.weight).T if hc.router.weight is not None else None}
     for g in ("pre", "res", "post"):
@@ -378,7 +378,7 @@ def test_router_gradient_only_on_selected_routed_columns(m):
     u, ctx = hc.read(X)
     Xn = hc.write(X, torch.tanh(u), ctx)
     (Xn * torch.randn_like(Xn)).sum().backward()
-    g = hc.router.weight.grad  # [N, N·C]: row n is the spec's column n
+    g = hc.router.weight.grad  # [N, N·C]: row n is the documented column n
     routed = set(ctx.I[0, 0, m:].tolist())
     for n in range(cfg.n):
         if n in routed:
@@ -544,7 +544,7 @@ def test_fused_projections_match_reference(dtype, tol):
 def test_parameter_count_matches_spec():
     """§3.1: per layer (4N² + 2k³ + k² + k²·K_r + Σκ)·C + (2N + 2k² + k + k·K_r + 6) = 1256·C + 90."""
     for C in (8, 12):
-        cfg = HCConfig(variant="xhc", n=16, k=4, m=2, kernel_sizes=(4, 8, 12))  # spec §3.1 defaults
+        cfg = HCConfig(variant="xhc", n=16, k=4, m=2, kernel_sizes=(4, 8, 12))  # docs/math.md §3.1 defaults
         n = XHCSublayer(cfg, C, False).hc_parameter_count() + XHCSublayer(cfg, C, True).hc_parameter_count()
         assert n == 1256 * C + 90
         cfg = HCConfig(variant="xhc", n=4, k=2, m=1, kernel_sizes=(4, 8, 12))  # §5.1 table: 124·C

@@ -2,7 +2,7 @@
 
 Every preset resolves to a valid Megatron ``TransformerConfig`` + ``HCConfig``; representative paper
 presets build on the meta device and their parameter counts equal the independent analytic
-formulas of :mod:`xhc.accounting` (spec §5.1, §6.1); bad names and keys give one-line errors that
+formulas of :mod:`xhc.accounting` (docs/math.md §5.1, §6.1); bad names and keys give one-line errors that
 name the preset/file and the key.
 """
 
@@ -63,7 +63,7 @@ def test_every_preset_loads_and_validates():
         if b.get("num_moe_experts"):
             dense = b.get("first_dense_layers", 0)
             assert config.moe_layer_freq == [0] * dense + [1] * (b["num_layers"] - dense), name
-        # CPU overrides are config only (spec §1.7: no TE, allgather dispatcher)
+        # CPU overrides are config only (docs/math.md §1.7: no TE, allgather dispatcher)
         assert config.use_cpu_initialization and config.moe_token_dispatcher_type == "allgather", name
         assert not config.fp32_residual_connection and not getattr(config, "fused_residual_rmsnorm", False)
     assert build_transformer_config(load_preset("tiny-moe:xhc"), cpu=False).moe_token_dispatcher_type == "alltoall"
@@ -71,7 +71,7 @@ def test_every_preset_loads_and_validates():
 
 @pytest.mark.parametrize("file,size", sorted(PAPER_FILES.items()))
 def test_paper_backbones_match_the_spec_shapes(file, size):
-    """The YAML backbones are the spec §6.1 shapes that xhc.accounting encodes independently."""
+    """The YAML backbones are docs/math.md §6.1 shapes that xhc.accounting encodes independently."""
     names = [n for n in list_presets() if n.startswith(f"{file}:")]
     assert f"{file}:vanilla" in names and f"{file}:xhc" in names
     got = backbone_shape(load_preset(f"{file}:vanilla"))

@@ -1,4 +1,4 @@
-"""Run the mHC adapter diagnostics ([PEFT] App. C.5, spec §2.g) on a wrapped Hugging Face model.
+"""Run the mHC adapter diagnostics ([PEFT] App. C.5, docs/math.md §2.g) on a wrapped Hugging Face model.
 
 Examples::
 

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
         # [PEFT] init: identity-permutation logit 0, swap logit −12 per Kronecker factor
         "kromhc_learned": {"variant": "kromhc", "n": 4, "dynamic": True},
         # the same, but H_res starts uniform (all logits 0, [PEFT] App. D.4 "uniform") and the read is
-        # the spec's near-one-hot δ = 0.01: here H_res has to be learned away from 11ᵀ/n
+        # the documented near-one-hot δ = 0.01: here H_res has to be learned away from 11ᵀ/n
         "kromhc_uniform_init": {"base": "spec", "variant": "kromhc", "n": 4, "dynamic": True,
                                 "res_offdiag_init": 0.0, "mapping_norm_affine": True, "init_noise": 1e-4,
                                 "reduction": "mean"},

@@ -1,4 +1,4 @@
-"""Finetune a frozen Hugging Face causal LM with an mHC adapter (optionally + LoRA/VeRA) ([PEFT], spec §6.6).
+"""Finetune a frozen Hugging Face causal LM with an mHC adapter (optionally + LoRA/VeRA) ([PEFT], docs/math.md §6.6).
 
 Run::
 

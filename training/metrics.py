@@ -2,7 +2,7 @@
 
 - :func:`model_flops_per_token`: training FLOPs per token of the backbone (a named convention of
   :func:`xhc.accounting.vanilla_flops_per_token`) plus the hyper-connections' F_HC
-  (:func:`xhc.accounting.training_flops_per_token`, spec §5.2).
+  (:func:`xhc.accounting.training_flops_per_token`, docs/math.md §5.2).
 - :func:`peak_tflops`: the per-device peak used for MFU: ``logging.peak_tflops`` if set, else
   the dense bf16 tensor-core peak of a known GPU, else a *nominal* 1 TFLOP/s for a CPU process
   (so CPU MFU is a relative number only; the console says so).
@@ -56,7 +56,7 @@ def model_flops_per_token(preset, seq_length: int, vocab_size: int, convention: 
                           hc=None) -> Dict[str, float]:
     """``{"backbone", "hc", "total"}`` training FLOPs per token (forward + backward).
 
-    ``hc``: the HCConfig actually used (default: the preset's).  The HC part is the spec's F_HC =
+    ``hc``: the HCConfig actually used (default: the preset's).  The HC part is the documented F_HC =
     6·P_HC·L (§5.2); Sinkhorn iterations and element-wise mixing are not counted.
     """
     from tools.zoo import backbone_shape

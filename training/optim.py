@@ -1,4 +1,4 @@
-"""Optimisers for pre-training (spec §1.7, §6.4, §8 #31): AdamW, Muon, parameter groups, clipping.
+"""Optimisers for pre-training (docs/math.md §1.7, §6.4, §8 #31): AdamW, Muon, parameter groups, clipping.
 
 Two recipes, selected by :attr:`OptimizerConfig.name`:
 
@@ -8,7 +8,7 @@ Two recipes, selected by :attr:`OptimizerConfig.name`:
   FC1/FC2, the MoE router projection); AdamW on embeddings, the output layer, norms, biases and
   **every** hyper-connection parameter (projections, router, gates, biases, conv kernels).
 
-Weight decay (both recipes; spec §6.4, §8 #12): backbone tensors with ≥ 2 dims are decayed,
+Weight decay (both recipes; docs/math.md §6.4, §8 #12): backbone tensors with ≥ 2 dims are decayed,
 1-D tensors and ``*.bias`` are not (Megatron's rule).  Hyper-connection parameters are
 classified by *name* (:func:`hc_param_kind`): projections (``W_pre``, ``W_res``, ``w_post``,
 ``router.weight``, ``pre.weight``, ...) and temporal conv kernels get the backbone weight decay;
@@ -75,9 +75,9 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "muon")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-"""Quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon (spec §8 #31)."""
+"""Quintic Newton–Schulz coefficients (a, b, c) of Keller Jordan's Muon (docs/math.md §8 #31)."""
 PAPER_ADAMW_EPS = 1e-15
-"""AdamW ε of the [xHC] recipe (spec §6.4); set ``optimizer.eps`` to it for paper parity."""
+"""AdamW ε of the [xHC] recipe (docs/math.md §6.4); set ``optimizer.eps`` to it for paper parity."""
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 Models = Union[torch.nn.Module, Iterable[torch.nn.Module]]
@@ -97,7 +97,7 @@ def _is_number(v: Any) -> bool:
 
 @dataclass
 class OptimizerConfig:
-    """Optimiser settings; defaults are the spec §6.4 recipe."""
+    """Optimiser settings; defaults are docs/math.md §6.4 recipe."""
 
     name: str = "adamw"
     """``adamw`` | ``muon`` (Muon on 2-D backbone matrices, AdamW on the rest)."""
@@ -109,7 +109,7 @@ class OptimizerConfig:
     """Decoupled weight decay (``p ← p·(1 − lr·wd)``) for the decayed groups of both optimisers."""
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    """AdamW ε.  The paper's value is 1e-15 (:data:`PAPER_ADAMW_EPS`, spec §6.4); with it, AdamW turns
+    """AdamW ε.  The paper's value is 1e-15 (:data:`PAPER_ADAMW_EPS`, docs/math.md §6.4); with it, AdamW turns
     gradients that are zero up to round-off into ±lr steps (e.g. the last sublayer's residual
     mixing under a sum readout, or every H_res while all streams are still equal at init)."""
     clip_grad: float = 1.0
@@ -192,7 +192,7 @@ class OptimizerConfig:
 
 
 def hc_defaults_for_optimizer(hc: HCConfig, optimizer_name: str, explicit_keys: Iterable[str] = ()) -> HCConfig:
-    """Spec §3.1 / §6.4: xHC's Gram–Schmidt is on under AdamW and off under Muon.
+    """docs/math.md §3.1 / §6.4: xHC's Gram–Schmidt is on under AdamW and off under Muon.
 
     Returns ``hc`` with ``gram_schmidt`` set to that default, unless ``"gram_schmidt"`` is among
     ``explicit_keys`` (the HC keys the user wrote: the preset's variant mapping and overrides).
@@ -221,7 +221,7 @@ _HC_RULES: Tuple[Tuple[str, "re.Pattern[str]"], ...] = tuple(
     )
 )
 HC_DECAY_KINDS = frozenset({"hc_projection", "hc_conv"})
-"""HC parameter kinds that get the backbone weight decay (spec §6.4); the others get none."""
+"""HC parameter kinds that get the backbone weight decay (docs/math.md §6.4); the others get none."""
 
 _EMBEDDING_RE = re.compile(r"(^|\.)(word_embeddings|position_embeddings|tokentype_embeddings)\.weight$")
 _OUTPUT_RE = re.compile(r"(^|\.)output_layer\.weight$")
@@ -446,7 +446,7 @@ def clip_grad_norm(params_or_model, max_norm: float) -> float:
 # ----------------------------------------------------------------------------------------------
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: Sequence[float] = NS_COEFFICIENTS,
                   eps: float = 1e-7, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
-    """Quintic Newton–Schulz orthogonalisation of a matrix ``G [m, n]`` (spec §6.4, §8 #31).
+    """Quintic Newton–Schulz orthogonalisation of a matrix ``G [m, n]`` (docs/math.md §6.4, §8 #31).
 
     On the wide orientation (transpose when ``m > n``): ``X₀ = G / max(‖G‖_F, eps)``, then
     ``steps`` times ``A = X Xᵀ``, ``X ← a·X + (b·A + c·A²)·X``.  With the default coefficients

@@ -22,7 +22,7 @@ before loading; a ``resume`` record in ``metrics.jsonl`` marks where a resumed r
 - **GPU**: Megatron's ``get_forward_backward_func()`` schedules (1F1B, interleaved), with the N·C
   pipeline p2p shapes of :func:`models.pipeline.install_hc_p2p_shapes`; Megatron DDP; Megatron's
   (distributed) optimizer through :func:`training.optim.build_optimizer`; bf16 (HC parameters
-  kept in fp32, spec §8 #13).
+  kept in fp32, docs/math.md §8 #13).
 - **CPU** (gloo, :mod:`models.cpu_compat`): fp32; forward and backward driven directly, with
   :func:`models.parallel.finalize_grads` for the DP / SP gradient all-reduces and the
   aux-loss-free expert-bias update; PP > 1 through :func:`models.pipeline.gpipe_forward_backward`.

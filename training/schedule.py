@@ -1,4 +1,4 @@
-"""Learning-rate schedules (spec §6.3, §6.4, §8 #30): pure functions and a tiny scheduler.
+"""Learning-rate schedules (docs/math.md §6.3, §6.4, §8 #30): pure functions and a tiny scheduler.
 
 Every schedule is a *factor* ``f(s) ∈ [0, 1]`` of the peak learning rate, where ``s`` is the
 number of optimiser updates already applied (the first update uses ``s = 0``).  With warmup length
@@ -61,7 +61,7 @@ def _err(key: str, value: Any, fix: str) -> ScheduleConfigError:
 @dataclass
 class ScheduleConfig:
     """Learning-rate schedule.  Defaults: the [xHC] WSD recipe (500 warmup steps, decay to
-    0.1 × peak over the last 10 % of training, spec §6.4 and §8 #30)."""
+    0.1 × peak over the last 10 % of training, docs/math.md §6.4 and §8 #30)."""
 
     kind: str = "wsd"
     """``wsd`` | ``cosine`` | ``constant`` | ``step``."""

@@ -3,7 +3,7 @@
 Every invalid value raises :class:`HCConfigError` with a one-line message that names the
 field, the value given and the allowed values.
 
-Variants (spec §2–§4):
+Variants (docs/math.md §2–§4):
 
 =============  =====================================================================
 ``none``       stock residual (vanilla); every HC code path is bypassed
@@ -63,7 +63,7 @@ def _err(field_name: str, value, allowed: str) -> HCConfigError:
 class HCConfig:
     """Configuration of the hyper-connections of one model (all sublayers share it).
 
-    Fields are grouped as in the spec; defaults are the spec's recommendations.
+    Fields are grouped as in docs/math.md; defaults are the documented recommendations.
     """
 
     # ---- family ---------------------------------------------------------------------------
@@ -93,7 +93,7 @@ class HCConfig:
     """Initial value of the scalar gates α (HC: s_α, s_β)."""
     read_init: str = "auto"
     """``one_hot``: near-one-hot read on stream ℓ mod N; ``uniform``: h_pre = 1/N;
-    ``auto``: one_hot for HC and the mHC family, uniform for xHC (spec §2.0, §3.4)."""
+    ``auto``: one_hot for HC and the mHC family, uniform for xHC (docs/math.md §2.0, §3.4)."""
     read_delta: float = 0.01
     """δ of the near-one-hot read: the other streams get h_pre = δ."""
     res_offdiag_init: float = -8.0
@@ -103,7 +103,7 @@ class HCConfig:
     res_logit_dropout: float = 0.0
     """Dropout probability on the residual logits during training ([PEFT], off by default)."""
     preset: str = "spec"
-    """``spec`` (this spec's inits) or ``peft_paper`` ([PEFT] inits, §2.g)."""
+    """``spec`` (this documented inits) or ``peft_paper`` ([PEFT] inits, §2.g)."""
     hc_tanh: bool = True
     """HC dynamic form uses tanh ([HC] Table 1 'w/o tanh' sets this to False)."""
 

@@ -1,4 +1,4 @@
-"""Pre-training diagnostics for hyper-connections ([PEFT] App. C.5, spec §2.g, [mHC] §4).
+"""Pre-training diagnostics for hyper-connections ([PEFT] App. C.5, docs/math.md §2.g, [mHC] §4).
 
 Each check returns a small report object and, with ``strict=True`` (default), raises
 :class:`DiagnosticError` with a one-line message naming what failed.
@@ -40,7 +40,7 @@ class StochasticReport:
 def check_doubly_stochastic(
     H: torch.Tensor, row_tol: float = 1e-5, col_tol: float = 1e-3, strict: bool = True, name: str = "H_res"
 ) -> StochasticReport:
-    """Validate ``H``: ``[..., n, n]`` (rows 1 ± ``row_tol``, columns 1 ± ``col_tol``; spec §2.g #2)."""
+    """Validate ``H``: ``[..., n, n]`` (rows 1 ± ``row_tol``, columns 1 ± ``col_tol``; docs/math.md §2.g #2)."""
     square = H.dim() >= 2 and H.shape[-1] == H.shape[-2]
     finite = bool(torch.isfinite(H).all())
     nonneg = bool((H >= 0).all()) if finite else False
@@ -108,7 +108,7 @@ def check_gradient_flow(
 def check_sublayer_identity(
     hc: nn.Module, branch: Callable, x: torch.Tensor, rel_tol: float = 1e-2, strict: bool = True
 ) -> float:
-    """At init, ``hc`` around ``branch`` on identical streams equals ``x + branch(x)`` (spec §1.6).
+    """At init, ``hc`` around ``branch`` on identical streams equals ``x + branch(x)`` (docs/math.md §1.6).
 
     ``x``: ``[..., C]``.  Returns max |X'_i − (x + f(x))| / max |x + f(x)| over all streams.
     """
@@ -177,7 +177,7 @@ def identity_distance(H: torch.Tensor) -> float:
 
 
 def stream_divergence(X: torch.Tensor) -> float:
-    """max over tokens of max_{i,j} ‖X_i − X_j‖ / ‖X‖ for ``X``: ``[..., N, C]`` (spec §2.g #5)."""
+    """max over tokens of max_{i,j} ‖X_i − X_j‖ / ‖X‖ for ``X``: ``[..., N, C]`` (docs/math.md §2.g #5)."""
     Xf = X.detach().double().reshape(-1, *X.shape[-2:])  # [T, N, C]
     diffs = (Xf.unsqueeze(-2) - Xf.unsqueeze(-3)).norm(dim=-1).amax((-1, -2))  # [T]
     return float((diffs / Xf.norm(dim=(-1, -2)).clamp_min(1e-30)).max())

@@ -1,7 +1,7 @@
-"""Residual-mixing parameterisations H_res = Φ(z_res) (spec §1.4, §2.b–§2.f).
+"""Residual-mixing parameterisations H_res = Φ(z_res) (docs/math.md §1.4, §2.b–§2.f).
 
 Every map takes fp32 logits with arbitrary leading dimensions and returns ``[..., n, n]``.
-Rows index *output* streams: the write is X' = H_res · X (spec §1.3, convention 1).
+Rows index *output* streams: the write is X' = H_res · X (docs/math.md §1.3, convention 1).
 
 =====================  =====================================  =========================
 function               logits shape                           H_res property
@@ -29,7 +29,7 @@ MHC_LITE_MAX_N = 6
 
 
 # ----------------------------------------------------------------------------------------------
-# Sinkhorn–Knopp (spec §1.4, [mHC] Eq. 9)
+# Sinkhorn–Knopp (docs/math.md §1.4, [mHC] Eq. 9)
 # ----------------------------------------------------------------------------------------------
 def _sinkhorn_iterations(Z: torch.Tensor, t_max: int, eps: float, order: str) -> torch.Tensor:
     """The reference loop on fp32 logits ``Z``: ``[..., n, n]`` -> ``[..., n, n]``."""
@@ -87,7 +87,7 @@ def sinkhorn_backward(Z: torch.Tensor, grad_out: torch.Tensor, t_max: int, eps: 
 class _SinkhornRecompute(torch.autograd.Function):
     """Sinkhorn as one op that saves only the logits; backward by :func:`sinkhorn_backward`.
 
-    Memory is O(n²) per token instead of O(t_max · n²): needed at N = 16 (spec §1.4).  No
+    Memory is O(n²) per token instead of O(t_max · n²): needed at N = 16 (docs/math.md §1.4).  No
     autograd call inside backward, so ``torch.compile(fullgraph=True)`` traces it whole.
     """
 
@@ -133,7 +133,7 @@ def sinkhorn(
 
 
 # ----------------------------------------------------------------------------------------------
-# mHC-lite (spec §2.c): convex combination of all n! permutation matrices
+# mHC-lite (docs/math.md §2.c): convex combination of all n! permutation matrices
 # ----------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def _permutation_matrices_cpu(n: int) -> torch.Tensor:
@@ -164,7 +164,7 @@ def mhc_lite_mix(logits: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# KromHC (spec §2.d): Kronecker product of log2(n) 2×2 doubly stochastic factors
+# KromHC (docs/math.md §2.d): Kronecker product of log2(n) 2×2 doubly stochastic factors
 # ----------------------------------------------------------------------------------------------
 def kromhc_num_factors(n: int) -> int:
     """log2(n); raises a clear error unless n is a power of two ≥ 2."""
@@ -209,5 +209,5 @@ def identity_mix(n: int, batch_shape=(), device=None) -> torch.Tensor:
 
 
 def clamp_rows(H: torch.Tensor) -> torch.Tensor:
-    """Row-sum clamp (spec §2.f): H[i,:] ← H[i,:] / max(Σ_j H[i,j], 1).  ``[..., n, n]``."""
+    """Row-sum clamp (docs/math.md §2.f): H[i,:] ← H[i,:] / max(Σ_j H[i,j], 1).  ``[..., n, n]``."""
     return H / H.sum(-1, keepdim=True).clamp_min(1.0)

@@ -1,4 +1,4 @@
-"""xHC-Flash and xHC-Flash-4sub: one routing decision and one full-state read per window (spec §4).
+"""xHC-Flash and xHC-Flash-4sub: one routing decision and one full-state read per window (docs/math.md §4).
 
 A *window* is a run of sublayers that share the routing (I, p) and whose pre-mappings are all
 generated from the window-entry state X^(0), in one pass over the N·C state:
@@ -34,8 +34,8 @@ Equations (shape legend of :mod:`xhc.xhc`; per token):
                                 last MLP: X_a ← H_res·X_a + diag(p)·H_post·V;  then one scatter
 ==============================  ==================================================================
 
-Every H_post (and the final H_res) is generated from the *current* carried X_a (spec §8 #24).
-With K_A = 1 (attention, default) the correction is the spec's scalar form β·y_A; with
+Every H_post (and the final H_res) is generated from the *current* carried X_a (docs/math.md §8 #24).
+With K_A = 1 (attention, default) the correction is the documented scalar form β·y_A; with
 ``attn_temporal`` (K_A = r+1 components after attention) it is applied per component.
 
 Parameters (names; shapes as in :mod:`xhc.xhc`, ``[out, in]`` layout, fp32):
@@ -86,7 +86,7 @@ from xhc.xhc import (
 
 
 def base_readouts(h: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """inp_t = Σ_i h^t_i · X_i for several read maps in one pass (spec §4.1 base readouts).
+    """inp_t = Σ_i h^t_i · X_i for several read maps in one pass (docs/math.md §4.1 base readouts).
 
     ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``  ->  fp32 ``[..., T, C]``.
     """
@@ -96,7 +96,7 @@ def base_readouts(h: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def flash_mlp_input(
     inp_M: torch.Tensor, h_M_active: torch.Tensor, p: torch.Tensor, H_post_A: torch.Tensor, V_A: torch.Tensor
 ) -> torch.Tensor:
-    """inp_MLP = inp_M + Σ_t β_t · V^A_t,  β_t = Σ_j h^M[I_j] · p_j · H_post^A[j, t]  (spec §4.1).
+    """inp_MLP = inp_M + Σ_t β_t · V^A_t,  β_t = Σ_j h^M[I_j] · p_j · H_post^A[j, t]  (docs/math.md §4.1).
 
     Exact replacement of a second dense read Σ_i h^M_i X^(A)_i when I, p, h^M are fixed at window
     entry, nothing mixes before the MLP read and attention writes only the active streams.
@@ -108,7 +108,7 @@ def flash_mlp_input(
 
 
 def nonactive_base(h: torch.Tensor, X: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
-    """base_t = Σ_{i∉I} h^t_i · X_i  (spec §4.2 split dense read; computed once at window entry).
+    """base_t = Σ_{i∉I} h^t_i · X_i  (docs/math.md §4.2 split dense read; computed once at window entry).
 
     ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``;  ``I``: ``[..., k]``  ->  fp32 ``[..., T, C]``.
     """
@@ -118,7 +118,7 @@ def nonactive_base(h: torch.Tensor, X: torch.Tensor, I: torch.Tensor) -> torch.T
 
 
 def split_read(base: torch.Tensor, h_active: torch.Tensor, Xa: torch.Tensor) -> torch.Tensor:
-    """u_t = base_t + Σ_j h^t[I_j] · X_a[j]  (spec §4.2).
+    """u_t = base_t + Σ_j h^t[I_j] · X_a[j]  (docs/math.md §4.2).
 
     ``base``: ``[..., C]``;  ``h_active``: ``[..., k]``;  ``Xa``: ``[..., k, C]``  ->  fp32 ``[..., C]``.
     """
@@ -137,10 +137,10 @@ def carried_write(
     X0: Optional[torch.Tensor] = None,
     I: Optional[torch.Tensor] = None,
 ):
-    """One window sublayer's write on the carried active streams (spec §4.1, §4.2 "Writes").
+    """One window sublayer's write on the carried active streams (docs/math.md §4.1, §4.2 "Writes").
 
     H_post (and H_res when ``res`` is given) come from RMSNorm(vec X_a) of the *current* X_a
-    (spec §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.  ``fused``: the res/post projections in
+    (docs/math.md §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.  ``fused``: the res/post projections in
     one GEMM with the norm after it; a non-eager ``backend`` runs the write as one op
     (:func:`xhc.kernels.write`).
     ``Xa``: ``[..., k, C]``  ->  (new X_a ``[..., k, C]``, H_res or None, H_post); new X_a is fp32 on
@@ -201,7 +201,7 @@ class _WindowPart(nn.Module):
 
 
 class XHCFlashLayer(_WindowPart):
-    """xHC-Flash window over one transformer layer (spec §4.1).
+    """xHC-Flash window over one transformer layer (docs/math.md §4.1).
 
     Args:
         cfg: :class:`~xhc.config.HCConfig` with ``variant`` ``xhc_flash`` (or ``xhc_flash4``, whose
@@ -250,7 +250,7 @@ class XHCFlashLayer(_WindowPart):
         return state.inp[..., 0, :].to(state.X0.dtype)
 
     def attn_write(self, state: FlashState, y: torch.Tensor, seq=None) -> FlashState:
-        """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (spec §4.1 attention sublayer)."""
+        """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (docs/math.md §4.1 attention sublayer)."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
         V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
         Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps, self.fused,
@@ -258,7 +258,7 @@ class XHCFlashLayer(_WindowPart):
         return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done")
 
     def mlp_read(self, state: FlashState) -> torch.Tensor:
-        """u_M = inp_M + β·y_A, the exact correction (spec §4.1)  ->  ``[..., C]`` residual dtype."""
+        """u_M = inp_M + β·y_A, the exact correction (docs/math.md §4.1)  ->  ``[..., C]`` residual dtype."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_read")
         h_M_active = state.h_pre[..., 1, :].gather(-1, state.I)
         u = flash_mlp_input(state.inp[..., 1, :], h_M_active, state.p, state.H_post_A, state.V_A)
@@ -328,7 +328,7 @@ class Flash4State:
 
 
 def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
-    """u_t of sublayer ``t`` (0..3) by the split read (spec §4.2)  ->  ``[..., C]`` residual dtype."""
+    """u_t of sublayer ``t`` (0..3) by the split read (docs/math.md §4.2)  ->  ``[..., C]`` residual dtype."""
     if state.step != t:
         raise RuntimeError(
             f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
@@ -359,7 +359,7 @@ def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCCon
 
 
 class Flash4FirstLayer(_WindowPart):
-    """Flash-4sub parameters and sublayers A1, M1 of a window (Megatron layer 2g; spec §4.2).
+    """Flash-4sub parameters and sublayers A1, M1 of a window (Megatron layer 2g; docs/math.md §4.2).
 
     Owns what the window entry generates (router, four pre-mappings) plus H_post^{A1}, H_post^{M1}
     and M1's temporal convs.  ``layer_index``: the global index 2g of this layer.
@@ -424,7 +424,7 @@ class Flash4FirstLayer(_WindowPart):
 
 
 class Flash4SecondLayer(_WindowPart):
-    """Flash-4sub sublayers A2, M2 of a window (Megatron layer 2g+1; spec §4.2).
+    """Flash-4sub sublayers A2, M2 of a window (Megatron layer 2g+1; docs/math.md §4.2).
 
     Owns H_post^{A2}, H_res^{M2}, H_post^{M2} and M2's temporal convs; M2 mixes once and scatters
     the carried active streams into X^(0).  ``layer_index``: the global index 2g+1 of this layer.
@@ -478,7 +478,7 @@ class Flash4SecondLayer(_WindowPart):
 
 
 class Flash4Window(_WindowPart):
-    """Both halves of a Flash-4sub window, for single-module use and tests (spec §4.2).
+    """Both halves of a Flash-4sub window, for single-module use and tests (docs/math.md §4.2).
 
     ``first`` belongs to Megatron layer 2g, ``second`` to layer 2g+1; a Megatron integration
     gives each layer its half and carries the :class:`Flash4State` between the two layer calls.

@@ -1,4 +1,4 @@
-"""Gram–Schmidt over the write-back components of one token (spec §3.3, §8 #20).
+"""Gram–Schmidt over the write-back components of one token (docs/math.md §3.3, §8 #20).
 
 xHC writes K_r components V = [y, g_1, …, g_r] per token (§3.2).  Before the write they are
 made mutually orthogonal along C by *modified* Gram–Schmidt, without normalising to unit length:
@@ -26,7 +26,7 @@ DEFAULT_GS_EPS = 1e-6
 
 
 def gram_schmidt(V: torch.Tensor, eps: float = DEFAULT_GS_EPS) -> torch.Tensor:
-    """Modified Gram–Schmidt over the component axis, per token (spec §3.3).
+    """Modified Gram–Schmidt over the component axis, per token (docs/math.md §3.3).
 
     Args:
         V: ``[..., K, C]`` components, first one ``y``; any float dtype.

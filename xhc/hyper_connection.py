@@ -1,4 +1,4 @@
-"""One hyper-connection per wrapped sublayer: HC and the mHC family (spec §1.3, §1.6, §2.0–§2.e).
+"""One hyper-connection per wrapped sublayer: HC and the mHC family (docs/math.md §1.3, §1.6, §2.0–§2.e).
 
 A framework wraps a branch F (attention or MLP, *including* its own norm) like this::
 
@@ -9,7 +9,7 @@ A framework wraps a branch F (attention or MLP, *including* its own norm) like t
 and, around the whole stack, ``X = expand_streams(e, N)`` after the embedding and
 ``h = reduce_streams(X, ...)`` (or :class:`StreamReadout`) before the final norm.
 
-Equations (spec §1.3 and §2.0), per token, X ∈ R^{N×C}:
+Equations (docs/math.md §1.3 and §2.0), per token, X ∈ R^{N×C}:
 
 =================================  ============================================================
 :func:`dynamic_logits`             z_g = α_g · (RMSNorm(vec X) W_g) + b_g     (static: z_g = b_g)
@@ -37,7 +37,7 @@ from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
 from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix, sinkhorn
 from xhc.norms import fp32, layer_norm_streams
 
-PEFT_READ_LOGIT = 8.0  # [PEFT] one-hot read-in bias (spec §2.g)
+PEFT_READ_LOGIT = 8.0  # [PEFT] one-hot read-in bias (docs/math.md §2.g)
 PEFT_PERM_LOGIT = -12.0  # [PEFT] lite/Krom non-identity logit
 PEFT_DIAG_LOGIT = 8.0  # [PEFT] dynamic Sinkhorn diagonal bias
 
@@ -50,19 +50,19 @@ def logit(p: float) -> float:
 
 
 def near_one_hot_read_bias(n: int, hot: int, delta: float = 0.01) -> torch.Tensor:
-    """b_pre with σ(b)[hot] = 1 − (n−1)δ and δ elsewhere: Σ h_pre = 1 exactly (spec §2.0).  ``[n]``."""
+    """b_pre with σ(b)[hot] = 1 − (n−1)δ and δ elsewhere: Σ h_pre = 1 exactly (docs/math.md §2.0).  ``[n]``."""
     b = torch.full((n,), logit(delta), dtype=torch.float64)
     b[hot] = logit(1.0 - (n - 1) * delta)
     return b.float()
 
 
 def uniform_read_bias(n: int) -> torch.Tensor:
-    """b_pre = −ln(n−1): h_pre = 1/n on every stream (spec §3.4, §5.4).  ``[n]``."""
+    """b_pre = −ln(n−1): h_pre = 1/n on every stream (docs/math.md §3.4, §5.4).  ``[n]``."""
     return torch.full((n,), -math.log(n - 1) if n > 1 else 0.0)
 
 
 def peft_read_bias(n: int, hot: int) -> torch.Tensor:
-    """[PEFT] dynamic read-in: +8 on the hot stream, the rest sharing 1 − σ(8) (spec §2.g)."""
+    """[PEFT] dynamic read-in: +8 on the hot stream, the rest sharing 1 − σ(8) (docs/math.md §2.g)."""
     rest = (1.0 - 1.0 / (1.0 + math.exp(-PEFT_READ_LOGIT))) / (n - 1)
     b = torch.full((n,), logit(rest), dtype=torch.float64)
     b[hot] = PEFT_READ_LOGIT
@@ -72,7 +72,7 @@ def peft_read_bias(n: int, hot: int) -> torch.Tensor:
 def dynamic_logits(
     x_hat: torch.Tensor, W: torch.Tensor, alpha: torch.Tensor, b: torch.Tensor
 ) -> torch.Tensor:
-    """z = α · (x̂ W) + b  (spec §2.0).
+    """z = α · (x̂ W) + b  (docs/math.md §2.0).
 
     ``x_hat``: ``[..., N·C]`` fp32;  ``W``: ``[d, N·C]`` (torch ``Linear`` layout);  ``alpha``: ``[1]``;
     ``b``: ``[d]``  ->  ``[..., d]`` fp32.
@@ -91,7 +91,7 @@ def post_weights(z_post: torch.Tensor) -> torch.Tensor:
 
 
 def read_streams(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """u = Σ_j h_pre[j] · X_j, accumulated in fp32, cast once to X's dtype (spec §1.3, §1.5).
+    """u = Σ_j h_pre[j] · X_j, accumulated in fp32, cast once to X's dtype (docs/math.md §1.3, §1.5).
 
     ``h_pre``: ``[..., N]``;  ``X``: ``[..., N, C]``  ->  ``[..., C]``.
     """
@@ -102,7 +102,7 @@ def read_streams(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def write_streams(
     X: torch.Tensor, H_res: Optional[torch.Tensor], h_post: torch.Tensor, V: torch.Tensor
 ) -> torch.Tensor:
-    """X'_i = Σ_j H_res[i,j] X_j + Σ_q h_post[i,q] V_q  (spec §1.3; H_res multiplies from the left).
+    """X'_i = Σ_j H_res[i,j] X_j + Σ_q h_post[i,q] V_q  (docs/math.md §1.3; H_res multiplies from the left).
 
     ``X``: ``[..., N, C]``;  ``H_res``: ``[..., N, N]`` or ``None`` (= I);  ``h_post``: ``[..., N, K]``;
     ``V``: ``[..., K, C]``  ->  ``[..., N, C]`` in X's dtype (fp32 accumulation, one cast).
@@ -114,12 +114,12 @@ def write_streams(
 
 
 def expand_streams(e: torch.Tensor, n: int) -> torch.Tensor:
-    """Entry: X^(0)_i = e for every stream (spec §1.6).  ``[..., C]`` -> ``[..., N, C]``."""
+    """Entry: X^(0)_i = e for every stream (docs/math.md §1.6).  ``[..., C]`` -> ``[..., N, C]``."""
     return e.unsqueeze(-2).expand(*e.shape[:-1], n, e.shape[-1]).contiguous()
 
 
 def reduce_streams(X: torch.Tensor, mode: str = "sum", logits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Exit (spec §1.6): ``sum`` (default), ``mean``, or ``softmax`` readout with N ``logits``.
+    """Exit (docs/math.md §1.6): ``sum`` (default), ``mean``, or ``softmax`` readout with N ``logits``.
 
     ``X``: ``[..., N, C]`` -> ``[..., C]`` in X's dtype.
     """
@@ -148,7 +148,7 @@ def hc_dynamic_coefficients(
     use_tanh: bool = True,
     eps: float = 1e-6,
 ):
-    """[HC] coefficients (spec §2.a).  A group is static when its dynamic weight is ``None``.
+    """[HC] coefficients (docs/math.md §2.a).  A group is static when its dynamic weight is ``None``.
 
     h_pre[i]   = a_pre[i]   + s_α · tanh(X̄_i · w_pre)
     H_res[j,i] = S_res[j,i] + s_α · tanh(X̄_i · W_r[:, j])      (column i is predicted from stream i)
@@ -200,7 +200,7 @@ class HyperConnection(nn.Module):
         cfg: the model's :class:`~xhc.config.HCConfig`.
         hidden_size: C, the width of one stream.
         layer_index: ℓ, the global 0-based *sublayer* index (attention of layer i is 2i, its MLP
-            2i+1); the near-one-hot read starts on stream ℓ mod N (spec §2.0, §8 #9).
+            2i+1); the near-one-hot read starts on stream ℓ mod N (docs/math.md §2.0, §8 #9).
 
     Parameters (all fp32; biases and gates 1-D so no-weight-decay rules catch them):
 
@@ -270,7 +270,7 @@ class HyperConnection(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise per spec §2.0 (``preset='spec'``) or [PEFT] (``preset='peft_paper'``, §2.g)."""
+        """Initialise per docs/math.md §2.0 (``preset='spec'``) or [PEFT] (``preset='peft_paper'``, §2.g)."""
         cfg, n = self.cfg, self.n
         for p in self.parameters():
             p.zero_()
@@ -377,7 +377,7 @@ class HyperConnection(nn.Module):
         return kernels.resolve_backend(self.cfg.kernels, X.device)
 
     def mixing(self, z_res: torch.Tensor) -> torch.Tensor:
-        """H_res = Φ(z_res) (spec §2.0 table), optional residual-logit dropout, optional row clamp."""
+        """H_res = Φ(z_res) (docs/math.md §2.0 table), optional residual-logit dropout, optional row clamp."""
         cfg, n = self.cfg, self.n
         if self.training and cfg.res_logit_dropout > 0:
             z_res = _residual_logit_dropout(z_res, cfg.res_logit_dropout, cfg.variant, n)
@@ -461,7 +461,7 @@ def _residual_logit_dropout(z: torch.Tensor, p: float, variant: str, n: int) -> 
 
 
 class StreamReadout(nn.Module):
-    """Exit reduction (spec §1.6): ``sum``, ``mean`` or a learned ``softmax`` readout (N logits, init 0)."""
+    """Exit reduction (docs/math.md §1.6): ``sum``, ``mean`` or a learned ``softmax`` readout (N logits, init 0)."""
 
     def __init__(self, n: int, mode: str = "sum"):
         super().__init__()

@@ -1,7 +1,7 @@
-"""Mapping norms used to generate hyper-connection coefficients (spec §1.5).
+"""Mapping norms used to generate hyper-connection coefficients (docs/math.md §1.5).
 
 All functions take the *flattened* state ``x = vec(X)`` of shape ``[..., N*C]`` (stream-major,
-spec §1.2) and compute in fp32, whatever the input dtype.
+docs/math.md §1.2) and compute in fp32, whatever the input dtype.
 
 - :func:`rms_norm_flat`   x̂ = x · rsqrt(mean(x²) + ε)                       (mHC, xHC pre/res/post)
 - :func:`layer_norm_flat` x̃ = (x − μ) · rsqrt(mean((x − μ)²) + ε)           (xHC router)

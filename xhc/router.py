@@ -1,4 +1,4 @@
-"""xHC stream router: which k of the N residual streams a sublayer writes (spec §3.4, §8 #14–#16).
+"""xHC stream router: which k of the N residual streams a sublayer writes (docs/math.md §3.4, §8 #14–#16).
 
 Shapes: ``s`` sequence, ``b`` batch, ``N`` streams, ``C`` hidden size, ``k`` active streams,
 ``m`` fixed (always-active) streams.  Per token, with x = vec(X) ∈ R^{N·C} (stream-major, §1.2):
@@ -13,7 +13,7 @@ Shapes: ``s`` sequence, ``b`` batch, ``N`` streams, ``C`` hidden size, ``k`` act
 =============================  ===============================================================
 
 Gradient reaches ``W_router`` only through the route weights p of routed slots: the selection
-(indices) is not differentiable and the fixed slots use the constant 1 (spec §3.4).
+(indices) is not differentiable and the fixed slots use the constant 1 (docs/math.md §3.4).
 
 **Softmax router (ablation, [xHC] Table 2).**  The scores of the non-fixed streams are
 softmax(z[m:]) (the N−m logits compete); the top-(k−m) of those are selected and p_j is the
@@ -39,16 +39,16 @@ ROUTERS = ("sigmoid", "softmax")
 # Equations
 # ================================================================================================
 def router_logits(x: torch.Tensor, W_router: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """z = LayerNorm(vec X) W_router  (spec §3.4, router line 1–2; LayerNorm without affine, §1.5).
+    """z = LayerNorm(vec X) W_router  (docs/math.md §3.4, router line 1–2; LayerNorm without affine, §1.5).
 
     ``x``: ``[..., N·C]`` (any dtype);  ``W_router``: ``[N, N·C]`` (torch ``Linear`` layout, i.e. the
-    transpose of the spec's ``N·C × N``)  ->  fp32 ``[..., N]`` (float64 stays float64).
+    transpose of the documented ``N·C × N``)  ->  fp32 ``[..., N]`` (float64 stays float64).
     """
     return F.linear(layer_norm_flat(x, eps), fp32(W_router))
 
 
 def router_scores(z: torch.Tensor, m: int, kind: str = "sigmoid") -> torch.Tensor:
-    """score = σ(z) (spec §3.4); ``softmax`` ablation: softmax over the non-fixed logits z[m:].
+    """score = σ(z) (docs/math.md §3.4); ``softmax`` ablation: softmax over the non-fixed logits z[m:].
 
     ``z``: ``[..., N]`` fp32  ->  ``[..., N]``.  Entries 0..m−1 are σ(z) in both modes (unused).
     """
@@ -71,7 +71,7 @@ def topk_stable(score: torch.Tensor, n_select: int) -> torch.Tensor:
 
 
 def route(score: torch.Tensor, k: int, m: int):
-    """Active slots and route weights (spec §3.4 router, §8 #14–#15).
+    """Active slots and route weights (docs/math.md §3.4 router, §8 #14–#15).
 
     I   = [0, 1, …, m−1] ++ (k−m largest of score[m:], offset by m, ascending)
     p_j = 1 for j < m;  p_j = score[I_j] for j ≥ m      (raw score, not renormalised)
@@ -101,7 +101,7 @@ def router_load(I: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def effective_mixing(I: torch.Tensor, H_res: torch.Tensor, n: int) -> torch.Tensor:
-    """Ĥ = Pᵀ·diag(H_res, I_{N−k})·P: the N×N mixing of one xHC sublayer (spec §3.4 "global view").
+    """Ĥ = Pᵀ·diag(H_res, I_{N−k})·P: the N×N mixing of one xHC sublayer (docs/math.md §3.4 "global view").
 
     ``I``: ``[..., k]``;  ``H_res``: ``[..., k, k]``  ->  ``[..., N, N]`` (identity on inactive streams).
     For tests and logging only (it materialises N×N per token).
@@ -130,8 +130,8 @@ class Routing:
 class StreamRouter(nn.Module):
     """Router of one xHC sublayer (or one Flash window).
 
-    Parameter ``weight`` = W_router: ``[N, N·C]`` fp32 (torch ``Linear`` layout; the spec's
-    W_router ∈ R^{N·C×N} is its transpose), no bias, no gate; init N(0, 1/(N·C)) (spec §3.4, §8 #16).
+    Parameter ``weight`` = W_router: ``[N, N·C]`` fp32 (torch ``Linear`` layout; the documented
+    W_router ∈ R^{N·C×N} is its transpose), no bias, no gate; init N(0, 1/(N·C)) (docs/math.md §3.4, §8 #16).
     With k = m nothing is routed and the router has no parameter (``weight is None``).
     """
 

@@ -1,4 +1,4 @@
-"""Compute scaling-law fit and compute multipliers (spec §6.5).
+"""Compute scaling-law fit and compute multipliers (docs/math.md §6.5).
 
 L(C) = A · C^(−α) + E with E fixed (0.72 in [xHC]).  With E fixed the fit is linear:
 log(L − E) = log A − α · log C, solved by least squares.  The compute multiplier of a baseline b
@@ -42,7 +42,7 @@ PAPER_FITS: Dict[str, ScalingFit] = {
     "mhc": ScalingFit(99.139, 0.0920),
     "xhc": ScalingFit(97.703, 0.0919),
 }
-"""[xHC]'s fitted coefficients (spec §6.5 table; N=4 for mHC, N=16, k=4 for xHC)."""
+"""[xHC]'s fitted coefficients (docs/math.md §6.5 table; N=4 for mHC, N=16, k=4 for xHC)."""
 
 
 def fit_scaling_law(compute: Sequence[float], loss: Sequence[float], E: float = PAPER_E) -> ScalingFit:

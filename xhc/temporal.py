@@ -1,4 +1,4 @@
-"""Temporal feature augmentation of xHC MLP/MoE sublayers (spec §3.2, §3.6; §8 #18, #22, #23).
+"""Temporal feature augmentation of xHC MLP/MoE sublayers (docs/math.md §3.2, §3.6; §8 #18, #22, #23).
 
 After an MLP/MoE sublayer, xHC writes K_r = r + 1 components per token instead of y alone:
 
@@ -23,14 +23,14 @@ What this file provides
 :func:`thd_cp_segments`                    :attr:`SequenceContext.segments`
 =========================================  ==========================================================
 
-Documents (spec §3.6 "Packed documents")
+Documents (docs/math.md §3.6 "Packed documents")
 ----------------------------------------
 ``pos_in_doc[t, b]`` is the index of token t inside its document (0 at a document start).  Tap i at
 position t is used only if ``pos_in_doc[t] ≥ i``.  The rule reads the *receiving* token's position
 only, so it covers the halo rows received from other ranks without shipping their positions: a
 halo row at distance i is used exactly when the local token is at least i tokens into its document.
 
-Sequence / context parallelism (spec §3.6 "SP", "CP", "General rule")
+Sequence / context parallelism (docs/math.md §3.6 "SP", "CP", "General rule")
 --------------------------------------------------------------------
 Every layout gives, at every global position, exactly the single-rank result (forward and
 gradients).  With H = κ_max − 1:
@@ -45,7 +45,7 @@ gradients).  With H = κ_max − 1:
   global positions start−H .. start−1; backward all-reduces the tail gradients so each owner gets
   its share.  Any segment length works (a short segment's halo simply comes from several tails).
 
-Decoding (spec §3.6 "Decoding")
+Decoding (docs/math.md §3.6 "Decoding")
 -------------------------------
 :meth:`TemporalAugmentation.step` takes new rows plus a rolling cache of the previous H outputs
 ``[b, H, C]`` and returns V and the updated cache; token-by-token decoding equals the full forward.
@@ -249,7 +249,7 @@ def take_segments(x: Tensor, segments: Segments, dim: int = 0) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The equation (spec §3.2)
+# The equation (docs/math.md §3.2)
 # ----------------------------------------------------------------------------------------------
 def _fit_halo(halo: Optional[Tensor], H: int, like: Tensor) -> Tensor:
     """``[H, b, C]``: the last H rows of ``halo``, zero-filled at the front when it is shorter."""
@@ -359,7 +359,7 @@ def causal_dwconv(
     halo: Optional[Tensor] = None,
     pos_in_doc: Optional[Tensor] = None,
 ) -> Tensor:
-    """g[t, c] = Σ_{i=0}^{κ−1} w[i, c] · y[t−i, c]   (spec §3.2, one kernel).
+    """g[t, c] = Σ_{i=0}^{κ−1} w[i, c] · y[t−i, c]   (docs/math.md §3.2, one kernel).
 
     Args:
         y: ``[s, b, C]`` branch output (any float dtype).
@@ -375,7 +375,7 @@ def causal_dwconv(
 
 
 # ----------------------------------------------------------------------------------------------
-# Halo exchange (spec §3.6)
+# Halo exchange (docs/math.md §3.6)
 # ----------------------------------------------------------------------------------------------
 class _SPHaloExchange(torch.autograd.Function):
     """SP layout: forward sends the last H rows to rank+1 and receives H rows from rank−1 (rank 0:
@@ -494,10 +494,10 @@ def _segment_halos(y: Tensor, seq: SequenceContext, H: int) -> List[Tensor]:
 # The module
 # ----------------------------------------------------------------------------------------------
 class TemporalAugmentation(nn.Module):
-    """V = [y, g_1, …, g_r] for one MLP/MoE sublayer (spec §3.2, §3.6).
+    """V = [y, g_1, …, g_r] for one MLP/MoE sublayer (docs/math.md §3.2, §3.6).
 
     Parameters ``conv[j]``: ``[κ_j, C]`` fp32, ``w_j[i, c]`` multiplies ``y[t−i, c]``, no bias,
-    initialised like PyTorch's depthwise Conv1d: uniform ±1/√κ_j (spec §8 #18).
+    initialised like PyTorch's depthwise Conv1d: uniform ±1/√κ_j (docs/math.md §8 #18).
 
     Args:
         hidden_size: C.

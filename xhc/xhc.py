@@ -1,4 +1,4 @@
-"""xHC: sparse k-of-N residual streams with temporal write-back (spec §3, [xHC]).
+"""xHC: sparse k-of-N residual streams with temporal write-back (docs/math.md §3, [xHC]).
 
 A framework drives one :class:`XHCSublayer` per wrapped sublayer (attention or MLP)::
 
@@ -10,7 +10,7 @@ Shape legend: ``s`` sequence, ``b`` batch, ``N`` streams, ``C`` hidden size, ``k
 ``m`` fixed streams, ``K`` write-back components (K_r = r+1 after MLPs, 1 after attention).
 Per-token functions accept any leading dims ``...``; the temporal convolution needs ``[s, b, ·]``.
 
-Equations (spec §3.4, §3.5), per token, X ∈ R^{N×C}, x = vec(X):
+Equations (docs/math.md §3.4, §3.5), per token, X ∈ R^{N×C}, x = vec(X):
 
 =================================  ===================================================================
 :func:`~xhc.router.route`          I, p from score = σ(LayerNorm(x) W_router)          (router.py)
@@ -31,10 +31,10 @@ Routing ties go to the lower stream index (:func:`~xhc.router.topk_stable`, a st
 (MLPs) need ``[s, b, N, C]`` because the convolution runs along s.
 
 Parameters of one :class:`XHCSublayer` (fp32; projections in torch ``Linear`` layout ``[out, in]``,
-the transpose of the spec's ``in × out``; biases and gates 1-D so no-weight-decay rules apply):
+the transpose of the documented ``in × out``; biases and gates 1-D so no-weight-decay rules apply):
 
 ==========================  ====================  ============================  =====================
-name                        shape                 spec §3.1                     init (§3.4)
+name                        shape                 docs/math.md §3.1                     init (§3.4)
 ==========================  ====================  ============================  =====================
 ``router.weight``           ``[N, N·C]``          W_router                      N(0, 1/(N·C))
 ``pre.weight``              ``[N, N·C]``          W_pre                         0
@@ -46,7 +46,7 @@ name                        shape                 spec §3.1                    
 ``temporal.*``              ``[κ_j, C]`` each     conv_j (MLP only)             TemporalAugmentation
 ==========================  ====================  ============================  =====================
 
-Ablations ([xHC] Table 2, spec §7.1): ``m = 0`` (no fixed streams), any ``k`` (``k = m``: no routing,
+Ablations ([xHC] Table 2, docs/math.md §7.1): ``m = 0`` (no fixed streams), any ``k`` (``k = m``: no routing,
 no router parameter), ``router='softmax'`` (see :mod:`xhc.router`), and ``dense_read=False``:
 **read only the k active streams**, with read weights generated from the active state the same
 way as the write mappings, h_pre = σ(α_pre · RMSNorm(vec X_a) W_pre + b_pre) ∈ (0,1)^k,
@@ -79,12 +79,12 @@ from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
 
 def read_weights(z_pre: torch.Tensor) -> torch.Tensor:
-    """h_pre = σ(z_pre), z_pre = α_pre · RMSNorm(vec X) W_pre + b_pre  (spec §3.4 dense read).  ``[..., n]``."""
+    """h_pre = σ(z_pre), z_pre = α_pre · RMSNorm(vec X) W_pre + b_pre  (docs/math.md §3.4 dense read).  ``[..., n]``."""
     return torch.sigmoid(z_pre)
 
 
 def dense_read(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """u = Σ_i h_pre[i] · X_i over all rows of ``X`` (spec §3.4 dense read), fp32 accumulation.
+    """u = Σ_i h_pre[i] · X_i over all rows of ``X`` (docs/math.md §3.4 dense read), fp32 accumulation.
 
     ``h_pre``: ``[..., n]``;  ``X``: ``[..., n, C]``  ->  fp32 ``[..., C]`` (float64 stays float64);
     the caller casts once to the residual dtype.
@@ -93,7 +93,7 @@ def dense_read(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 
 
 def gather_active(X: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
-    """X_a = X[I]: the active streams in slot order (spec §3.4 sparse write, line 1).
+    """X_a = X[I]: the active streams in slot order (docs/math.md §3.4 sparse write, line 1).
 
     ``X``: ``[..., N, C]``;  ``I``: long ``[..., k]``  ->  ``[..., k, C]`` in X's dtype.
     """
@@ -112,7 +112,7 @@ def res_weights(
     order: str = "row_last",
     recompute: bool = False,
 ) -> torch.Tensor:
-    """H_res = clamp_rows(sinkhorn(α_res · mat_{k×k}(x̂_a W_res) + mat_{k×k}(b_res)))  (spec §3.4, §2.f).
+    """H_res = clamp_rows(sinkhorn(α_res · mat_{k×k}(x̂_a W_res) + mat_{k×k}(b_res)))  (docs/math.md §3.4, §2.f).
 
     ``xa_hat``: ``[..., k·C]`` = RMSNorm(vec X_a);  ``W_res``: ``[k², k·C]``  ->  ``[..., k, k]``, rows
     are output slots.  The row-sum clamp is always on in xHC.
@@ -129,7 +129,7 @@ def res_weights_from_logits(z: torch.Tensor, cfg: HCConfig, backend: str) -> tor
 def post_weights_active(
     xa_hat: torch.Tensor, W_post: torch.Tensor, b_post: torch.Tensor, alpha_post: torch.Tensor, k: int, K: int
 ) -> torch.Tensor:
-    """H_post = 2σ(α_post · mat_{k×K}(x̂_a W_post) + mat_{k×K}(b_post))  (spec §3.4).
+    """H_post = 2σ(α_post · mat_{k×K}(x̂_a W_post) + mat_{k×K}(b_post))  (docs/math.md §3.4).
 
     ``xa_hat``: ``[..., k·C]``;  ``W_post``: ``[k·K, k·C]``  ->  ``[..., k, K]`` in (0, 2).
     """
@@ -144,7 +144,7 @@ def write_components(
     gs_eps: float = 1e-6,
     seq=None,
 ) -> torch.Tensor:
-    """V = [y, g_1, …, g_r], Gram–Schmidt-orthogonalised (spec §3.2, §3.3); V = [y] without ``temporal``.
+    """V = [y, g_1, …, g_r], Gram–Schmidt-orthogonalised (docs/math.md §3.2, §3.3); V = [y] without ``temporal``.
 
     ``y``: ``[s, b, C]`` (``[..., C]`` when ``temporal`` is None)  ->  fp32 ``[..., K, C]``.
     """
@@ -161,7 +161,7 @@ def write_components(
 def sparse_write(
     Xa: torch.Tensor, H_res: Optional[torch.Tensor], p: torch.Tensor, H_post: torch.Tensor, V: torch.Tensor
 ) -> torch.Tensor:
-    """X_a'[j] = Σ_q H_res[j,q] · X_a[q] + p_j · Σ_t H_post[j,t] · V_t  (spec §3.4 sparse write).
+    """X_a'[j] = Σ_q H_res[j,q] · X_a[q] + p_j · Σ_t H_post[j,t] · V_t  (docs/math.md §3.4 sparse write).
 
     The route weight p gates only the new write, not the residual mixing.
     ``Xa``: ``[..., k, C]``;  ``H_res``: ``[..., k, k]`` or ``None`` (= I_k, Flash attention);
@@ -173,7 +173,7 @@ def sparse_write(
 
 
 def scatter_active(X: torch.Tensor, I: torch.Tensor, Xa_new: torch.Tensor) -> torch.Tensor:
-    """X'[I_j] = X_a'[j], X'[i] = X[i] for i ∉ I  (spec §3.4 scatter, §3.5 step 5).
+    """X'[I_j] = X_a'[j], X'[i] = X[i] for i ∉ I  (docs/math.md §3.4 scatter, §3.5 step 5).
 
     Out-of-place ``scatter``: inactive streams are copied bit-exactly, and autograd sends no
     identity-path gradient to the replaced rows (their gradient flows through the gather).
@@ -186,7 +186,7 @@ def scatter_active(X: torch.Tensor, I: torch.Tensor, Xa_new: torch.Tensor) -> to
 def fused_entry_projections(
     x: torch.Tensor, W_router: Optional[torch.Tensor], W_pres: Sequence[torch.Tensor], eps: float = 1e-6
 ):
-    """Router logits and pre-projections from ONE GEMM on the raw state (spec §1.5 reordering, §3.5).
+    """Router logits and pre-projections from ONE GEMM on the raw state (docs/math.md §1.5 reordering, §3.5).
 
     z_router = (x W_r − μ·1ᵀW_r) · rsqrt(ν − μ² + ε)      (= LayerNorm(x) W_r)
     x̂ W_t   = (x W_t) · rsqrt(ν + ε)                       (= RMSNorm(x) W_t)
@@ -240,7 +240,7 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
 
 def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["ReadMapping"], eps: float = 1e-6,
                    fused: bool = False):
-    """Routing and dense pre-mappings generated from one state (spec §3.5 steps 1–2; the Flash window
+    """Routing and dense pre-mappings generated from one state (docs/math.md §3.5 steps 1–2; the Flash window
     entry of §4.1 / §4.2 generates several pre-mappings in the same pass).
 
     ``X``: ``[..., N, C]``  ->  (:class:`~xhc.router.Routing`, [h_pre_t fp32 ``[..., N]`` per map]).
@@ -265,7 +265,7 @@ def _gate(init: float) -> nn.Parameter:
 
 
 class ReadMapping(nn.Module):
-    """Pre-mapping over ``n`` streams: h_pre = σ(α · x̂ W + b) (spec §3.4), or 1/n when ablated.
+    """Pre-mapping over ``n`` streams: h_pre = σ(α · x̂ W + b) (docs/math.md §3.4), or 1/n when ablated.
 
     ``weight`` ``[n, n·C]``, ``bias`` ``[n]``, ``alpha`` ``[1]``.  ``read_init``: ``uniform``
     (b = −ln(n−1), the xHC default, §3.4) or ``one_hot`` (near-one-hot on stream ``hot``, §2.0, §8 #17).
@@ -307,7 +307,7 @@ class ReadMapping(nn.Module):
 
 
 class ResMapping(nn.Module):
-    """H_res (k×k Sinkhorn + row clamp) from the normalised active state (spec §3.4); ``None`` = I_k.
+    """H_res (k×k Sinkhorn + row clamp) from the normalised active state (docs/math.md §3.4); ``None`` = I_k.
 
     ``weight`` ``[k², k·C]``, ``bias`` ``[k²]`` (0 diagonal, ``res_offdiag_init`` off), ``alpha`` ``[1]``.
     """
@@ -341,7 +341,7 @@ class ResMapping(nn.Module):
 
 
 class PostMapping(nn.Module):
-    """H_post ∈ (0,2)^{k×K} from the normalised active state (spec §3.4), or ones when ablated.
+    """H_post ∈ (0,2)^{k×K} from the normalised active state (docs/math.md §3.4), or ones when ablated.
 
     ``weight`` ``[k·K, k·C]``, ``bias`` ``[k·K]`` (0: H_post = 1 at init), ``alpha`` ``[1]``.
     """
@@ -374,7 +374,7 @@ class PostMapping(nn.Module):
 
 
 def make_temporal(cfg: HCConfig, hidden_size: int, augmented: bool) -> Optional[nn.Module]:
-    """The sublayer's TemporalAugmentation (spec §3.2), or ``None`` (attention, or ``kernel_sizes=()``)."""
+    """The sublayer's TemporalAugmentation (docs/math.md §3.2), or ``None`` (attention, or ``kernel_sizes=()``)."""
     if not augmented or len(cfg.kernel_sizes) == 0:
         return None
     from xhc.temporal import TemporalAugmentation
@@ -383,7 +383,7 @@ def make_temporal(cfg: HCConfig, hidden_size: int, augmented: bool) -> Optional[
 
 
 def num_components(cfg: HCConfig, augmented: bool) -> int:
-    """K: r + 1 on augmented sublayers (MLP, or attention with ``attn_temporal``), else 1 (spec §3.1)."""
+    """K: r + 1 on augmented sublayers (MLP, or attention with ``attn_temporal``), else 1 (docs/math.md §3.1)."""
     return len(cfg.kernel_sizes) + 1 if augmented else 1
 
 
@@ -436,7 +436,7 @@ class XHCContext:
 
 
 class XHCSublayer(nn.Module):
-    """xHC around one sublayer (spec §3.4, §3.5): route, dense read, sparse k-stream write.
+    """xHC around one sublayer (docs/math.md §3.4, §3.5): route, dense read, sparse k-stream write.
 
     Args:
         cfg: the model's :class:`~xhc.config.HCConfig` with ``variant='xhc'``.
@@ -474,18 +474,18 @@ class XHCSublayer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Spec §3.4 init for every mapping; TemporalAugmentation keeps its own init (§3.2)."""
+        """docs/math.md §3.4 init for every mapping; TemporalAugmentation keeps its own init (§3.2)."""
         for mod in (self.router, self.pre, self.res, self.post, self.temporal):
             if mod is not None and hasattr(mod, "reset_parameters"):
                 mod.reset_parameters()
 
     def hc_parameter_count(self) -> int:
-        """Number of HC parameters of this sublayer (compare with spec §3.1)."""
+        """Number of HC parameters of this sublayer (compare with docs/math.md §3.1)."""
         return sum(p.numel() for p in self.parameters())
 
     # --------------------------------------------------------------------------------------------
     def read(self, X: torch.Tensor):
-        """Route, generate every mapping and read the branch input (spec §3.5 steps 1–3).
+        """Route, generate every mapping and read the branch input (docs/math.md §3.5 steps 1–3).
 
         ``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`XHCContext`).
         """
@@ -502,11 +502,11 @@ class XHCSublayer(nn.Module):
         return u, ctx
 
     def components(self, y: torch.Tensor, seq=None) -> torch.Tensor:
-        """V ``[..., K, C]`` fp32 from the branch output ``y`` (spec §3.2–§3.3)."""
+        """V ``[..., K, C]`` fp32 from the branch output ``y`` (docs/math.md §3.2–§3.3)."""
         return write_components(y, self.temporal, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
 
     def write(self, X: torch.Tensor, y: torch.Tensor, ctx: XHCContext, seq=None) -> torch.Tensor:
-        """Sparse write and scatter (spec §3.5 steps 4–5).
+        """Sparse write and scatter (docs/math.md §3.5 steps 4–5).
 
         ``X``: ``[s, b, N, C]`` (the state given to :meth:`read`);  ``y``: ``[s, b, C]``;
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.

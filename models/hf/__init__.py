@@ -1,4 +1,4 @@
-"""Hugging Face integration: mHC as a parameter-efficient adapter on frozen causal LMs ([PEFT], spec §2.g).
+"""Hugging Face integration: mHC as a parameter-efficient adapter on frozen causal LMs ([PEFT], docs/math.md §2.g).
 
 Quick use::
 

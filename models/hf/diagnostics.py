@@ -1,4 +1,4 @@
-"""Pre-training diagnostics of an mHC-wrapped Hugging Face model ([PEFT] App. C.3/C.5, spec §2.g).
+"""Pre-training diagnostics of an mHC-wrapped Hugging Face model ([PEFT] App. C.3/C.5, docs/math.md §2.g).
 
 :func:`run_adapter_diagnostics` runs, on one small batch, and restores the model afterwards:
 

@@ -1,4 +1,4 @@
-"""mHC as a parameter-efficient adapter on a frozen Hugging Face causal LM ([PEFT], spec §2.g).
+"""mHC as a parameter-efficient adapter on a frozen Hugging Face causal LM ([PEFT], docs/math.md §2.g).
 
 Every decoder layer of the backbone is replaced, in place, by an :class:`HCDecoderLayer` that owns
 the layer's own sub-modules (same names, so backbone state-dict keys and ``peft`` target names do
@@ -7,13 +7,13 @@ not change) plus one :class:`~xhc.hyper_connection.HyperConnection` per sublayer
     X = expand(h)                         first layer:   [b, s, C]   -> [b, s, N, C]
     u, ctx = hc_attn.read(X);  X = hc_attn.write(X, F_attn(u), ctx)
     u, ctx = hc_mlp.read(X);   X = hc_mlp.write(X, F_mlp(u), ctx)
-    between layers X travels as [b, s, N·C] (stream-major, spec §1.2)
+    between layers X travels as [b, s, N·C] (stream-major, docs/math.md §1.2)
     h = readout(X)                        last layer:    [b, s, N, C] -> [b, s, C]  (mean / softmax)
 
 followed by the backbone's own final norm and LM head, so ``forward``, ``generate`` (with KV cache:
 the mHC maths is per token), ``labels`` -> ``loss`` and ``save_pretrained`` keep working.
 
-Branches F (spec §1.3 convention 2, §2.g):
+Branches F (docs/math.md §1.3 convention 2, §2.g):
 
 ============  ======================================  ===========================================
 kind          families                                F_attn(u) / F_mlp(u)
@@ -87,12 +87,12 @@ FAMILIES: Dict[str, Family] = {
 # Configuration helpers
 # ================================================================================================
 def peft_paper_config(variant: str = "identity", n: int = 4, dynamic: bool = True, **overrides) -> HCConfig:
-    """The [PEFT] settings (Table 12, App. C.3, spec §2.g preset ``peft_paper``) for one variant.
+    """The [PEFT] settings (Table 12, App. C.3, docs/math.md §2.g preset ``peft_paper``) for one variant.
 
     ``variant``: ``mhc`` | ``mhc_lite`` | ``kromhc`` | ``identity`` (= dynamic KromHC with H_res = I).
     Paper settings: Sinkhorn 20 iterations, ε = 1e-6; init noise σ = 1e-4; mapping-norm gain
     (N·C parameters, dynamic only); gates 1e-2; mean readout, except static Sinkhorn mHC, whose
-    reported 772 parameters include an N-logit softmax readout (spec §8 #33).
+    reported 772 parameters include an N-logit softmax readout (docs/math.md §8 #33).
     """
     d = dict(
         variant=variant, n=n, dynamic=dynamic, preset="peft_paper", mapping_norm_affine=dynamic,
@@ -132,7 +132,7 @@ def _check_variant(cfg: HCConfig) -> None:
 # The wrapped decoder layer
 # ================================================================================================
 def _no_autocast(device_type: str):
-    """HC coefficient maths runs in fp32 even under bf16 autocast (spec §1.5)."""
+    """HC coefficient maths runs in fp32 even under bf16 autocast (docs/math.md §1.5)."""
     if device_type not in ("cpu", "cuda", "xpu", "mps"):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, enabled=False)
@@ -438,7 +438,7 @@ def trainable_parameter_report(model: nn.Module) -> dict:
 def adapter_param_groups(model: nn.Module, hc_lr: float = 1e-3, other_lr: float = 1e-4,
                          weight_decay: float = 0.0) -> List[dict]:
     """AdamW groups: mHC parameters at ``hc_lr``, any other trainable parameter (LoRA, VeRA) at
-    ``other_lr`` ([PEFT] Table 13, spec §6.6).  Empty groups are left out."""
+    ``other_lr`` ([PEFT] Table 13, docs/math.md §6.6).  Empty groups are left out."""
     hc = [p for _, p in adapter_named_parameters(model) if p.requires_grad]
     hc_ids = {id(p) for p in hc}
     other, seen = [], set()

@@ -7,7 +7,7 @@ Run (2 ranks, gloo, CPU)::
 The model is the zoo's ``tiny-moe:mhc`` cut to 2 layers (a dense layer, then a MoE layer with
 routed and shared experts; mHC parameters are replicated and SP-tagged), with the HC parameters
 perturbed and ``res_offdiag_init = −1`` so that every HC gradient is well above round-off (at the
-spec's init all streams are equal and the residual-mixing gradients are zero up to round-off).  Each mode first runs
+documented init all streams are equal and the residual-mixing gradients are zero up to round-off).  Each mode first runs
 the single-rank reference on every rank (TP = EP = 1, same seed, full batch), then the parallel
 run from the same weights (copied with ``tests.megatron_utils.load_from_reference``), for both
 ``adamw`` and ``muon``, ``STEPS`` optimiser steps on different batches with clipping active:
@@ -108,7 +108,7 @@ def _state(model):
 
 
 def _break_stream_symmetry(model):
-    """Perturb the HC parameters.  At the spec's init every stream holds the same copy of the
+    """Perturb the HC parameters.  At the documented init every stream holds the same copy of the
     embedding, so the residual-mixing logits get exactly-zero gradients up to round-off, and
     AdamW (ε = 1e-15) turns that round-off into full-size steps whose sign depends on the
     parallel layout.  Distinct streams make every gradient well above round-off."""
