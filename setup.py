@@ -26,6 +26,7 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "tensorboard>=2.16",
+        "scipy>=1.11",
     ],
     extras_require={
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
@@ -39,6 +40,7 @@ setup(
         "console_scripts": [
             "xhc-pretrain=training.pretrain:main",
             "xhc-finetune=training.finetune:main",
+            "xhc-sweep=tools.sweep:main",
         ]
     },
 )

@@ -36,8 +36,8 @@ HUBER_DELTA = 1e-3
 """δ of the Huber loss on log-space residuals (Hoffmann et al. 2022)."""
 
 _ALPHA_BOUNDS = (1e-4, 5.0)
-_ALPHA_GRID = (0.05, 0.1, 0.2, 0.4, 0.8)
-_E_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)  # initial E as a fraction of the smallest loss
+_ALPHA_GRID = (0.05, 0.15, 0.4, 1.0)
+_E_FRACTIONS = (0.2, 0.5, 0.8)  # initial E as a fraction of the smallest loss
 
 
 class FitError(ValueError):
