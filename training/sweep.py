@@ -365,8 +365,13 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
     checkpoints (``checkpoint.load=auto``).  A failed arm does not stop the sweep.  SIGTERM/SIGINT
     to the runner forwards SIGTERM to the running arms (they checkpoint and exit) and stops.
     """
+    import resource
+
     from tqdm import tqdm
 
+    t_start = time.time()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0 = ru.ru_utime + ru.ru_stime
     os.makedirs(sweep.out_dir, exist_ok=True)
     states: Dict[str, str] = {}
     todo: List[Arm] = []
@@ -445,7 +450,11 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
                 running[arm.name] = (arm, proc, logf, time.time(), record)
             for name in list(running):
                 arm, proc, logf, t0, record = running[name]
+                ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 if proc.poll() is not None:
+                    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # this arm's CPU (reaped just now)
+                    record["cpu_s"] = record.get("cpu_s", 0.0) + (ru1.ru_utime + ru1.ru_stime) - \
+                        (ru0.ru_utime + ru0.ru_stime)
                     finish(arm, proc, logf, t0, record)
                     del running[name]
                     if states[name] == "finished":
@@ -481,6 +490,9 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
         log(f"[sweep] interrupted ({signal.Signals(stop['sig']).name}): rerun the same command to resume")
         return states
     n_done = sum(1 for s in states.values() if s == "finished")
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    log(f"[sweep] wall {time.time() - t_start:.0f}s, CPU of the arms run now {ru.ru_utime + ru.ru_stime - cpu0:.0f}s "
+        "(user+sys; on an otherwise idle machine the wall time is about CPU / cores when parallel >= cores)")
     log(f"[sweep] {n_done}/{len(sweep.arms)} arms finished, {len(failed)} failed"
         + (": " + ", ".join(failed) + " (rerun to retry them; logs in each arm's train.log)" if failed else ""))
     return states
