@@ -158,9 +158,9 @@ def test_multiplier_at_a_loss_and_at_a_compute_agree():
         multiplier_interval(fits["vanilla"], fits["xhc"])
 
 
-def _synthetic(seed, n=12, E=1.8, A=40.0, alpha=0.25, sigma=0.005):
+def _synthetic(seed, n=12, E=1.8, A=400.0, alpha=0.3, sigma=0.005):
     rng = np.random.default_rng(seed)
-    C = np.geomspace(1e11, 1e15, n)
+    C = np.geomspace(1e8, 1e14, n)
     L = (E + A * C ** -alpha) * np.exp(sigma * rng.standard_normal(n))
     return C, L
 
@@ -172,7 +172,7 @@ def test_bootstrap_interval_covers_the_truth():
     test fails only if the intervals are badly miscalibrated or the fit is biased."""
     from scipy.stats import binom
 
-    truth = {"E": 1.8, "A": 40.0, "alpha": 0.25}
+    truth = {"E": 1.8, "A": 400.0, "alpha": 0.3}
     covered = {k: 0 for k in truth}
     estimates = {k: [] for k in truth}
     n_seeds = 20

@@ -12,7 +12,8 @@ The fits follow the recipe the scaling-law literature now recommends (Hoffmann e
   irreducible loss is a property of the data, not of the architecture) or fixed (the paper fixes
   E = 0.72);
 * confidence intervals come from a bootstrap over runs (arms): each replicate resamples the runs
-  of every variant with replacement and refits, starting from the full-data optimum.
+  of every variant with replacement and refits, starting from the full-data optimum (and, when E is
+  fitted, also from E = half the smallest loss).
 
 Compute multipliers (§6.5) and their intervals are evaluated replicate by replicate.  Everything
 here works on plain floats; :mod:`xhc.scaling` keeps the closed-form E-fixed fit and the paper's
@@ -60,7 +61,7 @@ def _minimize(fun, x0s: Sequence[np.ndarray], bounds) -> Tuple[np.ndarray, float
     best_x, best_f = None, math.inf
     for x0 in x0s:
         res = minimize(fun, np.asarray(x0, float), jac=True, method="L-BFGS-B", bounds=bounds,
-                       options={"maxiter": 10000, "ftol": 1e-12, "gtol": 1e-9})
+                       options={"maxiter": 2000, "ftol": 1e-12, "gtol": 1e-9})
         if np.all(np.isfinite(res.x)) and res.fun < best_f:
             best_x, best_f = res.x, float(res.fun)
     if best_x is None:
@@ -231,12 +232,22 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
                 return x[idx], y[idx]
         return x, y  # too few distinct points to resample: keep the data (a degenerate replicate)
 
+    def rep_starts(theta, ys):
+        """Replicates start from the full-data optimum and, when E is fitted, also from E = half the
+        smallest loss (an optimum with E → 0 has no gradient in E and would pin every replicate there)."""
+        if e_fixed is not None:
+            return [theta]
+        alt = np.array(theta, float)
+        alt[0] = math.log(0.5 * min(float(np.exp(y).min()) for y in ys))
+        return [theta, alt]
+
     if mode == "shared":
         theta, obj = _fit_groups([logs[n] for n in names], x0, None, delta)
         fits = _unpack(theta, len(names), x0, None)
         reps: List[List[ScalingFit]] = []
         for _ in range(bootstrap):
-            th, _ = _fit_groups([draw(n, 2) for n in names], x0, None, delta, starts=[theta])
+            th, _ = _fit_groups([draw(n, 2) for n in names], x0, None, delta,
+                                starts=rep_starts(theta, [logs[n][1] for n in names]))
             reps.append(_unpack(th, len(names), x0, None))
         return {n: PowerLawFit(n, fits[i], mode, len(cols[n][0]), obj, [r[i] for r in reps], level)
                 for i, n in enumerate(names)}
@@ -247,7 +258,7 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
         fit = _unpack(theta, 1, x0, e_fixed)[0]
         reps = []
         for _ in range(bootstrap):
-            th, _ = _fit_groups([draw(n, need)], x0, e_fixed, delta, starts=[theta])
+            th, _ = _fit_groups([draw(n, need)], x0, e_fixed, delta, starts=rep_starts(theta, [logs[n][1]]))
             reps.append(_unpack(th, 1, x0, e_fixed)[0])
         out[n] = PowerLawFit(n, fit, mode, len(cols[n][0]), obj, reps, level)
     return out
