@@ -33,12 +33,13 @@ setup(
         # Megatron's dist_checkpointing writer needs psutil but does not declare it: without it the
         # first checkpoint save fails in the writer process and the trainer waits forever.
         "psutil>=5.9",
+        "scipy>=1.11",
     ],
     extras_require={
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
         "te": ["transformer-engine[pytorch]>=2.0"],
-        "hf": ["transformers>=4.56", "safetensors>=0.4", "peft>=0.17"],
-        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=4.56", "safetensors>=0.4", "peft>=0.17",
+        "hf": ["transformers>=5.0", "safetensors>=0.4", "peft>=0.17"],
+        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=5.0", "safetensors>=0.4", "peft>=0.17",
                  "lm-eval>=0.4.13"],
         "wandb": ["wandb>=0.17"],
         # tools.evaluate / tests: lm-eval-harness on exported Hugging Face folders (CPU torch stays).
@@ -52,6 +53,7 @@ setup(
             "xhc-pretrain=training.pretrain:main",
             "xhc-finetune=training.finetune:main",
             "xhc-convert=tools.convert_checkpoint:main",
+            "xhc-sweep=tools.sweep:main",
         ]
     },
 )

@@ -3,6 +3,9 @@
 #
 #   sbatch --nodes 8 tools/slurm_pretrain.sh configs/pretrain/moe-18b-xhc.yaml [key=value ...]
 #
+#   # A sweep of configs/sweeps/*.yaml as one array (written by `python -m tools.sweep run --executor slurm`)
+#   XHC_SWEEP_ARMS=runs/sweeps/<name>/slurm_arms.jsonl sbatch --array 0-<arms-1> tools/slurm_pretrain.sh CONFIG.yaml
+#
 #   # N-sweep as a job array: task i trains arm i of XHC_SWEEP (variants of the config's preset file)
 #   XHC_SWEEP="mhc-n2 mhc-n4 mhc-n8 mhc-n16 xhc-n2 xhc-n4 xhc-n8 xhc-n16" \
 #     sbatch --array 0-7 --nodes 2 tools/slurm_pretrain.sh configs/pretrain/moe-2p5b-nsweep.yaml
@@ -43,6 +46,12 @@ config="$1"; shift
 overrides=("$@")
 
 # ---- one arm of a sweep ----------------------------------------------------------------------
+# `python -m tools.sweep run --executor slurm` writes XHC_SWEEP_ARMS, a JSONL file whose line i holds
+# the overrides of arm i (its run.dir included); task SLURM_ARRAY_TASK_ID trains that arm.
+if [ -n "${XHC_SWEEP_ARMS:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
+  mapfile -d '' -t arm_overrides < <(python3 -c "import json,sys; l=open(sys.argv[1]).read().splitlines()[int(sys.argv[2])]; sys.stdout.write(''.join(o+chr(0) for o in json.loads(l)['overrides']))" "$XHC_SWEEP_ARMS" "$SLURM_ARRAY_TASK_ID")
+  overrides+=("${arm_overrides[@]}")
+fi
 if [ -n "${XHC_SWEEP:-}" ] && [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then
   read -r -a arms <<< "$XHC_SWEEP"
   arm="${arms[$SLURM_ARRAY_TASK_ID]}"

@@ -6,7 +6,8 @@ relative to a method x is M_b = C_b / C_x(L_b), where C_x(L) = (A_x / (L − E))
 compute x needs to reach loss L.
 
 Pure Python + math (no numpy, no torch); matplotlib is optional and only used by
-:func:`plot_fit`.
+:func:`plot_fit`.  The robust fits used by sweeps (E free, shared or fixed; Huber loss on log
+residuals; bootstrap intervals; Chinchilla's L(P, D)) live in :mod:`xhc.scaling_fit`.
 """
 
 from __future__ import annotations

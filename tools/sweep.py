@@ -1,0 +1,116 @@
+"""xhc-sweep: scaling-law sweeps over N, from a grid to fitted laws, plots and compute multipliers.
+
+    python -m tools.sweep run     --config configs/sweeps/tiny-cpu.yaml [--parallel 2]
+    python -m tools.sweep collect --config configs/sweeps/tiny-cpu.yaml
+    python -m tools.sweep fit     --config configs/sweeps/tiny-cpu.yaml
+    python -m tools.sweep run     --config configs/sweeps/paper-2p5b.yaml --executor slurm --dry-run
+    python -m tools.sweep print   --config configs/sweeps/paper-2p5b.yaml
+
+``run`` trains every unfinished arm (one ``training.pretrain`` run each, in ``<out_dir>/arms/<arm>``;
+rerunning skips finished arms and resumes the others from their checkpoints); ``collect`` writes
+the per-arm table (console, ``summary/arms.csv``, ``summary/arms.json``); ``fit`` fits
+L(C) = E + A·C^(−α) per variant (Huber on log residuals, L-BFGS from a grid, bootstrap intervals),
+L(N) at fixed compute, L(P, D) where sizes and budgets both vary, the compute multipliers against
+the baselines, and draws ``summary/frontier.png``, ``loss_vs_n.png``, ``multipliers.png``
+(docs/sweeps.md, docs/math.md §6.5).  Sweep files: see :mod:`training.sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+# The runner only launches and reads files: keep OpenMP from spinning on a shared machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="xhc-sweep", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("run", "train every unfinished arm"), ("collect", "table of every arm"),
+                        ("fit", "fit the scaling laws, multipliers and plots"), ("print", "print the resolved arms")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--config", "-c", required=True, help="sweep file (configs/sweeps/*.yaml)")
+        s.add_argument("--out-dir", help="override the sweep's out_dir")
+        s.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="pre-training overrides for every arm (e.g. run.device=cpu)")
+        if name == "run":
+            s.add_argument("--executor", choices=("local", "slurm", "print"), default="local")
+            s.add_argument("--parallel", type=int, default=None,
+                           help="arms at a time (local; default: the sweep's executor.parallel or 1)")
+            s.add_argument("--dry-run", action="store_true", help="slurm: print the sbatch line, submit nothing")
+    return p.parse_args(argv)
+
+
+def _print_arms(sweep) -> None:
+    from training.sweep import format_table
+
+    rows = [{"arm": a.name, "variant": a.variant, "N": a.n, "k": a.k, "steps": a.steps, "seed": a.seed,
+             "params_activated": a.params_activated, "flops_per_token": a.flops_per_token, "tokens": a.tokens,
+             "compute": a.compute, "run_dir": a.run_dir} for a in sweep.arms]
+    print(format_table(rows, ("arm", "variant", "N", "k", "steps", "seed", "params_activated", "flops_per_token",
+                              "tokens", "compute", "run_dir")))
+    print(f"\n{len(sweep.arms)} arms; base {sweep.base or '(built-in default)'}; FLOPs convention "
+          f"{sweep.flops_convention}")
+    for a in sweep.arms[:1]:
+        print(f"arm command, e.g.: {shlex.join(a.command(sweep.base, python='python'))}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from training.sweep import (COLUMNS, SweepError, collect, fit_markdown, fit_sweep, format_table, load_sweep,
+                                run_local, slurm_commands, write_table)
+    from xhc.scaling_fit import FitError
+
+    try:
+        sweep = load_sweep(args.config, out_dir=args.out_dir, extra_overrides=args.overrides)
+        if args.cmd == "print" or (args.cmd == "run" and args.executor == "print"):
+            _print_arms(sweep)
+            return 0
+        if args.cmd == "run":
+            if args.executor == "slurm":
+                lines = slurm_commands(sweep)
+                if not lines:
+                    print("[sweep] every arm is finished: nothing to submit")
+                    return 0
+                for line in lines:
+                    print(line)
+                if args.dry_run:
+                    return 0
+                import subprocess
+
+                for line in lines:
+                    rc = subprocess.call(line, shell=True)
+                    if rc:
+                        print(f"error: sbatch failed with exit code {rc}", file=sys.stderr)
+                        return rc
+                return 0
+            parallel = args.parallel if args.parallel is not None else int(sweep.executor.get("parallel", 1))
+            states = run_local(sweep, parallel=parallel)
+            if any(s in ("running", "stopped") for s in states.values()):
+                return 143
+            return 1 if any(s == "failed" for s in states.values()) else 0
+        rows = collect(sweep)
+        if args.cmd == "collect":
+            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "seed", "reason")]))
+            for r in rows:
+                if r["state"] != "finished":
+                    print(f"[collect] {r['arm']}: {r['reason']}")
+            paths = write_table(sweep, rows)
+            print(f"[collect] table -> {paths['csv']}, {paths['json']}")
+            return 0
+        write_table(sweep, rows)
+        result = fit_sweep(sweep, rows)
+        print(fit_markdown(result))
+        print(f"\n[fit] -> {os.path.join(sweep.summary_dir, 'fit.json')}, fit.md"
+              + "".join(f", {p}" for p in result.get("plots", {}).values()))
+        return 0
+    except (SweepError, FitError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Robust scaling-law fits with bootstrap intervals (docs/math.md §6.5).
+
+The fits follow the recipe the scaling-law literature now recommends (Hoffmann et al. 2022,
+"Chinchilla"; Besiroglu et al. 2024, "Chinchilla scaling: a replication attempt"):
+
+* the model is written in log space with log-sum-exp,
+  ``log L̂ = LSE(a − α·log C, e)`` for ``L(C) = E + A·C^(−α)`` (``A = exp(a)``, ``E = exp(e)``), and
+  ``log L̂ = LSE(a − α·log P, b − β·log D, e)`` for Chinchilla's ``L(P, D) = E + A/P^α + B/D^β``;
+* the objective is the Huber loss (δ = 1e-3) of the residuals ``log L̂ − log L``;
+* it is minimised with L-BFGS (scipy) from a grid of initial points, keeping the best;
+* E is either free (one per variant), ``shared`` (one E for all variants, fitted jointly: the
+  irreducible loss is a property of the data, not of the architecture) or fixed (the paper fixes
+  E = 0.72);
+* confidence intervals come from a bootstrap over runs (arms): each replicate resamples the runs
+  of every variant with replacement and refits, starting from the full-data optimum (and, when E is
+  fitted, also from E = half the smallest loss).
+
+Compute multipliers (§6.5) and their intervals are evaluated replicate by replicate.  Everything
+here works on plain floats; :mod:`xhc.scaling` keeps the closed-form E-fixed fit and the paper's
+constants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from xhc.scaling import ScalingFit
+
+__all__ = ["FitError", "PowerLawFit", "ChinchillaFit", "fit_power_laws", "fit_power_law", "fit_chinchilla",
+           "multiplier_interval", "loss_at_interval", "HUBER_DELTA"]
+
+HUBER_DELTA = 1e-3
+"""δ of the Huber loss on log-space residuals (Hoffmann et al. 2022)."""
+
+_ALPHA_BOUNDS = (1e-4, 5.0)
+_ALPHA_GRID = (0.05, 0.15, 0.4, 1.0)
+_E_FRACTIONS = (0.2, 0.5, 0.8)  # initial E as a fraction of the smallest loss
+
+
+class FitError(ValueError):
+    """The points cannot determine the requested law (too few, non-positive, ...)."""
+
+
+def _huber(r: np.ndarray, delta: float) -> Tuple[np.ndarray, np.ndarray]:
+    """Huber loss and its derivative, both divided by δ² (so the objective is O(1) near the optimum
+    and L-BFGS's relative stopping rule is meaningful for δ = 1e-3)."""
+    a = np.abs(r)
+    quad = a <= delta
+    val = np.where(quad, 0.5 * r * r, delta * (a - 0.5 * delta)) / delta ** 2
+    grad = np.clip(r, -delta, delta) / delta ** 2
+    return val, grad
+
+
+def _minimize(fun, x0s: Sequence[np.ndarray], bounds) -> Tuple[np.ndarray, float]:
+    from scipy.optimize import minimize
+
+    best_x, best_f = None, math.inf
+    for x0 in x0s:
+        res = minimize(fun, np.asarray(x0, float), jac=True, method="L-BFGS-B", bounds=bounds,
+                       options={"maxiter": 2000, "ftol": 1e-12, "gtol": 1e-9})
+        if np.all(np.isfinite(res.x)) and res.fun < best_f:
+            best_x, best_f = res.x, float(res.fun)
+    if best_x is None:
+        raise FitError("L-BFGS found no finite optimum from any initial point")
+    return best_x, best_f
+
+
+def _percentile_interval(values: Sequence[float], level: float) -> Tuple[float, float]:
+    v = np.asarray([x for x in values if np.isfinite(x)], float)
+    if v.size == 0:
+        return (math.nan, math.nan)
+    q = 100 * (1 - level) / 2
+    lo, hi = np.percentile(v, [q, 100 - q])
+    return float(lo), float(hi)
+
+
+# ================================================================================================
+# L(C) = E + A·C^(−α), one or several variants
+# ================================================================================================
+@dataclass
+class PowerLawFit:
+    """L(C) = E + A·C^(−α) for one variant, with bootstrap replicates and intervals."""
+
+    name: str
+    fit: ScalingFit
+    E_mode: str                      # "free", "shared" or "fixed"
+    n_points: int
+    objective: float
+    replicates: List[ScalingFit] = field(default_factory=list)
+    level: float = 0.95
+
+    @property
+    def A(self) -> float:
+        return self.fit.A
+
+    @property
+    def alpha(self) -> float:
+        return self.fit.alpha
+
+    @property
+    def E(self) -> float:
+        return self.fit.E
+
+    def interval(self, param: str) -> Tuple[float, float]:
+        """Percentile bootstrap interval of ``A``, ``alpha`` or ``E`` (a point when E is fixed)."""
+        if not self.replicates:
+            return (math.nan, math.nan)
+        return _percentile_interval([getattr(r, param) for r in self.replicates], self.level)
+
+    def loss(self, compute: float) -> float:
+        return self.fit.loss(compute)
+
+    def as_dict(self) -> dict:
+        out = {"name": self.name, "E_mode": self.E_mode, "n_points": self.n_points,
+               "bootstrap": len(self.replicates), "level": self.level}
+        for p in ("E", "A", "alpha"):
+            out[p] = getattr(self.fit, p)
+            out[f"{p}_interval"] = list(self.interval(p))
+        return out
+
+
+def _group_objective(theta: np.ndarray, groups, e_fixed: Optional[float], delta: float):
+    """Huber objective of the shared-E / fixed-E model; ``groups`` = (x − x0, y, group index, count)."""
+    x, y, gi, ng = groups
+    off = 0 if e_fixed is not None else 1
+    e = e_fixed if e_fixed is not None else theta[0]
+    a, al = theta[off::2][:ng], theta[off + 1::2][:ng]
+    u1 = a[gi] - al[gi] * x
+    m = np.logaddexp(u1, e)
+    w = np.exp(u1 - m)
+    val, dr = _huber(m - y, delta)
+    g = np.empty_like(theta)
+    g[off::2] = np.bincount(gi, dr * w, ng)
+    g[off + 1::2] = np.bincount(gi, -dr * w * x, ng)
+    if off:
+        g[0] = float((dr * (1 - w)).sum())
+    return float(val.sum()), g
+
+
+def _fit_groups(groups_xy, x0: float, e_fixed: Optional[float], delta: float,
+                starts: Optional[List[np.ndarray]] = None):
+    """Best ``theta`` (centred intercepts) of the grouped model and its objective."""
+    off = 0 if e_fixed is not None else 1
+    bounds = ([(None, None)] if off else []) + [(None, None), _ALPHA_BOUNDS] * len(groups_xy)
+    centred = [(x - x0, y) for x, y in groups_xy]
+    packed = (np.concatenate([x for x, _ in centred]), np.concatenate([y for _, y in centred]),
+              np.concatenate([np.full(len(x), j) for j, (x, _) in enumerate(centred)]), len(centred))
+    if starts is None:
+        lmin = min(float(np.exp(y).min()) for _, y in groups_xy)
+        e_grid = [e_fixed] if e_fixed is not None else [math.log(f * lmin) for f in _E_FRACTIONS]
+        starts = []
+        for e0 in e_grid:
+            for al0 in _ALPHA_GRID:
+                th = [e0] if off else []
+                for x, y in centred:
+                    gap = max(float(np.exp(y).mean()) - math.exp(e0), 1e-3 * float(np.exp(y).mean()))
+                    th += [math.log(gap) + al0 * float(x.mean()), al0]
+                starts.append(np.array(th, float))
+    return _minimize(lambda th: _group_objective(th, packed, e_fixed, delta), starts, bounds)
+
+
+def _unpack(theta: np.ndarray, n_groups: int, x0: float, e_fixed: Optional[float]) -> List[ScalingFit]:
+    off = 0 if e_fixed is not None else 1
+    E = math.exp(e_fixed) if e_fixed is not None else math.exp(theta[0])
+    out = []
+    for j in range(n_groups):
+        a_c, al = float(theta[off + 2 * j]), float(theta[off + 2 * j + 1])
+        out.append(ScalingFit(A=math.exp(a_c + al * x0), alpha=al, E=E))
+    return out
+
+
+def _check_points(name: str, compute: Sequence[float], loss: Sequence[float], n_params: int, what: str) -> None:
+    if len(compute) != len(loss):
+        raise FitError(f"{name}: {len(compute)} compute values but {len(loss)} losses; pass one loss per run")
+    bad = [(c, l) for c, l in zip(compute, loss) if not (c > 0 and l > 0 and math.isfinite(c) and math.isfinite(l))]
+    if bad:
+        raise FitError(f"{name}: compute and loss must be finite and > 0, got {bad[0]}")
+    distinct = len(set(compute))
+    if distinct < n_params:
+        raise FitError(f"{name}: fitting {what} needs at least {n_params} runs with distinct compute, got {distinct}; "
+                       "add budgets to the sweep or fix E (fit.E: <value>)")
+
+
+def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
+                   E: Union[str, float] = "free", delta: float = HUBER_DELTA, bootstrap: int = 200,
+                   seed: int = 0, level: float = 0.95) -> Dict[str, PowerLawFit]:
+    """Fit L(C) = E + A·C^(−α) to every variant of ``data`` (name → (compute list, loss list)).
+
+    ``E``: ``"free"`` (each variant its own E: 3 parameters, needs ≥ 3 distinct budgets),
+    ``"shared"`` (one E for all variants, fitted jointly: each variant needs ≥ 2 budgets and all
+    together more runs than 1 + 2·variants parameters), or a number (fixed, 2 parameters each).
+    ``bootstrap``: replicates (0: none) resampling each variant's runs with replacement.
+    """
+    if not data:
+        raise FitError("no variants to fit")
+    if isinstance(E, str) and E not in ("free", "shared"):
+        raise FitError(f"E={E!r}: use 'free', 'shared' or a number")
+    if not isinstance(E, str) and not (E > 0):
+        raise FitError(f"E={E!r}: a fixed E must be > 0")
+    names = list(data)
+    cols = {n: (np.asarray(data[n][0], float), np.asarray(data[n][1], float)) for n in names}
+    if E == "shared":
+        for n in names:
+            _check_points(n, data[n][0], data[n][1], 2, "L(C) with a shared E (per variant A, α)")
+        total = sum(len(cols[n][0]) for n in names)
+        if total < 1 + 2 * len(names):
+            raise FitError(f"a shared-E fit of {len(names)} variants has {1 + 2 * len(names)} parameters but only "
+                           f"{total} runs; add budgets or fix E")
+    elif E == "free":
+        for n in names:
+            _check_points(n, data[n][0], data[n][1], 3, "L(C) = E + A·C^(−α) with E free")
+    else:
+        for n in names:
+            _check_points(n, data[n][0], data[n][1], 2, f"L(C) with E fixed at {E}")
+            if np.any(cols[n][1] <= E):
+                raise FitError(f"{n}: every loss must exceed the fixed E = {E}")
+    e_fixed = math.log(E) if not isinstance(E, str) else None
+    mode = E if isinstance(E, str) else "fixed"
+    x0 = float(np.mean(np.concatenate([np.log(cols[n][0]) for n in names])))
+    logs = {n: (np.log(cols[n][0]), np.log(cols[n][1])) for n in names}
+    rng = np.random.default_rng(seed)
+
+    def draw(n: str, need: int):
+        x, y = logs[n]
+        for _ in range(100):
+            idx = rng.integers(0, len(x), len(x))
+            if len(set(x[idx].tolist())) >= need:
+                return x[idx], y[idx]
+        return x, y  # too few distinct points to resample: keep the data (a degenerate replicate)
+
+    def rep_starts(theta, ys):
+        """Replicates start from the full-data optimum and, when E is fitted, also from E = half the
+        smallest loss (an optimum with E → 0 has no gradient in E and would pin every replicate there)."""
+        if e_fixed is not None:
+            return [theta]
+        alt = np.array(theta, float)
+        alt[0] = math.log(0.5 * min(float(np.exp(y).min()) for y in ys))
+        return [theta, alt]
+
+    if mode == "shared":
+        theta, obj = _fit_groups([logs[n] for n in names], x0, None, delta)
+        fits = _unpack(theta, len(names), x0, None)
+        reps: List[List[ScalingFit]] = []
+        for _ in range(bootstrap):
+            th, _ = _fit_groups([draw(n, 2) for n in names], x0, None, delta,
+                                starts=rep_starts(theta, [logs[n][1] for n in names]))
+            reps.append(_unpack(th, len(names), x0, None))
+        return {n: PowerLawFit(n, fits[i], mode, len(cols[n][0]), obj, [r[i] for r in reps], level)
+                for i, n in enumerate(names)}
+    out = {}
+    need = 3 if mode == "free" else 2
+    for n in names:
+        theta, obj = _fit_groups([logs[n]], x0, e_fixed, delta)
+        fit = _unpack(theta, 1, x0, e_fixed)[0]
+        reps = []
+        for _ in range(bootstrap):
+            th, _ = _fit_groups([draw(n, need)], x0, e_fixed, delta, starts=rep_starts(theta, [logs[n][1]]))
+            reps.append(_unpack(th, 1, x0, e_fixed)[0])
+        out[n] = PowerLawFit(n, fit, mode, len(cols[n][0]), obj, reps, level)
+    return out
+
+
+def fit_power_law(compute: Sequence[float], loss: Sequence[float], E: Union[str, float] = "free",
+                  name: str = "runs", **kw) -> PowerLawFit:
+    """:func:`fit_power_laws` for one variant."""
+    if E == "shared":
+        raise FitError("E='shared' needs several variants: use fit_power_laws")
+    return fit_power_laws({name: (compute, loss)}, E=E, **kw)[name]
+
+
+# ================================================================================================
+# Derived quantities with intervals
+# ================================================================================================
+def _paired(a: PowerLawFit, b: PowerLawFit):
+    n = min(len(a.replicates), len(b.replicates))
+    return list(zip(a.replicates[:n], b.replicates[:n]))
+
+
+def _multiplier(base: ScalingFit, method: ScalingFit, compute: Optional[float], loss: Optional[float]) -> float:
+    """C_b(L) / C_x(L); L = ``loss`` or the baseline's fitted loss at ``compute``."""
+    L = base.loss(compute) if loss is None else loss
+    if L <= base.E or L <= method.E:
+        return math.nan
+    c_b = compute if loss is None else base.compute_for(L)
+    return c_b / method.compute_for(L)
+
+
+def multiplier_interval(baseline: PowerLawFit, method: PowerLawFit, compute: Optional[float] = None,
+                        loss: Optional[float] = None) -> Tuple[float, float, float]:
+    """(M, lo, hi): how much more compute ``baseline`` needs than ``method`` for the same loss (§6.5).
+
+    At a chosen ``compute`` C_b: M = C_b / C_x(L_b(C_b)) with the baseline's fitted loss; at a chosen
+    ``loss`` L: M = C_b(L) / C_x(L).  The interval pairs the two fits' bootstrap replicates (the
+    same resample when E is shared).  NaN where a fit never reaches the loss (L ≤ E).
+    """
+    if (compute is None) == (loss is None):
+        raise FitError("give exactly one of compute= or loss= for a compute multiplier")
+    m = _multiplier(baseline.fit, method.fit, compute, loss)
+    vals = [_multiplier(b, x, compute, loss) for b, x in _paired(baseline, method)]
+    lo, hi = _percentile_interval(vals, baseline.level)
+    return m, lo, hi
+
+
+def loss_at_interval(fit: PowerLawFit, compute: float) -> Tuple[float, float, float]:
+    """(L(C), lo, hi) from the fit and its bootstrap replicates."""
+    lo, hi = _percentile_interval([r.loss(compute) for r in fit.replicates], fit.level)
+    return fit.loss(compute), lo, hi
+
+
+# ================================================================================================
+# Chinchilla L(P, D) = E + A/P^α + B/D^β
+# ================================================================================================
+@dataclass
+class ChinchillaFit:
+    """L(P, D) = E + A/P^α + B/D^β with bootstrap intervals."""
+
+    E: float
+    A: float
+    alpha: float
+    B: float
+    beta: float
+    n_points: int
+    objective: float
+    replicates: List[Tuple[float, float, float, float, float]] = field(default_factory=list)
+    level: float = 0.95
+
+    PARAMS = ("E", "A", "alpha", "B", "beta")
+
+    def loss(self, params: float, tokens: float) -> float:
+        return self.E + self.A / params ** self.alpha + self.B / tokens ** self.beta
+
+    def interval(self, param: str) -> Tuple[float, float]:
+        i = self.PARAMS.index(param)
+        return _percentile_interval([r[i] for r in self.replicates], self.level)
+
+    def as_dict(self) -> dict:
+        out = {"n_points": self.n_points, "bootstrap": len(self.replicates), "level": self.level}
+        for p in self.PARAMS:
+            out[p] = getattr(self, p)
+            out[f"{p}_interval"] = list(self.interval(p))
+        return out
+
+
+def _chinchilla_objective(th, lp, ld, y, delta):
+    e, a, al, b, be = th
+    u1, u2 = a - al * lp, b - be * ld
+    m = np.logaddexp(np.logaddexp(u1, u2), e)
+    w1, w2, w0 = np.exp(u1 - m), np.exp(u2 - m), np.exp(e - m)
+    val, dr = _huber(m - y, delta)
+    g = np.array([(dr * w0).sum(), (dr * w1).sum(), (-dr * w1 * lp).sum(), (dr * w2).sum(), (-dr * w2 * ld).sum()])
+    return float(val.sum()), g
+
+
+def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Sequence[float],
+                   delta: float = HUBER_DELTA, bootstrap: int = 200, seed: int = 0,
+                   level: float = 0.95) -> ChinchillaFit:
+    """Fit Chinchilla's L(P, D) = E + A/P^α + B/D^β (5 parameters) over runs of several sizes and budgets."""
+    n = len(loss)
+    if not (len(params) == len(tokens) == n):
+        raise FitError(f"L(P, D): {len(params)} sizes, {len(tokens)} token counts and {n} losses; pass one of each per run")
+    if len(set(zip(params, tokens))) < 5:
+        raise FitError(f"L(P, D) = E + A/P^α + B/D^β has 5 parameters but only {len(set(zip(params, tokens)))} "
+                       "distinct (size, tokens) runs; sweep more sizes and budgets")
+    if len(set(params)) < 2 or len(set(tokens)) < 2:
+        raise FitError("L(P, D) needs at least 2 model sizes and 2 token budgets")
+    P, D, L = (np.asarray(v, float) for v in (params, tokens, loss))
+    if np.any(P <= 0) or np.any(D <= 0) or np.any(L <= 0):
+        raise FitError("L(P, D): sizes, tokens and losses must be > 0")
+    p0, d0 = float(np.log(P).mean()), float(np.log(D).mean())
+    lp, ld, y = np.log(P) - p0, np.log(D) - d0, np.log(L)
+    bounds = [(None, None), (None, None), _ALPHA_BOUNDS, (None, None), _ALPHA_BOUNDS]
+
+    def solve(lp_, ld_, y_, starts):
+        return _minimize(lambda th: _chinchilla_objective(th, lp_, ld_, y_, delta), starts, bounds)
+
+    lmean, lmin = float(L.mean()), float(L.min())
+    starts = []
+    for f in (0.2, 0.5, 0.8):
+        gap = max(lmean - f * lmin, 1e-3 * lmean) / 2
+        for al0 in (0.1, 0.3, 0.6):
+            for be0 in (0.1, 0.3, 0.6):
+                starts.append(np.array([math.log(f * lmin), math.log(gap), al0, math.log(gap), be0]))
+    theta, obj = solve(lp, ld, y, starts)
+
+    def unpack(th):
+        e, a, al, b, be = (float(t) for t in th)
+        return (math.exp(e), math.exp(a + al * p0), al, math.exp(b + be * d0), be)
+
+    rng = np.random.default_rng(seed)
+    reps = []
+    for _ in range(bootstrap):
+        for _try in range(100):
+            idx = rng.integers(0, n, n)
+            if len(set(zip(P[idx].tolist(), D[idx].tolist()))) >= 5 and len(set(P[idx].tolist())) >= 2 \
+                    and len(set(D[idx].tolist())) >= 2:
+                break
+        th, _ = solve(lp[idx], ld[idx], y[idx], [theta])
+        reps.append(unpack(th))
+    return ChinchillaFit(*unpack(theta), n_points=n, objective=obj, replicates=reps, level=level)
