@@ -198,8 +198,19 @@ def inductor_bytes():
     log.propagate = False  # count without printing the per-graph dicts
     log.disabled = False
     metrics.reset()
+    # A graph served from inductor's FX-graph or AOTAutograd cache is not lowered again, so its
+    # bytes would not be counted: compile afresh inside this context.
+    caches = contextlib.ExitStack()
+    caches.enter_context(torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
     try:
-        yield lambda: metrics.num_bytes_accessed
+        import torch._functorch.config as functorch_config
+
+        caches.enter_context(functorch_config.patch(enable_autograd_cache=False))
+    except (ImportError, AttributeError, RuntimeError):  # older torch: no AOTAutograd cache
+        pass
+    try:
+        with caches:
+            yield lambda: metrics.num_bytes_accessed
     finally:
         log.setLevel(old_level)
         log.propagate, log.disabled = old_prop, old_disabled
