@@ -20,7 +20,9 @@ setup(
     packages=find_packages(include=["xhc", "xhc.*", "models", "models.*", "training", "training.*", "tools", "tools.*",
                                     "configs"]),
     # The YAML presets and run configs ship inside the wheel (found through importlib.resources).
-    package_data={"configs": ["models/*.yaml", "pretrain/*.yaml", "finetune/*.yaml"]},
+    package_data={"configs": ["models/*.yaml", "pretrain/*.yaml", "finetune/*.yaml", "sweeps/*.yaml",
+                              "lm_eval/*.yaml"],
+                  "tools": ["*.sh"]},
     install_requires=[
         "torch>=2.6",
         MEGATRON,

@@ -1,7 +1,8 @@
 """xhc's YAML configs, shipped as package data so that an installed xhc finds them from any directory.
 
 ``configs/models/`` holds the zoo presets, ``configs/pretrain/`` the pre-training runs and
-``configs/finetune/`` the PEFT finetuning runs.  :func:`config_dir` locates one of them through
+``configs/finetune/`` the PEFT finetuning runs, ``configs/sweeps/`` the scaling-law sweeps and
+``configs/lm_eval/`` the local lm-eval task.  :func:`config_dir` locates one of them through
 ``importlib.resources`` (the checkout in a development install, ``site-packages/configs`` in a
 wheel install); :func:`resolve_config` turns what a user passed to ``--config`` into a file.
 """
@@ -15,7 +16,7 @@ from typing import List
 
 __all__ = ["KINDS", "config_dir", "packaged_configs", "resolve_config"]
 
-KINDS = ("models", "pretrain", "finetune")
+KINDS = ("models", "pretrain", "finetune", "sweeps", "lm_eval")
 
 
 def config_dir(kind: str) -> Path:

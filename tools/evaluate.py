@@ -22,9 +22,10 @@ import os
 import sys
 import tempfile
 
+from configs import config_dir
+
 TASK = "xhc_heldout"
-TASK_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "lm_eval",
-                         f"{TASK}.yaml")
+TASK_YAML = str(config_dir("lm_eval") / f"{TASK}.yaml")  # package data: found from any directory
 
 
 class EvalError(RuntimeError):

@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from training.config import REPO_ROOT, ConfigError, load_config, pad_vocab_size
+from configs import resolve_config
+from training.config import ConfigError, load_config, pad_vocab_size
 
 __all__ = ["SweepError", "Arm", "Sweep", "load_sweep", "run_local", "slurm_commands", "collect", "fit_sweep",
            "write_table", "ARM_STATE", "TOP_KEYS", "GRID_AXES"]
@@ -133,11 +134,10 @@ def _flatten(prefix: str, value: Any, out: List[str]) -> None:
 
 
 def _resolve_path(path: str, sweep_file: str) -> str:
-    """A path of the sweep file: as given if it exists, else relative to the repository."""
+    """The base pre-training config of a sweep file: as given if it exists, else a packaged one."""
     if os.path.isabs(path) or os.path.exists(path):
         return path
-    cand = os.path.join(REPO_ROOT, path)
-    return cand if os.path.exists(cand) else path
+    return resolve_config(path, "pretrain")
 
 
 def load_sweep(path: str, out_dir: Optional[str] = None, extra_overrides: Sequence[str] = ()) -> Sweep:
@@ -149,6 +149,7 @@ def load_sweep(path: str, out_dir: Optional[str] = None, extra_overrides: Sequen
     from xhc.accounting import backbone_params, hc_params_total
     from tools.zoo import backbone_shape
 
+    path = resolve_config(path, "sweeps")
     if not os.path.isfile(path):
         raise SweepError(f"sweep file {path}: not found (shipped sweeps live in configs/sweeps/)")
     try:
@@ -517,7 +518,9 @@ def slurm_commands(sweep: Sweep) -> List[str]:
     sl = sweep.executor.get("slurm") or {}
     extra = [str(x) for x in sl.get("sbatch_args", [])]
     nodes = int(sl.get("nodes", 1))
-    script = os.path.join(REPO_ROOT, "tools", "slurm_pretrain.sh")
+    import tools
+
+    script = os.path.join(os.path.dirname(os.path.abspath(tools.__file__)), "slurm_pretrain.sh")
     cmd = (f"XHC_SWEEP_ARMS={shlex.quote(arms_file)} sbatch --array 0-{len(todo) - 1} --nodes {nodes} "
            f"--job-name {shlex.quote('sweep-' + sweep.name)} " + "".join(shlex.quote(x) + " " for x in extra)
            + f"{shlex.quote(script)} {shlex.quote(sweep.base or 'configs/pretrain/default-tiny.yaml')}")
