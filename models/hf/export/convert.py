@@ -274,14 +274,19 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
 
 
 def export_remote_code(out_dir: str) -> List[str]:
-    """Copy the remote code and the xhc modules it uses into ``out_dir`` (``from xhc.x`` -> ``from .x``)."""
-    sources = [os.path.join(REMOTE_DIR, n) for n in ("configuration_xhc_moe.py", "modeling_xhc_moe.py")]
-    sources += [os.path.join(XHC_DIR, f"{mod}.py") for mod in xhc_modules_needed(sources)]
+    """Copy the remote code and the xhc modules it uses into ``out_dir``, flat, with relative imports.
+
+    ``xhc.a`` becomes ``a.py`` and ``xhc.a.b`` (a module of the package ``xhc/a/``) becomes
+    ``a_b.py``: transformers' remote-code loader resolves ``from .name import`` against files in
+    the same folder only.
+    """
+    sources = [(os.path.join(REMOTE_DIR, n), n) for n in ("configuration_xhc_moe.py", "modeling_xhc_moe.py")]
+    sources += [(xhc_module_file(mod), flat_module_name(mod) + ".py")
+                for mod in xhc_modules_needed([p for p, _ in sources])]
     written = []
-    for path in sources:
+    for path, name in sources:
         with open(path, encoding="utf-8") as f:
             text = relative_imports(f.read())
-        name = os.path.basename(path)
         left = re.findall(r"^\s*(?:from|import)\s+(xhc|models|training)\b", text, re.M)
         if left:
             raise ConversionError(f"remote code {name}: still imports {left[0]} after the rewrite")
@@ -291,21 +296,76 @@ def export_remote_code(out_dir: str) -> List[str]:
     return written
 
 
+_FROM_XHC = re.compile(r"^(\s*)from xhc((?:\.\w+)*) import (.+)$", re.M)
+
+
+def xhc_module_file(dotted: str) -> str:
+    """The source file of ``xhc.a`` / ``xhc.a.b`` (a package's ``__init__.py``), or '' if none."""
+    parts = dotted.split(".")[1:]
+    base = os.path.join(XHC_DIR, *parts)
+    if os.path.isfile(base + ".py"):
+        return base + ".py"
+    return os.path.join(base, "__init__.py") if os.path.isfile(os.path.join(base, "__init__.py")) else ""
+
+
+def flat_module_name(dotted: str) -> str:
+    return "_".join(dotted.split(".")[1:])
+
+
+def _imported_names(names: str) -> List[Tuple[str, str]]:
+    """``a, b as c`` -> [(a, a), (b, c)]; [] for a parenthesised (multi-line) list."""
+    if "(" in names:
+        return []
+    out = []
+    for part in names.split("#")[0].split(","):
+        bits = part.split()
+        if bits:
+            out.append((bits[0], bits[2] if len(bits) == 3 and bits[1] == "as" else bits[0]))
+    return out
+
+
+def _imports_of(text: str) -> List[str]:
+    """Dotted xhc modules a source imports (``from xhc.a import f``, ``from xhc.a import submodule``)."""
+    mods = []
+    for _, pkg, names in _FROM_XHC.findall(text):
+        if pkg:
+            mods.append("xhc" + pkg)
+        for name, _ in _imported_names(names):
+            if xhc_module_file(f"xhc{pkg}.{name}"):
+                mods.append(f"xhc{pkg}.{name}")
+    return mods
+
+
 def xhc_modules_needed(files: List[str]) -> List[str]:
-    """The ``xhc`` modules ``files`` import, transitively (module-level and lazy imports)."""
-    pattern = re.compile(r"^\s*from xhc\.(\w+) import", re.M)
+    """The ``xhc`` modules (dotted) ``files`` import, transitively (module-level and lazy imports)."""
     todo, seen = list(files), set()
     while todo:
         with open(todo.pop(), encoding="utf-8") as f:
-            for mod in pattern.findall(f.read()):
-                if mod not in seen:
+            for mod in _imports_of(f.read()):
+                if mod not in seen and xhc_module_file(mod):
                     seen.add(mod)
-                    todo.append(os.path.join(XHC_DIR, f"{mod}.py"))
+                    todo.append(xhc_module_file(mod))
     return sorted(seen)
 
 
 def relative_imports(text: str) -> str:
-    return re.sub(r"^(\s*)from xhc\.(\w+) import", r"\1from .\2 import", text, flags=re.M)
+    """Rewrite ``from xhc...`` imports for the flat export folder (see :func:`export_remote_code`)."""
+
+    def one(m: "re.Match") -> str:
+        indent, pkg, names = m.group(1), m.group(2), m.group(3)
+        pairs = _imported_names(names)
+        if pairs and all(xhc_module_file(f"xhc{pkg}.{n}") for n, _ in pairs):  # importing modules
+            # transformers copies a remote module's files by matching ``from .x import`` lines, so
+            # a module import also names one attribute of the module in that form.
+            lines = []
+            for n, alias in pairs:
+                flat = flat_module_name(f"xhc{pkg}.{n}")
+                lines.append(f"{indent}from .{flat} import __name__ as _{flat}_name  # noqa: F401 (listed for transformers)")
+                lines.append(f"{indent}from . import {flat} as {alias}")
+            return "\n".join(lines)
+        return f"{indent}from .{flat_module_name('xhc' + pkg)} import {names}"
+
+    return _FROM_XHC.sub(one, text)
 
 
 class ShardWriter:
