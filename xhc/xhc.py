@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from xhc import kernels
 from xhc.config import HCConfig, HCConfigError
+from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
 from xhc.kernels.torch_ops import flat_moments, layer_scale, rms_scale
@@ -413,8 +414,7 @@ def mapping_diagnostics(I: torch.Tensor, p: torch.Tensor, n: int, H_res: Optiona
         out = {"router_load": router_load(I, n), "route_weight_mean": p.float().mean()}
         if H_res is not None:
             Hf = H_res.float()
-            eye = torch.eye(Hf.shape[-1], device=Hf.device)
-            out["h_res_identity_distance"] = (Hf - eye).pow(2).sum((-1, -2)).sqrt().mean()
+            out["h_res_identity_distance"] = identity_distance_tensor(Hf)
             out["h_res_mean"] = Hf.reshape(-1, *Hf.shape[-2:]).mean(0)
     return out
 
