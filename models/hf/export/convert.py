@@ -888,7 +888,8 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
             ck = Checkpointer(os.path.join(tmp, "checkpoints"), keep_last=1, log=lambda *_: None)
             state = build_state([model], trainer={"step": step, "consumed_samples": consumed, "skipped_steps": 0},
                                 rng=False)
-            ck.save(step, state, {"world_size": 1, "reason": "from-hf", "preset": "preset.yaml",
+            resume_preset = f"{os.path.abspath(out_dir)}/preset.yaml:{preset.hc.variant}"  # what the run will name
+            ck.save(step, state, {"world_size": 1, "reason": "from-hf", "preset": resume_preset,
                                   "parallel": {"tp": 1, "pp": 1, "ep": 1}, "consumed_samples": consumed})
         variant_key = preset.hc.variant
         with open(os.path.join(tmp, "preset.yaml"), "w", encoding="utf-8") as f:
