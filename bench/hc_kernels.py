@@ -192,6 +192,9 @@ def inductor_bytes():
     artifact at INFO, switched on here and restored after)."""
     from torch._inductor import metrics
 
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":  # nothing would be compiled, so 0 bytes counted
+        raise RuntimeError("inductor_bytes: torch.compile is switched off in this process (TORCHDYNAMO_DISABLE=1); "
+                           "unset TORCHDYNAMO_DISABLE")
     log = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "inductor_metrics")
     old_level, old_prop, old_disabled = log.level, log.propagate, log.disabled
     log.setLevel(logging.INFO)

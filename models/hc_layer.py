@@ -476,8 +476,13 @@ def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compil
     module of ``model`` in ``torch.compile``: the ``compile`` kernel backend's fused ops then run as
     inductor kernels while the backbone (attention, MoE dispatch) stays eager.  Returns the number of
     modules wrapped.  ``fullgraph=True`` turns a graph break into an error."""
+    import os
+
     import torch._dynamo
 
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":  # torch.compile would silently run eagerly
+        raise RuntimeError("compile_hc_modules: torch.compile is switched off in this process "
+                           "(TORCHDYNAMO_DISABLE=1); unset TORCHDYNAMO_DISABLE to compile the HC modules")
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)

@@ -19,6 +19,14 @@ import tempfile
 import time
 
 import pytest
+import torch
+
+# Triton builds its language module once, at first import, in interpreted or compiled form
+# depending on TRITON_INTERPRET at that moment.  Any test module may import Triton (directly or
+# through xhc.kernels), so on a machine without CUDA the interpreter is switched on here, before
+# any test module is collected; a test that needs it off sets it itself.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CHILD_REPORT = "XHC_CPU_GLOO_REPORT"  # set in the child: where it writes its results
 _FORCE = "XHC_CPU_GLOO_CHILD"

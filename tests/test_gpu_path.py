@@ -358,9 +358,11 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
     fake = types.SimpleNamespace(
         chunks=[Chunk()], optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6, ckpt=Ckpt(),
         cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig()),
-        metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {})
+        metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {},
+        _compat_info=lambda: {}, check_parameters=lambda why: events.append("finite check"))
     Trainer.save_checkpoint(fake, "interval")
-    assert events == [("sync", True), "build_state", "save", "hooks back"]
+    # the finite-parameter check reads the synced parameters too, so it runs inside the sync
+    assert events == [("sync", True), "finite check", "build_state", "save", "hooks back"]
 
 
 # ------------------------------------------------------------------------------------------------

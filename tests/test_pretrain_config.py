@@ -223,3 +223,46 @@ def test_unset_warmup_scales_with_the_run_length_and_is_logged():
     assert load_config(None, ["run.train_steps=40", "schedule.warmup_steps=3"]).schedule.warmup_steps == 3
     with pytest.raises(ConfigError, match=r"schedule\.warmup_steps=20 .*at most 16"):
         load_config(None, ["run.train_steps=20", "schedule.warmup_steps=20"])
+
+
+def test_entry_points_do_not_switch_off_torch_compile_in_the_importing_process(monkeypatch, capsys):
+    """training.pretrain / tools.convert_checkpoint switch dynamo off only while their main() runs
+    (CPU start-up time); importing them, or calling main() in-process, leaves torch.compile on."""
+    import os
+    import subprocess
+    import sys
+
+    import training.process_defaults as pd
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    r = subprocess.run([sys.executable, "-c", "import os, training.pretrain, tools.convert_checkpoint; "
+                        "print(os.environ.get('TORCHDYNAMO_DISABLE'))"], env=env, capture_output=True, text=True,
+                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.stdout.strip() == "None", r.stdout
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setattr(pd, "on_cpu_machine", lambda: True)
+    seen = {}
+    with pd.cpu_entry_point():
+        seen["inside"] = os.environ.get("TORCHDYNAMO_DISABLE")
+    assert seen["inside"] == "1" and "TORCHDYNAMO_DISABLE" not in os.environ
+    from training.pretrain import main
+
+    assert main(["--print-config"]) == 0
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # the user's choice wins and is kept
+    with pd.cpu_entry_point():
+        assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "0"
+    # and a compiled function really compiles here
+    import torch
+
+    torch._dynamo.reset()
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    torch.compile(lambda a: a * 2, backend=backend)(torch.ones(3))
+    assert len(calls) == 1

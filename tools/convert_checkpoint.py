@@ -23,9 +23,9 @@ import os
 import sys
 import tempfile
 
-if not os.path.exists("/dev/nvidiactl"):  # as training.pretrain: no torch.compile, passive OpenMP waits on CPU
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # as training.pretrain
+
+set_omp_wait_policy()
 
 VARIANTS = ("hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
 
@@ -86,6 +86,11 @@ def _overrides(items):
 
 
 def main(argv=None) -> int:
+    with cpu_entry_point():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     import warnings
 

@@ -43,14 +43,11 @@ import time
 from typing import Any, Dict, Iterator, List, Optional
 
 # Keep top-level imports light: dist_checkpointing's save starts a helper process that re-imports
-# the main module.  On machines without an NVIDIA driver (CPU runs):
-# - torch.compile only costs start-up time (Megatron compiles a few small fused functions): off;
-# - OpenMP threads that spin while waiting make a busy machine (other processes on the same
-#   cores) up to 10x slower for this many small ops; passive waiting costs little when idle.
-# Both only apply when the variable is not set already, and must be set before torch is imported.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the main module.  CPU machines: passive OpenMP waits (before torch loads) and, while main() runs,
+# no torch.compile (see training.process_defaults).
+from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # noqa: E402
+
+set_omp_wait_policy()
 
 from training.config import ConfigError, PretrainConfig, load_config  # noqa: E402
 
@@ -1116,6 +1113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    with cpu_entry_point():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     args = parse_args(argv)
     if args.help_config:
         from training.config import config_reference

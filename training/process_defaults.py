@@ -1,0 +1,54 @@
+"""Process-wide defaults for command-line entry points on machines without an NVIDIA driver.
+
+On a CPU-only machine two environment defaults make the command-line tools much faster:
+
+- ``TORCHDYNAMO_DISABLE=1``: Megatron-Core wraps a few small fused functions in ``torch.compile``;
+  on CPU compiling them only costs start-up time.  Dynamo reads the variable at every call, so it
+  must not leak out of the entry point: importing ``training.pretrain`` (tests, notebooks, other
+  tools) must leave ``torch.compile`` working in the importing process.
+- ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that spin while waiting make a busy machine (other
+  processes on the same cores) up to 10x slower for this many small ops.  OpenMP reads it when
+  torch's libraries load, so entry points set it at import time (it changes nothing else).
+
+Both only apply where the variable is not set already, and neither is applied where
+``/dev/nvidiactl`` exists (a GPU machine).  Child processes (torchrun workers, dist_checkpointing's
+writer) inherit what the entry point set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+
+def on_cpu_machine() -> bool:
+    return not os.path.exists("/dev/nvidiactl")
+
+
+def set_omp_wait_policy() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` on CPU machines, unless set (call before ``import torch``)."""
+    if on_cpu_machine():
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@contextlib.contextmanager
+def cpu_entry_point(compile_wanted: bool = False) -> Iterator[None]:
+    """For the duration of a command's ``main``: switch dynamo off on a CPU machine unless the
+    command compiles something itself (``compile_wanted``) or the user chose; restore after."""
+    key = "TORCHDYNAMO_DISABLE"
+    before = os.environ.get(key)
+    if on_cpu_machine() and not compile_wanted and before is None:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def dynamo_disabled() -> bool:
+    """Whether ``torch.compile`` is switched off in this process (it then silently runs eagerly)."""
+    return os.environ.get("TORCHDYNAMO_DISABLE", "") == "1"
