@@ -58,9 +58,63 @@ def _cached_mask_positions(mask: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+_CONTEXT_CACHE: dict = {}
+
+
+def _ref_key(obj):
+    """Identity (weakly held) and version of a per-micro-batch input: the mask, or the cu_seqlens."""
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return weakref.ref(obj), obj._version
+    cu = getattr(obj, "cu_seqlens_q_padded", None)
+    if cu is None:
+        cu = getattr(obj, "cu_seqlens_q", None)
+    return weakref.ref(obj), (weakref.ref(cu), cu._version) if isinstance(cu, torch.Tensor) else None
+
+
+def _same_ref(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    (ra, va), (rb, vb) = a, b
+    if ra() is None or ra() is not rb():
+        return False
+    if isinstance(va, tuple) or isinstance(vb, tuple):
+        return va is not None and vb is not None and va[0]() is vb[0]() and va[1] == vb[1]
+    return va == vb
+
+
 def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s: int, b: int,
                                    reset: str = "auto") -> SequenceContext:
-    """Build the temporal conv's :class:`SequenceContext` for local activations ``[s, b, ·]``."""
+    """The temporal conv's :class:`SequenceContext` for local activations ``[s, b, ·]``.
+
+    Every layer of a forward pass receives the same mask / ``packed_seq_params`` objects, so the
+    context is built once and shared: the CP exchange plan (two small all-gathers and a host
+    sync) and the ``cu_seqlens`` host read then happen once per micro-batch, not once per xHC MLP
+    sublayer.  Without a mask or packing (the plain SP / CP layouts) the context depends on the
+    parallel layout and shapes alone and is reused across steps: no collectives at all in steady
+    state.  Only the most recent context is kept; a new mask or packing object (or an in-place
+    edit of one) builds a new one.
+    """
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    sp = tp if (config.sequence_parallel and tp > 1) else 1
+    groups = (ps.get_tensor_and_context_parallel_group() if sp > 1 else ps.get_context_parallel_group()) \
+        if cp > 1 else (ps.get_tensor_model_parallel_group() if sp > 1 else None)
+    key = (s, b, tp, cp, sp, ps.get_tensor_model_parallel_rank() if sp > 1 else 0,
+           ps.get_context_parallel_rank() if cp > 1 else 0, reset)
+    mask_ref, packed_ref = _ref_key(attention_mask), _ref_key(packed_seq_params)
+    hit = _CONTEXT_CACHE.get("entry")
+    if (hit is not None and hit["key"] == key and hit["group"] is groups and _same_ref(hit["mask"], mask_ref)
+            and _same_ref(hit["packed"], packed_ref)):
+        return hit["ctx"]
+    ctx = _build_sequence_context(config, attention_mask, packed_seq_params, s, b, reset)
+    _CONTEXT_CACHE["entry"] = {"key": key, "group": groups, "mask": mask_ref, "packed": packed_ref, "ctx": ctx}
+    return ctx
+
+
+def _build_sequence_context(config, attention_mask, packed_seq_params, s: int, b: int,
+                            reset: str = "auto") -> SequenceContext:
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     sp = tp if (config.sequence_parallel and tp > 1) else 1

@@ -155,6 +155,22 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
 
 
 @cpu_only
+def test_stop_flags_ride_on_the_step_all_reduce():
+    """Finding 6 (host syncs): the stop check before a step reuses the flags agreed in the previous
+    step's loss all-reduce; only after a save / evaluation (flags cleared) does it all-reduce."""
+    calls = []
+    fake = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(run=types.SimpleNamespace(exit_at_step=None, train_steps=10,
+                                                            exit_after_minutes=5)),
+        _agreed_flags=[0.0, 0.0], stop_signal=None, step=1,
+        _all_reduce=lambda v: calls.append(list(v)) or [1.0, 0.0], _local_stop_flags=lambda: [0.0, 0.0])
+    assert Trainer.should_stop(fake) is None and calls == []  # agreed in the step: no collective
+    assert fake._agreed_flags is None  # consumed
+    assert Trainer.should_stop(fake) == "signal on another rank" and calls == [[0.0, 0.0]]
+    fake._agreed_flags = [0.0, 1.0]
+    assert Trainer.should_stop(fake) == "run.exit_after_minutes=5" and len(calls) == 1
+
+
 def test_megatron_step_computes_the_grad_norm_once(parallel, bf16_megatron_on_cpu):  # noqa: F811
     """The skip check and the clip share one global grad norm (one all-reduce, one host sync)."""
     model = bf16_ddp_model()

@@ -403,6 +403,26 @@ def test_thd_positions_use_the_padded_offsets():
     assert torch.equal(seq.pos_in_doc, torch.tensor([*range(5), *range(7)])[:, None])
 
 
+def test_packed_context_is_shared_within_a_forward_and_never_stale():
+    """Layers of one forward (same ``packed_seq_params`` object) share one context; an edited
+    ``cu_seqlens`` or the next micro-batch's packing object gets a new one."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from models.sequence import sequence_context_from_megatron
+
+    cfg = types.SimpleNamespace(sequence_parallel=False)
+    cu = torch.tensor([0, 5, 12])
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    first = sequence_context_from_megatron(cfg, None, packed, 12, 1)
+    assert sequence_context_from_megatron(cfg, None, packed, 12, 1) is first
+    cu[1] = 3  # in place: the first document is now 3 tokens long
+    edited = sequence_context_from_megatron(cfg, None, packed, 12, 1)
+    assert edited is not first and edited.pos_in_doc[3, 0] == 0 and edited.pos_in_doc[4, 0] == 1
+    nxt = PackedSeqParams(**vars(packed))
+    assert sequence_context_from_megatron(cfg, None, nxt, 12, 1) is not edited
+    assert sequence_context_from_megatron(cfg, None, None, 12, 1).pos_in_doc is None  # no packing: no resets
+
+
 # ------------------------------------------------------------------------------------------------
 # 3, 4, 5, 6, 9. Two ranks (torchrun, gloo): TP=2+SP, EP=2, PP=2, CP=2, TP=2 -> TP=1, Megatron DDP
 # ------------------------------------------------------------------------------------------------

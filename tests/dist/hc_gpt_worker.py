@@ -267,6 +267,7 @@ def run_cp():
     from megatron.core.packed_seq_params import PackedSeqParams
     from models.parallel import batch_on_this_cp_rank
     from models.sequence import sequence_context_from_megatron
+    import xhc.temporal as xt
     from xhc.temporal import SequenceContext, pos_in_doc_from_cu_seqlens
     from xhc.xhc import XHCSublayer
 
@@ -322,6 +323,25 @@ def run_cp():
         assert seq.group is ps.get_context_parallel_group()
         covered = sorted(r for start, n in seq.segments for r in range(start, start + n))
         assert covered == sorted(want_rows), (layout, seq.segments)
+        # Every layer of a forward gets the same inputs, hence the same context: the exchange is
+        # planned (all-gathers + host sync) once per micro-batch, not once per xHC MLP sublayer.
+        plans = []
+        real_plan = xt._exchange_plan
+        xt._exchange_plan = lambda *a, **k: plans.append(1) or real_plan(*a, **k)
+        try:
+            for _ in range(3):  # three "layers"
+                again = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
+                assert again is seq, layout
+                with torch.no_grad():
+                    run(X_local.detach(), again)
+            assert len(plans) == 1, (layout, len(plans))
+            if packed is not None:  # the next micro-batch's packing: planned afresh
+                nxt = PackedSeqParams(**vars(packed))
+                assert sequence_context_from_megatron(config, None, nxt, len(want_rows), b,
+                                                      hc.conv_doc_reset) is not seq
+        finally:
+            xt._exchange_plan = real_plan
+        seq = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
         out = run(X_local, seq)
         _close(f"{layout} output", out.detach(), out_ref.detach()[rows])
         (out * R[rows]).sum().backward()
