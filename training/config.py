@@ -85,6 +85,10 @@ class ModelConfig:
     """HC recompute: keep only each sublayer's entry state and branch output for backward and
     recompute the HC coefficients (combinable with ``recompute: selective``); null: the preset's
     (zoo key ``hc_recompute``, default false)."""
+    compile_hc: bool = False
+    """Wrap every HC module's read/write in ``torch.compile`` (inductor; the backbone stays eager):
+    the ``compile`` backend's fused ops then run as generated kernels.  Costs compilation time in the
+    first steps; ``python -m bench.throughput --backends eager,compile`` measures what it gains."""
     use_transformer_engine: Optional[bool] = None
     """Transformer Engine layer spec (null: when importable on GPU; never on CPU)."""
 
@@ -600,6 +604,8 @@ def validate_config(cfg: PretrainConfig) -> None:
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
     if m.hc_kernels is not None:
         _choice("model.hc_kernels", m.hc_kernels, ("auto", "eager", "compile", "triton"))
+    if not isinstance(m.compile_hc, bool):
+        raise _err("model.compile_hc", f"{m.compile_hc!r} must be true or false")
     if m.hc_recompute is not None and not isinstance(m.hc_recompute, bool):
         raise _err("model.hc_recompute", f"{m.hc_recompute!r} must be true or false")
     if m.hc:

@@ -381,6 +381,12 @@ class Trainer:
         self.num_params_local = sum(prm.numel() for c in chunks for prm in c.parameters())
         self.num_hc_params_local = sum(prm.numel() for c in chunks for prm in c.parameters()
                                        if getattr(prm, "is_hyper_connection", False))
+        if self.cfg.model.compile_hc:
+            from models.hc_layer import compile_hc_modules
+
+            n = sum(compile_hc_modules(c) for c in chunks)
+            self.log(f"[xhc] model.compile_hc: {n} HC modules under torch.compile (inductor; the first "
+                     f"steps include compilation)")
         if self.cuda:
             chunks = self._wrap_gpu(chunks, bf16)
         self.chunks = chunks
@@ -1113,11 +1119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    with cpu_entry_point():
-        return _main(argv)
+    with cpu_entry_point() as entry:
+        return _main(argv, entry)
 
 
-def _main(argv=None) -> int:
+def _main(argv=None, entry=None) -> int:
     args = parse_args(argv)
     if args.help_config:
         from training.config import config_reference
@@ -1136,6 +1142,8 @@ def _main(argv=None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
+    if cfg.model.compile_hc and entry is not None:
+        entry.allow_compile()
     trainer = Trainer(cfg)
     code = 0
     try:

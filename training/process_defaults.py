@@ -32,16 +32,28 @@ def set_omp_wait_policy() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class _EntryPoint:
+    def __init__(self, before):
+        self._before = before
+
+    def allow_compile(self) -> None:
+        """The command compiles something after all (e.g. ``model.compile_hc``): undo the switch-off
+        (a ``TORCHDYNAMO_DISABLE`` the user set is kept)."""
+        if self._before is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
 @contextlib.contextmanager
-def cpu_entry_point(compile_wanted: bool = False) -> Iterator[None]:
+def cpu_entry_point(compile_wanted: bool = False) -> Iterator[_EntryPoint]:
     """For the duration of a command's ``main``: switch dynamo off on a CPU machine unless the
-    command compiles something itself (``compile_wanted``) or the user chose; restore after."""
+    command compiles something itself (``compile_wanted``, or ``allow_compile()`` on the yielded
+    handle once its configuration is read) or the user chose; restore after."""
     key = "TORCHDYNAMO_DISABLE"
     before = os.environ.get(key)
     if on_cpu_machine() and not compile_wanted and before is None:
         os.environ[key] = "1"
     try:
-        yield
+        yield _EntryPoint(before)
     finally:
         if before is None:
             os.environ.pop(key, None)
