@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional
 
-if not os.path.exists("/dev/nvidiactl"):
+if __name__ in ("__main__", "__mp_main__") and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

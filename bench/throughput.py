@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-if not os.path.exists("/dev/nvidiactl") and "compile" not in " ".join(sys.argv):
+if __name__ in ("__main__", "__mp_main__") and not os.path.exists("/dev/nvidiactl") and "compile" not in " ".join(sys.argv):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # no compile asked for: skip dynamo's start-up
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -28,6 +28,25 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# torch.compile reads TORCHDYNAMO_DISABLE at every call: a test (or a module it imports) that
+# leaves it set makes every later compile test silently run eagerly, and pass for the wrong
+# reason.  Entry points switch it off only while their main() runs; this guard keeps it that way.
+_DYNAMO_ENV_AT_START = os.environ.get("TORCHDYNAMO_DISABLE")
+
+
+@pytest.fixture(autouse=True)
+def _torch_compile_stays_switched_on():
+    yield
+    now = os.environ.get("TORCHDYNAMO_DISABLE")
+    if now != _DYNAMO_ENV_AT_START:
+        if _DYNAMO_ENV_AT_START is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV_AT_START
+        pytest.fail(f"this test left TORCHDYNAMO_DISABLE={now!r} (was {_DYNAMO_ENV_AT_START!r}): later "
+                    "torch.compile tests would silently run eagerly", pytrace=False)
+
+
 _CHILD_REPORT = "XHC_CPU_GLOO_REPORT"  # set in the child: where it writes its results
 _FORCE = "XHC_CPU_GLOO_CHILD"
 

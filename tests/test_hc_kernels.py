@@ -424,4 +424,5 @@ def test_compiled_fused_equals_eager(kind, kw, dynamo_reset):
     ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
     got = _forward_backward(kind, cfg.replace(kernels="compile"), "cpu",
                             wrap=lambda f: torch.compile(f, fullgraph=True, dynamic=False))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
     _compare(ref, got, f"compiled {kind}")

@@ -42,7 +42,8 @@ import sys
 import tempfile
 
 # See tests/dist/stock_gpt_worker.py: light top level (dist_checkpointing re-imports it), no dynamo.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+if __name__ in ("__main__", "__mp_main__"):  # run as the worker, not imported by a test: no dynamo
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 BATCH = 4

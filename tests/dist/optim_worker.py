@@ -29,7 +29,8 @@ import os
 import sys
 import traceback
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+if __name__ in ("__main__", "__mp_main__"):  # run as the worker, not imported by a test: no dynamo
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import torch  # noqa: E402

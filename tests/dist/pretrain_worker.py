@@ -22,7 +22,8 @@ import sys
 import traceback
 
 # Light top level: dist_checkpointing's save starts a helper process that re-imports this module.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+if __name__ in ("__main__", "__mp_main__"):  # run as the worker, not imported by a test: no dynamo
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 COMMON = [

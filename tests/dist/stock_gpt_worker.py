@@ -37,7 +37,8 @@ import tempfile
 # this module's top level.  torch.compile (Megatron's jit_fuser on the router's expert-bias
 # step) is disabled here to save ~4 s of compilation per rank; the compiled path is exercised
 # by the single-process test.
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+if __name__ in ("__main__", "__mp_main__"):  # run as the worker, not imported by a test: no dynamo
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 BATCH = 4
