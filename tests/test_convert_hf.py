@@ -289,13 +289,13 @@ def test_bf16_export_keeps_hc_fp32(exported, tmp_path):
 @pytest.fixture(scope="module")
 def parallel_sources(tmp_path_factory, run_torchrun, megatron):
     root = tmp_path_factory.mktemp("parallel")
-    run_torchrun("tests/dist/convert_worker.py", args=[str(root), "tp_sp", "ep", "pp"], timeout=420)
+    run_torchrun("tests/dist/convert_worker.py", args=[str(root), "tp_sp", "ep", "pp", "vpp"], timeout=420)
     return root
 
 
-@pytest.mark.parametrize("mode", ["tp_sp", "ep", "pp"])
+@pytest.mark.parametrize("mode", ["tp_sp", "ep", "pp", "vpp"])
 def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
-    """Checkpoints saved by 2 ranks under TP=2+SP, EP=2, PP=2 export on one process with parity."""
+    """Checkpoints saved by 2 ranks under TP=2+SP, EP=2, PP=2, PP=2+VPP=2 export on one process with parity."""
     from models.hf.export import convert as C
     from models.zoo import load_preset
     from tests.dist import convert_worker as W
@@ -304,11 +304,24 @@ def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
     C.to_hf(C.resolve_source(run=run), str(tmp_path / "hf"), dtype="fp32", progress=False)
     tokens = W.batch()
     got = _hf_logits(_hf(str(tmp_path / "hf")), tokens)
-    if mode == "pp":  # reference: the single-rank Megatron model resharded from the PP=2 checkpoint
+    if mode in ("pp", "vpp"):  # reference: the single-rank Megatron model resharded from the PP checkpoint
         src = C.resolve_source(run=run)
         ref = _megatron_logits(_load_megatron(src.checkpoint, load_preset(W.MODES[mode][0]), W.VOCAB, W.SEQ), tokens)
     else:  # reference: the parallel model's own logits
         ref = torch.load(os.path.join(run, "logits.pt"))
+    if mode == "vpp":  # each rank's two virtual stages land on the right HF layers
+        from safetensors.torch import load_file
+
+        hf = {}
+        for f in os.listdir(tmp_path / "hf"):
+            if f.endswith(".safetensors"):
+                hf.update(load_file(str(tmp_path / "hf" / f)))
+        seen = {}
+        for r in range(2):
+            seen.update(torch.load(os.path.join(run, f"layer_norms_rank{r}.pt")))
+        assert sorted(seen) == list(range(load_preset(W.MODES[mode][0]).num_layers))
+        for i, w in seen.items():
+            assert torch.equal(hf[f"model.layers.{i}.input_layernorm.weight"], w), i
     err = (got - ref).abs().max().item()
     print(f"PARITY {W.MODES[mode][0]} {mode} {err:.3g}")
     assert err <= PARITY_TOL, f"{mode}: max |Δlogit| = {err:.3g}"

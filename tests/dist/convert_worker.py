@@ -1,4 +1,4 @@
-"""torchrun worker: zoo checkpoints saved under TP=2+SP, EP=2 and PP=2 for the HF export tests.
+"""torchrun worker: zoo checkpoints saved under TP=2+SP, EP=2, PP=2 and PP=2+VPP=2 for the HF export tests.
 
 Run (2 ranks, gloo, CPU)::
 
@@ -11,7 +11,8 @@ expert bias) off its init with the same seeded noise on every rank, and saves it
 
 - ``tp_sp``: xHC (temporal conv across the SP rank boundary), TP=2 + sequence parallel;
 - ``ep``: mHC, EP=2 (DP=2 for the dense tensors);
-- ``pp``: xHC-Flash-4sub, PP=2 (each stage holds one Flash-4sub window).
+- ``pp``: xHC-Flash-4sub, PP=2 (each stage holds one Flash-4sub window);
+- ``vpp``: xHC, PP=2 with two virtual stages per rank (interleaved; saved as ``model0``/``model1``).
 
 ``tp_sp`` and ``ep`` also write the parallel model's own full-vocabulary logits for the batch of
 :func:`batch` to ``<out_dir>/<mode>/logits.pt`` (the reference the exported model must match).
@@ -30,7 +31,10 @@ VOCAB, SEQ = 256, 32
 NOISE = 0.05
 MODES = {"tp_sp": ("tiny-moe:xhc", dict(tp=2), dict(tensor_model_parallel_size=2, sequence_parallel=True)),
          "ep": ("tiny-moe:mhc", dict(ep=2), dict(expert_model_parallel_size=2)),
-         "pp": ("tiny-moe:xhc-flash4", dict(pp=2), dict(pipeline_model_parallel_size=2))}
+         "pp": ("tiny-moe:xhc-flash4", dict(pp=2), dict(pipeline_model_parallel_size=2)),
+         # interleaved: rank r holds virtual stages r and r + 2 (layers r and r + 2 of 4), as model0/model1
+         "vpp": ("tiny-moe:xhc", dict(pp=2, vpp=2), dict(pipeline_model_parallel_size=2,
+                                                          virtual_pipeline_model_parallel_size=2))}
 
 
 def batch():
@@ -51,29 +55,46 @@ def run(mode: str, out_dir: str) -> int:
     from training.checkpoint import Checkpointer, build_state
 
     preset_name, layout, parallel = MODES[mode]
-    initialize_parallel(timeout_minutes=2.0, **layout)
+    vp = layout.get("vpp", 1)
+    initialize_parallel(timeout_minutes=2.0, **{k: v for k, v in layout.items() if k != "vpp"})
     preset = load_preset(preset_name)
     extra = {"pipeline_dtype": torch.float32} if layout.get("pp", 1) > 1 else {}
+    if vp > 1:
+        ps.set_virtual_pipeline_model_parallel_world_size(vp)  # as training.pretrain does
     cfg = build_transformer_config(preset, parallel=parallel, cpu=True, **extra)
-    model = build_model(preset, cfg, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                        use_transformer_engine=False, vocab_size=VOCAB, seq_length=SEQ)
+    chunks = []
+    for i in range(vp):
+        if vp > 1:
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+        chunks.append(build_model(preset, cfg, pre_process=ps.is_pipeline_first_stage(ignore_virtual=True) and i == 0,
+                                  post_process=ps.is_pipeline_last_stage(ignore_virtual=True) and i == vp - 1,
+                                  vp_stage=i if vp > 1 else None, use_transformer_engine=False, vocab_size=VOCAB,
+                                  seq_length=SEQ))
+    if vp > 1:
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+    model = chunks[0]
     g = torch.Generator().manual_seed(11)  # the same noise on every rank keeps DP replicas identical
     with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.add_(NOISE * torch.randn(p.shape, generator=g))
-        for _, b in sorted(model.named_buffers()):
-            if _.endswith("expert_bias"):
-                b.copy_(NOISE * torch.randn(b.shape, generator=g))
+        for chunk in chunks:
+            for _, p in sorted(chunk.named_parameters()):
+                p.add_(NOISE * torch.randn(p.shape, generator=g))
+            for _, b in sorted(chunk.named_buffers()):
+                if _.endswith("expert_bias"):
+                    b.copy_(NOISE * torch.randn(b.shape, generator=g))
     run_dir = os.path.join(out_dir, mode)
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             yaml.safe_dump({"model": {"preset": preset_name}, "parallel": layout}, f)
     dist.barrier()
-    state = build_state([model], trainer={"step": 1, "consumed_samples": 0, "skipped_steps": 0}, rng=False)
+    state = build_state(chunks, trainer={"step": 1, "consumed_samples": 0, "skipped_steps": 0}, rng=False)
     Checkpointer(os.path.join(run_dir, "checkpoints")).save(1, state, {"world_size": dist.get_world_size(),
                                                                        "preset": preset_name, "parallel": layout})
-    if mode != "pp":
+    if vp > 1:  # which global layer each chunk holds, by Megatron's own layer numbering (1-based)
+        norms = {layer.layer_number - 1: layer.input_layernorm.weight.detach().clone()
+                 for chunk in chunks for layer in chunk.decoder.layers}
+        torch.save(norms, os.path.join(run_dir, f"layer_norms_rank{dist.get_rank()}.pt"))
+    if mode not in ("pp", "vpp"):
         tokens = batch()
         pos = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
         model.eval()
