@@ -96,30 +96,36 @@ def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s:
     state.  Only the most recent context is kept; a new mask or packing object (or an in-place
     edit of one) builds a new one.
     """
-    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
-    sp = tp if (config.sequence_parallel and tp > 1) else 1
-    groups = (ps.get_tensor_and_context_parallel_group() if sp > 1 else ps.get_context_parallel_group()) \
-        if cp > 1 else (ps.get_tensor_model_parallel_group() if sp > 1 else None)
-    key = (s, b, tp, cp, sp, ps.get_tensor_model_parallel_rank() if sp > 1 else 0,
-           ps.get_context_parallel_rank() if cp > 1 else 0, reset)
+    layout = _layout(config)
+    key = (s, b, reset, *layout[:4])
     mask_ref, packed_ref = _ref_key(attention_mask), _ref_key(packed_seq_params)
     hit = _CONTEXT_CACHE.get("entry")
-    if (hit is not None and hit["key"] == key and hit["group"] is groups and _same_ref(hit["mask"], mask_ref)
+    if (hit is not None and hit["key"] == key and hit["group"] is layout[4] and _same_ref(hit["mask"], mask_ref)
             and _same_ref(hit["packed"], packed_ref)):
         return hit["ctx"]
-    ctx = _build_sequence_context(config, attention_mask, packed_seq_params, s, b, reset)
-    _CONTEXT_CACHE["entry"] = {"key": key, "group": groups, "mask": mask_ref, "packed": packed_ref, "ctx": ctx}
+    ctx = _build_sequence_context(layout, attention_mask, packed_seq_params, s, b, reset)
+    _CONTEXT_CACHE["entry"] = {"key": key, "group": layout[4], "mask": mask_ref, "packed": packed_ref, "ctx": ctx}
     return ctx
 
 
-def _build_sequence_context(config, attention_mask, packed_seq_params, s: int, b: int,
-                            reset: str = "auto") -> SequenceContext:
+def _layout(config):
+    """``(sp, cp, sp_rank, cp_rank, group)`` of the local rows: SP size (TP with sequence
+    parallelism, else 1), CP size, ranks in each, and the group holding the sequence's pieces."""
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     sp = tp if (config.sequence_parallel and tp > 1) else 1
     sp_rank = ps.get_tensor_model_parallel_rank() if sp > 1 else 0
     cp_rank = ps.get_context_parallel_rank() if cp > 1 else 0
+    if cp > 1:
+        group = ps.get_tensor_and_context_parallel_group() if sp > 1 else ps.get_context_parallel_group()
+    else:
+        group = ps.get_tensor_model_parallel_group() if sp > 1 else None
+    return sp, cp, sp_rank, cp_rank, group
+
+
+def _build_sequence_context(layout, attention_mask, packed_seq_params, s: int, b: int,
+                            reset: str = "auto") -> SequenceContext:
+    sp, cp, sp_rank, cp_rank, group = layout
 
     pos = None
     segments = None
@@ -151,14 +157,10 @@ def _build_sequence_context(config, attention_mask, packed_seq_params, s: int, b
         raise ValueError("HCConfig.conv_doc_reset='always' needs document boundaries: pass packed_seq_params, "
                          "a document-resetting attention mask, or models.hc_layer.sequence_context(...)")
 
-    group = None
     if cp > 1:
-        S = s * sp * cp
         if segments is None:
-            segments = cp_segments(S, cp, cp_rank, sp, sp_rank)
-        group = ps.get_tensor_and_context_parallel_group() if sp > 1 else ps.get_context_parallel_group()
+            segments = cp_segments(s * sp * cp, cp, cp_rank, sp, sp_rank)
     elif sp > 1:
-        group = ps.get_tensor_model_parallel_group()
         if segments is not None and packed_seq_params is not None:
             segments = None  # plain SP slices: the consecutive-slice halo is exact
     return SequenceContext(pos_in_doc=pos, group=group, segments=segments)

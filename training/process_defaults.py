@@ -44,13 +44,13 @@ class _EntryPoint:
 
 
 @contextlib.contextmanager
-def cpu_entry_point(compile_wanted: bool = False) -> Iterator[_EntryPoint]:
-    """For the duration of a command's ``main``: switch dynamo off on a CPU machine unless the
-    command compiles something itself (``compile_wanted``, or ``allow_compile()`` on the yielded
-    handle once its configuration is read) or the user chose; restore after."""
+def cpu_entry_point() -> Iterator[_EntryPoint]:
+    """For the duration of a command's ``main``: switch dynamo off on a CPU machine unless the user
+    set ``TORCHDYNAMO_DISABLE`` or the command calls ``allow_compile()`` on the yielded handle once
+    its configuration is read; restore after."""
     key = "TORCHDYNAMO_DISABLE"
     before = os.environ.get(key)
-    if on_cpu_machine() and not compile_wanted and before is None:
+    if on_cpu_machine() and before is None:
         os.environ[key] = "1"
     try:
         yield _EntryPoint(before)
@@ -59,8 +59,3 @@ def cpu_entry_point(compile_wanted: bool = False) -> Iterator[_EntryPoint]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
-
-
-def dynamo_disabled() -> bool:
-    """Whether ``torch.compile`` is switched off in this process (it then silently runs eagerly)."""
-    return os.environ.get("TORCHDYNAMO_DISABLE", "") == "1"
