@@ -415,14 +415,111 @@ def test_zero_graph_breaks(kind, kw, dynamo_reset):
     assert expl.graph_count == 1
 
 
-@pytest.mark.parametrize("kind, kw", [pytest.param("hc", dict(variant="mhc"), id="mhc"),
-                                      pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2, 3)), id="xhc_mlp")])
-def test_compiled_fused_equals_eager(kind, kw, dynamo_reset):
+COMPILED_CASES = [pytest.param(kind, kw, 4, id=vid) for vid, kw, kind in VARIANTS
+                  if vid in ("mhc", "xhc_attn", "xhc_mlp", "xhc_mlp_nogs", "xhc_flash", "xhc_flash4")]
+COMPILED_CASES.append(pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2, 3)), 16, id="xhc_mlp-N16"))
+
+
+@pytest.mark.parametrize("kind, kw, n", COMPILED_CASES)
+def test_compiled_fused_equals_eager(kind, kw, n, dynamo_reset):
     """The ``compile`` backend under ``torch.compile(fullgraph=True)`` (inductor): float64 forward
-    and every gradient equal to eager."""
-    cfg = _cfg(kw, 4)
+    and every gradient equal to eager, with document resets (the compiled path has its own
+    forms: row-wise write, shifted-sum convolution, Gram–Schmidt from the Gram matrix)."""
+    cfg = _cfg(kw, n)
     ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
     got = _forward_backward(kind, cfg.replace(kernels="compile"), "cpu",
                             wrap=lambda f: torch.compile(f, fullgraph=True, dynamic=False))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
     _compare(ref, got, f"compiled {kind}")
+
+
+# ================================================================================================
+# the row-wise forms the compiled path relies on (gather / write without scatter, GS coefficients)
+# ================================================================================================
+def test_inverse_slots_and_gather_backward_is_row_wise():
+    g = torch.Generator().manual_seed(7)
+    T, N, k, C = 6, 16, 4, 9
+    I = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)])
+    slot = torch_ops.inverse_slots(I, N)
+    for t in range(T):
+        for i in range(N):
+            hits = (I[t] == i).nonzero().flatten().tolist()
+            assert slot[t, i].item() == (hits[0] if hits else -1)
+    X = torch.randn(T, N, C, generator=g, dtype=F64, requires_grad=True)
+    G = torch.randn(T, k, C, generator=g, dtype=F64)
+    from xhc.xhc import gather_active
+
+    ref, (ref_g,) = _grads(gather_active, [X, I], G)  # autograd: scatter_add
+    out, (got_g,) = _grads(lambda X, I: kernels.gather(X, I, "compile"), [X, I], G)
+    assert torch.equal(out, ref)
+    assert torch.equal(got_g, ref_g)  # one term per row: no rounding
+
+
+@pytest.mark.parametrize("mix", [True, False])
+def test_write_reading_active_rows_from_the_state(mix):
+    """``write(X, I, None, ...)`` (X_a = X[I] read inside the op) equals the reference write with
+    X_a = gather(X, I), output and every gradient, float64."""
+    g = torch.Generator().manual_seed(8)
+    T, N, k, K, C = 5, 16, 4, 4, 11
+    I = torch.stack([torch.randperm(N, generator=g)[:k].sort().values for _ in range(T)])
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_(True)  # noqa: E731
+    X, H, P, V = r(T, N, C), (r(T, k, k) if mix else None), r(T, k, K), r(T, K, C)
+    G = torch.randn(T, N, C, generator=g, dtype=F64)
+    from xhc.xhc import gather_active
+
+    args = [a for a in (X, H, P, V) if a is not None]
+
+    def ref_fn(X, *rest):
+        H_, P_, V_ = (rest if mix else (None, *rest))
+        return torch_ops.write_reference(X, I, gather_active(X, I), H_, P_, V_)
+
+    def got_fn(X, *rest):
+        H_, P_, V_ = (rest if mix else (None, *rest))
+        return kernels.write(X, I, None, H_, P_, V_, backend="compile")
+
+    ref, ref_g = _grads(ref_fn, args, G)
+    out, got_g = _grads(got_fn, args, G)
+    _close(out, ref, what="out")
+    for i, (a, b) in enumerate(zip(got_g, ref_g)):
+        _close(a, b, what=f"grad {i}")
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6, 1e-2])
+def test_gram_schmidt_coefficients_reproduce_mgs(eps):
+    """L·V from the Gram matrix of means equals modified Gram–Schmidt of V (float64), a zero
+    component included, and L is unit lower triangular."""
+    from xhc.gram_schmidt import gram_schmidt, gram_schmidt_coefficients
+
+    g = torch.Generator().manual_seed(9)
+    V = torch.randn(7, 4, 64, generator=g, dtype=F64)
+    V[:, 2] += 0.9 * V[:, 1]  # correlated components, as conv outputs of y are
+    V[3, 3] = 0.0  # a zero component gets coefficient 0
+    M = torch.einsum("tac,tbc->tab", V, V) / V.shape[-1]
+    L = gram_schmidt_coefficients(M, eps)
+    assert torch.equal(torch.diagonal(L, dim1=-2, dim2=-1), torch.ones(7, 4, dtype=F64))
+    assert torch.equal(L.triu(1), torch.zeros_like(L))
+    _close(L @ V, gram_schmidt(V, eps), rtol=1e-10, atol=1e-12, what=f"eps={eps}")
+    out = L @ V
+    assert torch.equal(out[:, 0], V[:, 0])  # v_1 = y, bitwise
+
+
+def test_compiled_temporal_conv_equals_grouped_conv(dynamo_reset):
+    """The compiled single-segment convolution (shifted multiply-adds) equals the grouped conv,
+    with a halo and with document resets, forward and gradients, float64."""
+    from xhc.temporal import _temporal_conv
+
+    g = torch.Generator().manual_seed(10)
+    s, b, C = 9, 2, 5
+    W = [torch.randn(k, C, generator=g, dtype=F64, requires_grad=True) for k in (2, 4, 3)]
+    y = torch.randn(s, b, C, generator=g, dtype=F64, requires_grad=True)
+    halo = torch.randn(5, b, C, generator=g, dtype=F64, requires_grad=True)
+    pos = torch.tensor([[2, 3, 0, 1, 2, 3, 4, 0, 1], [5, 6, 7, 8, 0, 1, 2, 3, 4]]).T.contiguous()
+    Gout = torch.randn(s, b, 3, C, generator=g, dtype=F64)
+    for h, p in ((None, None), (halo, None), (halo, pos), (None, pos)):
+        fn = lambda y, *W_, h=h, p=p: _temporal_conv(y, list(W_[:3]), [W_[3] if h is not None else None], [s], p)  # noqa: E731
+        args = [y, *W] + ([halo] if h is not None else [])
+        ref, ref_g = _grads(fn, args, Gout)
+        got, got_g = _grads(torch.compile(fn, fullgraph=True, dynamic=False), args, Gout)
+        _close(got, ref, what=f"halo={h is not None} resets={p is not None}")
+        for i, (a, c) in enumerate(zip(got_g, ref_g)):
+            _close(a, c, what=f"grad {i} halo={h is not None} resets={p is not None}")

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from xhc import kernels
 from xhc.config import HCConfig
+from xhc.kernels.torch_ops import moments_of_rows, stream_moments
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import StreamRouter
 from xhc.xhc import (
@@ -71,6 +72,7 @@ from xhc.xhc import (
     check_xhc_config,
     default_fused,
     entry_mappings,
+    fold_components,
     gather_active,
     make_temporal,
     mapping_diagnostics,
@@ -78,6 +80,7 @@ from xhc.xhc import (
     scatter_active,
     sparse_write,
     write_components,
+    write_components_folded,
 )
 
 # ================================================================================================
@@ -136,6 +139,8 @@ def carried_write(
     backend: str = "eager",
     X0: Optional[torch.Tensor] = None,
     I: Optional[torch.Tensor] = None,
+    L: Optional[torch.Tensor] = None,
+    moments=None,
 ):
     """One window sublayer's write on the carried active streams (docs/math.md §4.1, §4.2 "Writes").
 
@@ -146,14 +151,33 @@ def carried_write(
     ``Xa``: ``[..., k, C]``  ->  (new X_a ``[..., k, C]``, H_res or None, H_post); new X_a is fp32 on
     ``eager`` and in X_a's dtype otherwise.  With ``X0`` and ``I`` the new X_a is scattered into
     X0 (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
+    ``L``: Gram–Schmidt coefficients when ``V`` holds the raw components (:func:`write_components_folded`;
+    fused backends only).  ``moments``: (μ, ν) of vec(X_a) when already known.
     """
-    H_res, H_post = active_mappings(Xa, [res, post], eps, fused)
+    H_res, H_post = active_mappings(Xa, [res, post], eps, fused, moments)
     if backend == "eager":
         new = sparse_write(Xa, H_res, p, H_post, V)
         return (new if X0 is None else scatter_active(X0, I, new)), H_res, H_post
-    P = p.unsqueeze(-1) * H_post
+    P = fold_components(p.unsqueeze(-1) * H_post, L)
     out_dtype = Xa.dtype if X0 is None else X0.dtype
     return kernels.write(X0, I, Xa, H_res, P, V, out_dtype, backend=backend), H_res, H_post
+
+
+def _entry_stats(X0: torch.Tensor, fused: bool, backend: str):
+    """(per-row sums, (μ, ν) of vec X^(0)) from one pass over the window-entry state on the fused
+    backends (:func:`xhc.kernels.torch_ops.stream_moments`), else (None, None)."""
+    if not fused or backend == "eager":
+        return None, None
+    stats = stream_moments(X0)
+    return stats, moments_of_rows(*stats, X0.shape[-1])
+
+
+def _components(y, temporal, cfg: HCConfig, seq, backend: str):
+    """(V, L) for a write: the orthogonalised V and ``None`` on ``eager``; the raw components and
+    their Gram–Schmidt coefficients on the fused backends (folded into P by :func:`carried_write`)."""
+    if backend == "eager":
+        return write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None
+    return write_components_folded(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq)
 
 
 def _backend(module: nn.Module, X: torch.Tensor) -> str:
@@ -185,6 +209,7 @@ class FlashState:
     H_post_A: Optional[torch.Tensor] = None  # [..., k, K_A] fp32 (after attn_write)
     V_A: Optional[torch.Tensor] = None  # [..., K_A, C] fp32 attention components (after attn_write)
     stage: str = "entry"  # "entry" -> "attn_done"
+    act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) at entry (fused backends; from the entry pass)
 
 
 class _WindowPart(nn.Module):
@@ -237,12 +262,15 @@ class XHCFlashLayer(_WindowPart):
 
         ``X0``: ``[s, b, N, C]`` (any leading dims)  ->  :class:`FlashState`.
         """
-        routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
-                                              self.fused)
-        h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
         backend = _backend(self, X0)
+        stats, entry_mom = _entry_stats(X0, self.fused, backend)
+        routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
+                                              self.fused, entry_mom)
+        h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
         inp = base_readouts(h, X0) if backend == "eager" else kernels.read(h, X0, fp32(h).dtype, backend=backend)
-        return FlashState(X0, routing.I, routing.p, routing.score, h, inp, gather_active(X0, routing.I))
+        act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], routing.I)
+        return FlashState(X0, routing.I, routing.p, routing.score, h, inp, kernels.gather(X0, routing.I, backend),
+                          act_moments=act)
 
     def attn_read(self, state: FlashState) -> torch.Tensor:
         """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
@@ -254,8 +282,9 @@ class XHCFlashLayer(_WindowPart):
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
         V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
         Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps, self.fused,
-                                      _backend(self, state.X0))
-        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done")
+                                      _backend(self, state.X0), moments=state.act_moments)
+        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done",
+                                   act_moments=None)
 
     def mlp_read(self, state: FlashState) -> torch.Tensor:
         """u_M = inp_M + β·y_A, the exact correction (docs/math.md §4.1)  ->  ``[..., C]`` residual dtype."""
@@ -267,9 +296,10 @@ class XHCFlashLayer(_WindowPart):
     def mlp_write(self, state: FlashState, y: torch.Tensor, seq=None) -> torch.Tensor:
         """X_a^(M) = H_res^M·X_a^(A) + diag(p)·H_post^M·V, scattered into X^(0): X^(1) ``[..., N, C]``."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_write")
-        V = write_components(y, self.temporal_M, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
+        backend = _backend(self, state.X0)
+        V, L = _components(y, self.temporal_M, self.cfg, seq, backend)
         X1, _, _ = carried_write(state.Xa, state.p, self.post_M, V, self.res_M, self.cfg.norm_eps, self.fused,
-                                 _backend(self, state.X0), state.X0, state.I)
+                                 backend, state.X0, state.I, L)
         return X1
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
@@ -321,6 +351,7 @@ class Flash4State:
     Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
     step: int = 0
     backend: str = "eager"  # resolved kernel backend (xhc.kernels.resolve_backend)
+    act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) while X_a = X^(0)[I] (fused backends)
 
     @property
     def stage(self) -> str:
@@ -349,13 +380,15 @@ def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCCon
             f"Flash-4sub write of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
         )
-    V = write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq)
     backend = kernels.resolve_backend(cfg.kernels, state.X0.device)
+    V, L = _components(y, temporal, cfg, seq, backend)
+    mom = state.act_moments  # X_a is still X^(0)[I] only before the first write
     if scatter:
-        X, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, state.X0, state.I)
+        X, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, state.X0, state.I, L,
+                                mom)
         return X
-    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend)
-    return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1)
+    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, L=L, moments=mom)
+    return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None)
 
 
 class Flash4FirstLayer(_WindowPart):
@@ -386,18 +419,20 @@ class Flash4FirstLayer(_WindowPart):
     def begin(self, X0: torch.Tensor) -> Flash4State:
         """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
         pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
-        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused)
+        backend = _backend(self, X0)
+        stats, entry_mom = _entry_stats(X0, self.fused, backend)
+        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused, entry_mom)
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I
         h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]
-        backend = _backend(self, X0)
         if backend == "eager":
             base = nonactive_base(h, X0, I)
         else:  # Σ_{i∉I} h_i X_i as one read with the active weights zeroed
             h_inactive = h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
             base = kernels.read(h_inactive, X0, fp32(h).dtype, backend=backend)
-        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, gather_active(X0, I),
-                           backend=backend)
+        act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], I)
+        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, kernels.gather(X0, I, backend),
+                           backend=backend, act_moments=act)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 0)

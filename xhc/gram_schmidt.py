@@ -49,3 +49,31 @@ def gram_schmidt(V: torch.Tensor, eps: float = DEFAULT_GS_EPS) -> torch.Tensor:
             w = w - coef * v
         out.append(w)
     return torch.stack(out, dim=-2)
+
+
+def gram_schmidt_coefficients(M: torch.Tensor, eps: float = DEFAULT_GS_EPS) -> torch.Tensor:
+    """The same modified Gram–Schmidt as :func:`gram_schmidt`, run on coefficient vectors: returns
+    ``L`` ``[..., K, K]`` (lower triangular, unit diagonal) with ``gram_schmidt(V) = L · V`` (docs/math.md §3.3).
+
+    ``M`` ``[..., K, K]`` is the Gram matrix of *means*, M[a, b] = mean_c(V_a · V_b).  Every
+    partial vector of the MGS loop is a combination w = cᵀV of the components, so its dot products
+    are mean(w · v) = cᵀ M l (v = lᵀV): the loop below performs exactly the projections and ε guards of
+    :func:`gram_schmidt` on K-vectors, and never touches a C-long vector.  Equal in exact arithmetic;
+    in floating point the two differ by rounding of order cond(M)·u.  Used by the fused kernels,
+    where the write then applies P·L to the raw components (no orthogonalised copy of V is stored).
+    """
+    if M.dim() < 2 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"gram_schmidt_coefficients M has shape {tuple(M.shape)}: expected [..., K, K]")
+    if eps < 0:
+        raise ValueError(f"gram_schmidt_coefficients eps={eps}: must be >= 0")
+    K = M.shape[-1]
+    eye = torch.eye(K, dtype=M.dtype, device=M.device)
+    rows = [eye[0].expand(M.shape[:-1])]  # v_1 = y
+    for j in range(1, K):
+        c = eye[j].expand(M.shape[:-1])
+        for l in rows:
+            Ml = (M * l.unsqueeze(-2)).sum(-1)  # M l
+            coef = (c * Ml).sum(-1, keepdim=True) / ((l * Ml).sum(-1, keepdim=True) + eps)
+            c = c - coef * l
+        rows.append(c)
+    return torch.stack(rows, dim=-2)

@@ -300,6 +300,20 @@ def _temporal_conv(
     kmax = W.shape[1]
     H = kmax - 1
 
+    if len(lengths) == 1 and H > 0 and torch.compiler.is_compiling():
+        # Compiled, one segment: the convolution as κ_max shifted multiply-adds, which the compiler
+        # turns into one loop over y (and the halo) writing [y, g_1, …, g_r]'s g part, instead of
+        # a padded copy, a layout copy and an external convolution.  Resets: tap i is kept where
+        # pos_in_doc ≥ i.  Same sums as the grouped conv below, in another order.
+        xpad = F.pad(y, (0, 0, 0, 0, H, 0)) if halos[0] is None else torch.cat([_fit_halo(halos[0], H, y), y], 0)
+        G = None
+        for i in range(kmax):
+            term = W[:, i, :] * xpad[H - i : H - i + s][:, :, None, :]  # [s, b, r, C]
+            if pos_in_doc is not None and i > 0:
+                term = term * (pos_in_doc >= i).to(y.dtype)[:, :, None, None]
+            G = term if G is None else G + term
+        return G
+
     # Padded input: [halo_1, seg_1, halo_2, seg_2, ...], each halo exactly H rows.
     parts: List[Tensor] = []
     for halo, seg in zip(halos, y.split(list(lengths), 0)):

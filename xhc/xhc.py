@@ -70,7 +70,7 @@ from xhc.config import HCConfig, HCConfigError
 from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
-from xhc.kernels.torch_ops import flat_moments, layer_scale, rms_scale
+from xhc.kernels.torch_ops import flat_moments, layer_scale, moments_of_rows, rms_scale, stream_moments
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
@@ -159,6 +159,37 @@ def write_components(
     return V
 
 
+def write_components_folded(
+    y: torch.Tensor,
+    temporal: Optional[nn.Module] = None,
+    use_gram_schmidt: bool = True,
+    gs_eps: float = 1e-6,
+    seq=None,
+):
+    """(V_raw, L): the raw components [y, g_1, …, g_r] and the Gram–Schmidt coefficients with
+    :func:`write_components` = L · V_raw (``L`` None when there is nothing to orthogonalise).
+
+    For the fused write: the branch weights P (``[..., k, K]``) become P·L and the write reads the raw
+    components, so the orthogonalised V is never materialised (docs/kernels.md).
+    """
+    if temporal is None:
+        return fp32(y).unsqueeze(-2), None
+    V = temporal(y, seq)
+    if not use_gram_schmidt or V.shape[-2] < 2:
+        return V, None
+    from xhc.gram_schmidt import gram_schmidt_coefficients
+
+    M = kernels.row_gram(V) / V.shape[-1]  # mean_c(V_a V_b): one pass over the components
+    return V, gram_schmidt_coefficients(M, gs_eps)
+
+
+def fold_components(P: torch.Tensor, L: Optional[torch.Tensor]) -> torch.Tensor:
+    """P·L ``[..., k, K]`` (P unchanged when ``L`` is None): branch weights on the raw components."""
+    if L is None:
+        return P
+    return (P.unsqueeze(-1) * L.unsqueeze(-3)).sum(-2)
+
+
 def sparse_write(
     Xa: torch.Tensor, H_res: Optional[torch.Tensor], p: torch.Tensor, H_post: torch.Tensor, V: torch.Tensor
 ) -> torch.Tensor:
@@ -185,7 +216,8 @@ def scatter_active(X: torch.Tensor, I: torch.Tensor, Xa_new: torch.Tensor) -> to
 
 
 def fused_entry_projections(
-    x: torch.Tensor, W_router: Optional[torch.Tensor], W_pres: Sequence[torch.Tensor], eps: float = 1e-6
+    x: torch.Tensor, W_router: Optional[torch.Tensor], W_pres: Sequence[torch.Tensor], eps: float = 1e-6,
+    moments=None,
 ):
     """Router logits and pre-projections from ONE GEMM on the raw state (docs/math.md §1.5 reordering, §3.5).
 
@@ -195,16 +227,26 @@ def fused_entry_projections(
 
     ``x``: ``[..., N·C]``;  ``W_router``: ``[N, N·C]`` or ``None``;  ``W_pres``: list of ``[n_t, N·C]``
     ->  (z_router ``[..., N]`` or ``None``, [x̂ W_t ``[..., n_t]``]), fp32.
+    ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.kernels.torch_ops.moments_of_rows`;
+    only ν is used: μ comes out of the GEMM).
+
+    The LayerNorm's mean is folded into the GEMM as well: x W_rᵀ − μ·W_r1 = x (W_r − W_r1/D 1ᵀ)ᵀ
+    (centred router weights, D = N·C), and μ = x·(1/D)1 is one more GEMM column, so the state is
+    read once and its gradient comes back through the GEMM's backward alone.
     """
     x = fp32(x)
-    Ws = ([W_router] if W_router is not None else []) + list(W_pres)
-    proj = F.linear(x, torch.cat([fp32(W) for W in Ws], 0))
-    mu, nu = flat_moments(x)  # norm statistics once per token
+    D = x.shape[-1]
+    Ws = [fp32(W) for W in W_pres]
+    if W_router is not None:
+        Wr = fp32(W_router)
+        Ws = [Wr - Wr.mean(-1, keepdim=True)] + Ws + [torch.full((1, D), 1.0 / D, dtype=Wr.dtype, device=Wr.device)]
+    proj = F.linear(x, torch.cat(Ws, 0))
+    nu = x.pow(2).mean(-1, keepdim=True) if moments is None else moments[1]  # norm statistic once per token
     start, z_router = 0, None
     if W_router is not None:
         n = W_router.shape[0]
-        col_sum = fp32(W_router).sum(-1)  # 1ᵀ W_r (spec layout) = row sums of the [N, N·C] weight
-        z_router = (proj[..., :n] - mu * col_sum) * layer_scale(mu, nu, eps)
+        mu = proj[..., -1:]
+        z_router = proj[..., :n] * layer_scale(mu, nu, eps)
         start = n
     r = rms_scale(nu, eps)
     outs = []
@@ -215,7 +257,7 @@ def fused_entry_projections(
 
 
 def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: float = 1e-6,
-                    fused: bool = False):
+                    fused: bool = False, moments=None):
     """The mappings generated from the active state, [m(RMSNorm(vec X_a)) for m in maps] (docs/math.md §3.4);
     ``None`` entries stay ``None``.  ``fused``: one GEMM on vec(X_a) for every map's projection with
     the RMSNorm applied after it (:func:`xhc.kernels.norm_linear`, docs/math.md §1.5).
@@ -227,7 +269,7 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
     if not fused or not Ws:
         x_hat = rms_norm_flat(x, eps)
         return [None if m is None else m(x_hat) for m in maps]
-    proj = kernels.norm_linear(x, torch.cat(Ws, 0), eps, "rms")
+    proj = kernels.norm_linear(x, torch.cat(Ws, 0), eps, "rms", moments=moments)
     out, start = [], 0
     for m in maps:
         if m is None or m.weight is None:
@@ -240,17 +282,18 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
 
 
 def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["ReadMapping"], eps: float = 1e-6,
-                   fused: bool = False):
+                   fused: bool = False, moments=None):
     """Routing and dense pre-mappings generated from one state (docs/math.md §3.5 steps 1–2; the Flash window
     entry of §4.1 / §4.2 generates several pre-mappings in the same pass).
 
     ``X``: ``[..., N, C]``  ->  (:class:`~xhc.router.Routing`, [h_pre_t fp32 ``[..., N]`` per map]).
-    ``fused`` computes every projection with one GEMM on vec(X) (:func:`fused_entry_projections`).
+    ``fused`` computes every projection with one GEMM on vec(X) (:func:`fused_entry_projections`);
+    ``moments``: its (μ, ν) of vec(X) when already computed.
     """
     x = X.flatten(-2)  # vec(X): [..., N·C], stream-major (§1.2)
     Ws = [pm.weight for pm in pre_maps if pm.weight is not None]
     if fused and (router.weight is not None or Ws):
-        z_router, projs = fused_entry_projections(x, router.weight, Ws, eps)
+        z_router, projs = fused_entry_projections(x, router.weight, Ws, eps, moments)
         it = iter(projs)
         h = [pm(x, next(it) if pm.weight is not None else None) for pm in pre_maps]
         return router(x, z_router), h
@@ -491,11 +534,18 @@ class XHCSublayer(nn.Module):
         """
         cfg = self.cfg
         dense = cfg.dense_read
-        routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused)
-        Xa = gather_active(X, routing.I)  # [..., k, C]
-        H_res, H_post, h_pre_a = active_mappings(Xa, [self.res, self.post, None if dense else self.pre],
-                                                 cfg.norm_eps, self.fused)
         backend = kernels.resolve_backend(cfg.kernels, X.device)
+        entry_mom = act_mom = stats = None
+        if self.fused and backend != "eager":  # one pass over X gives the norm statistics of X and X[I]
+            stats = stream_moments(X)
+            entry_mom = moments_of_rows(*stats, X.shape[-1])
+        routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused,
+                                         entry_mom)
+        Xa = kernels.gather(X, routing.I, backend)  # [..., k, C]
+        if stats is not None:
+            act_mom = moments_of_rows(*stats, X.shape[-1], routing.I)
+        H_res, H_post, h_pre_a = active_mappings(Xa, [self.res, self.post, None if dense else self.pre],
+                                                 cfg.norm_eps, self.fused, act_mom)
         h_pre, src = (h_pres[0], X) if dense else (h_pre_a, Xa)  # ablation: read only the k active streams
         u = dense_read(h_pre, src).to(X.dtype) if backend == "eager" else kernels.read(h_pre, src, X.dtype, backend)
         ctx = XHCContext(routing.I, routing.p, routing.score, h_pre, Xa, H_res, H_post)
@@ -511,11 +561,15 @@ class XHCSublayer(nn.Module):
         ``X``: ``[s, b, N, C]`` (the state given to :meth:`read`);  ``y``: ``[s, b, C]``;
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.
         """
-        V = self.components(y, seq)
         backend = kernels.resolve_backend(self.cfg.kernels, X.device)
         if backend == "eager":
+            V = self.components(y, seq)
             return scatter_active(X, ctx.I, sparse_write(ctx.Xa, ctx.H_res, ctx.p, ctx.H_post, V))
-        return kernels.write(X, ctx.I, ctx.Xa, ctx.H_res, ctx.p.unsqueeze(-1) * ctx.H_post, V, X.dtype, backend)
+        c = self.cfg
+        V, L = write_components_folded(y, self.temporal, c.gram_schmidt, c.gs_eps, seq)
+        P = fold_components(ctx.p.unsqueeze(-1) * ctx.H_post, L)
+        # X_a = X[I] here, so the fused write reads the active rows from X itself (Xa=None)
+        return kernels.write(X, ctx.I, None, ctx.H_res, P, V, X.dtype, backend)
 
     def forward(self, X: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], seq=None) -> torch.Tensor:
         """Convenience: ``write(X, branch(u), ctx, seq)`` with ``u, ctx = read(X)``."""

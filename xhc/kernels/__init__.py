@@ -9,7 +9,8 @@ Backends (``HCConfig.kernels``):
            (zero graph breaks); eager-callable too
 ``triton`` the Triton kernels of :mod:`xhc.kernels.triton_ops` (CUDA tensors; the interpreter,
            ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
-``auto``   ``triton`` on CUDA when Triton imports, ``compile`` otherwise
+``auto``   ``triton`` on CUDA when Triton imports; ``compile`` under ``torch.compile``; on CPU run
+           eagerly the faster of ``compile`` and ``eager`` (measured once, :mod:`.autoselect`)
 =========  ============================================================================
 
 Every op here has the signature of its reference and takes ``backend`` (a *resolved* name, from
@@ -21,6 +22,7 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 :func:`read`        u_t = Σ_j h[t, j] · X_j  (T reads of one state in one pass; §1.3, §3.4, §4.1)
 :func:`write`       X'[I_j] = Σ_q H[j, q]·X_a[q] + Σ_s P[j, s]·V_s;  X'[i] = X[i] for i ∉ I  (§1.3, §3.4)
 :func:`norm_linear` RMSNorm(x)·Wᵀ or LayerNorm(x)·Wᵀ with the norm applied after the GEMM (§1.5)
+:func:`gather`      X_a = X[I], the active rows (§3.4), with a row-wise backward (no scatter_add)
 ==================  ==========================================================================
 """
 
@@ -53,8 +55,10 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
 
     ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
-    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile``; while
-    ``torch.compile`` traces, ``auto`` gives ``compile`` (inductor then writes the GPU kernels).  An explicit
+    ``auto`` -> ``triton`` for CUDA devices when Triton imports; while ``torch.compile`` traces,
+    ``compile`` (inductor then writes the kernels); for CPU tensors run eagerly, whichever of
+    ``compile`` (the fused torch ops) and ``eager`` a one-time probe measured faster
+    (:mod:`xhc.kernels.autoselect`; ``XHC_HC_KERNELS_AUTO`` fixes it); else ``compile``.  An explicit
     ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
     (the Triton interpreter runs the kernels on CPU tensors).
     """
@@ -70,6 +74,10 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
         return "triton"
     if kernels == "triton" and _interpreting() and triton_available():
         return "triton"
+    if kernels == "auto" and dev.type == "cpu":
+        from xhc.kernels import autoselect
+
+        return autoselect.cpu_backend()
     return "compile"
 
 
@@ -135,12 +143,19 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     ``Xa`` ``[..., k, C]``; ``H`` ``[..., k, k]``; ``P`` ``[..., k, K]`` (h_post, or p·H_post);
     ``V`` ``[..., K, C]``.  Output dtype: ``out_dtype``, default X's (or Xa's) dtype.
 
+    ``Xa`` may be ``None`` with ``I``: X_a = X[I], read from X by the op itself (one read of the
+    state; the mixing gradient then goes to X).
+
     ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
     nor written.  Only for callers that own X and need no gradient through it afterwards
     (inference, or a state no other op saved for backward); autograd raises otherwise.
     """
     from xhc.kernels import torch_ops
 
+    if Xa is None and I is not None and backend != "compile":  # the other backends take X_a explicitly
+        from xhc.xhc import gather_active
+
+        Xa = gather_active(X, I)
     if inplace and I is not None and backend != "triton":
         new = torch_ops.write_reference(None, None, Xa, H, P, V, X.dtype)
         return X.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, X.shape[-1]), new)
@@ -153,18 +168,43 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
 
 
+def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile") -> torch.Tensor:
+    """X_a = X[..., I, :] (``X`` ``[..., N, C]``, ``I`` long ``[..., k]``) -> ``[..., k, C]`` in X's dtype.
+
+    ``eager``: :func:`xhc.xhc.gather_active` (``gather``, whose backward is a ``scatter_add``);
+    otherwise one op whose backward writes dX row by row (dX[i] = dX_a[slot(i)] on active rows,
+    0 elsewhere), which ``torch.compile`` fuses with X's other gradient terms.
+    """
+    if backend == "eager":
+        from xhc.xhc import gather_active
+
+        return gather_active(X, I)
+    from xhc.kernels import torch_ops
+
+    return torch_ops.gather(X, I)
+
+
+def row_gram(V: torch.Tensor) -> torch.Tensor:
+    """G[..., a, b] = Σ_c V[..., a, c]·V[..., b, c] (fp32; float64 stays float64) ``[..., K, K]``:
+    one reduction pass over V when compiled (:func:`xhc.kernels.torch_ops.row_dots`)."""
+    from xhc.kernels import torch_ops
+
+    return torch_ops.row_dots(V, V)
+
+
 def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str = "rms",
-                gain: Optional[torch.Tensor] = None, backend: str = "compile") -> torch.Tensor:
+                gain: Optional[torch.Tensor] = None, backend: str = "compile", moments=None) -> torch.Tensor:
     """Norm(x) · Wᵀ with the flat norm folded after the GEMM (docs/math.md §1.5).
 
     ``rms``:   (x ⊙ g / rms(x)) Wᵀ = (x (W diag g)ᵀ) · rsqrt(mean(x²) + ε)
     ``layer``: LayerNorm(x) Wᵀ = (x Wᵀ − μ·(W 1)) · rsqrt(mean(x²) − μ² + ε)
 
     ``x`` ``[..., D]``, ``W`` ``[d, D]``, ``gain`` ``[D]`` or None  ->  fp32 ``[..., d]``.
-    ``eager`` normalises first (the reference order).
+    ``eager`` normalises first (the reference order).  ``moments``: (μ, ν) of x, keepdim, when
+    already known (e.g. from :func:`xhc.kernels.torch_ops.stream_moments`); otherwise computed.
     """
     from xhc.kernels import torch_ops
 
     if backend == "eager":
         return torch_ops.norm_linear_reference(x, W, eps, kind, gain)
-    return torch_ops.norm_linear(x, W, eps, kind, gain)
+    return torch_ops.norm_linear(x, W, eps, kind, gain, moments)

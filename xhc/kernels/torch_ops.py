@@ -34,13 +34,51 @@ def read_reference(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.d
     return u if out_dtype is None else u.to(out_dtype)
 
 
+UNROLL_MAX = 32  # contractions over at most this many streams/slots run as unrolled pointwise sums
+
+
+def _contract_rows(W: torch.Tensor, A: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """out[..., t, c] = Σ_j W[..., t, j] · A[..., j, c] in ``cdt``.
+
+    While ``torch.compile`` traces and for few rows (j ≤ :data:`UNROLL_MAX`) this is an unrolled
+    sum of broadcast products, so that the compiler makes it one pointwise loop that reads A once and fuses with its neighbours
+    (the casts, a ``where``, other gradient terms) instead of a batched GEMM with K = j; called
+    eagerly (or for many rows) it is one ``einsum``.  Summation order j = 0, 1, … (the reference einsum may round differently).
+    """
+    n = W.shape[-1]
+    if n > UNROLL_MAX or not torch.compiler.is_compiling():  # called eagerly: one batched GEMM
+        return torch.einsum("...tj,...jc->...tc", W.to(cdt), A.to(cdt))
+    out = None
+    for j in range(n):
+        term = W[..., j : j + 1].to(cdt) * A[..., j : j + 1, :].to(cdt)
+        out = term if out is None else out + term
+    return out
+
+
+def _row_dots(A: torch.Tensor, B: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """out[..., i, j] = Σ_c A[..., i, c] · B[..., j, c] in ``cdt``: ``[..., a, C]``, ``[..., b, C]`` -> ``[..., a, b]``.
+
+    While ``torch.compile`` traces (few rows) a broadcast product summed over C, which the
+    compiler turns into a reduction loop that shares its reads with the other per-token reductions
+    of the same backward (one pass over dout, X_a, V instead of one batched GEMM each); eagerly
+    one ``einsum``.
+    """
+    if A.shape[-2] * B.shape[-2] > UNROLL_MAX * UNROLL_MAX or not torch.compiler.is_compiling():
+        return torch.einsum("...ic,...jc->...ij", A.to(cdt), B.to(cdt))
+    return (A.to(cdt).unsqueeze(-2) * B.to(cdt).unsqueeze(-3)).sum(-1)
+
+
+def row_dots(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """Σ_c A[..., i, c]·B[..., j, c] ``[..., a, b]`` in fp32 (float64 if either is), differentiable."""
+    return _row_dots(A, B, _cdt(A, B))
+
+
 class _Read(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, X, out_dtype):
         cdt = _cdt(h, X)
         ctx.save_for_backward(h, X)
-        u = torch.einsum("...tn,...nc->...tc", h.to(cdt), X.to(cdt))
-        return u.to(out_dtype)
+        return _contract_rows(h, X, cdt).to(out_dtype)
 
     @staticmethod
     def backward(ctx, du):
@@ -49,10 +87,10 @@ class _Read(torch.autograd.Function):
         du = du.to(cdt)
         dh = dX = None
         if ctx.needs_input_grad[0]:
-            dh = torch.einsum("...tc,...nc->...tn", du, X.to(cdt)).to(h.dtype)
+            dh = _row_dots(du, X, cdt).to(h.dtype)
             dh = _unbroadcast(dh, h)
         if ctx.needs_input_grad[1]:
-            dX = torch.einsum("...tn,...tc->...nc", h.to(cdt), du).to(X.dtype)
+            dX = _contract_rows(h.transpose(-1, -2), du, cdt).to(X.dtype)
             dX = _unbroadcast(dX, X)
         return dh, dX, None
 
@@ -63,6 +101,47 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     hh = h.unsqueeze(-2) if single else h
     u = _Read.apply(hh, X, out_dtype or _cdt(h, X))
     return u.squeeze(-2) if single else u
+
+
+# ------------------------------------------------------------------------------------------------
+# gather of the active rows, with a gather-shaped backward
+# ------------------------------------------------------------------------------------------------
+def inverse_slots(I: torch.Tensor, n: int) -> torch.Tensor:
+    """slot[..., i] = j where I[..., j] = i, and −1 for rows not in I: long ``[..., n]``.
+
+    Lets every op on the full ``[..., n, C]`` state be written row by row (out[i] depends on
+    slot[i]) — a pointwise loop over the state — instead of a scatter (docs/kernels.md).
+    """
+    ar = torch.arange(I.shape[-1], device=I.device, dtype=I.dtype).expand(I.shape)
+    return torch.full((*I.shape[:-1], n), -1, dtype=I.dtype, device=I.device).scatter(-1, I, ar)
+
+
+def take_rows(A: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A[..., idx[..., m], :]: ``A`` ``[..., r, C]``, ``idx`` long ``[..., M]``  ->  ``[..., M, C]``."""
+    return A.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, A.shape[-1]))
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, I, slot):
+        ctx.save_for_backward(slot)
+        return take_rows(X, I)
+
+    @staticmethod
+    def backward(ctx, dXa):
+        (slot,) = ctx.saved_tensors
+        act = (slot >= 0).unsqueeze(-1)
+        dX = torch.where(act, take_rows(dXa, slot.clamp_min(0)), torch.zeros((), dtype=dXa.dtype, device=dXa.device))
+        return dX, None, None
+
+
+def gather(X: torch.Tensor, I: torch.Tensor, slot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """X_a = X[I] (``X`` ``[..., N, C]``, ``I`` ``[..., k]``) whose backward is a row-wise
+    ``where`` over X (dX[i] = dX_a[slot[i]] or 0) instead of a ``scatter_add``, so under compile it
+    fuses with X's other gradient terms.  ``slot``: :func:`inverse_slots` of I (computed if None)."""
+    if slot is None:
+        slot = inverse_slots(I, X.shape[-2])
+    return _Gather.apply(X, I, slot)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,51 +174,92 @@ def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _new_rows(Xa, H, P, V, cdt, rows: Optional[torch.Tensor] = None):
+    """new[..., j, :] = Σ_q H[j, q]·Xa_q + Σ_s P[j, s]·V_s in ``cdt`` (``H`` None = identity).
+
+    ``rows`` (long ``[..., M]``, values in [0, k)): compute the rows ``rows`` of ``new`` instead,
+    ``[..., M, C]`` — the xHC write evaluates new[slot[i]] for every state row i.
+    """
+    if rows is None:
+        mixed = Xa.to(cdt) if H is None else _contract_rows(H, Xa, cdt)
+        return mixed + _contract_rows(P, V, cdt)
+    # the k branch rows P·V first (k·C), then each state row picks its slot's row: the final loop
+    # reads X_a and the k written rows once instead of every component of V per state row
+    # (a batched GEMM, so that the compiler materialises these k rows rather than recomputing
+    # them inside the per-state-row loop)
+    written = torch.einsum("...js,...sc->...jc", P.to(cdt), V.to(cdt)) if V.shape[-2] > 1 else None
+    if written is None:
+        branch = take_rows(P, rows).to(cdt) * V.to(cdt)
+    else:
+        branch = take_rows(written, rows)
+    mixed = take_rows(Xa, rows).to(cdt) if H is None else _contract_rows(take_rows(H, rows), Xa, cdt)
+    return mixed + branch
+
+
 class _Write(torch.autograd.Function):
+    """Mixing + branch write (+ scatter) as one op.  With ``I``: out[i] = new[slot[i]] for active
+    rows and X[i] otherwise, evaluated row by row (a ``where``, no scatter), and dX = dout on
+    inactive rows, 0 on active ones; the gradient of the active rows flows through X_a."""
+
     @staticmethod
-    def forward(ctx, X, I, Xa, H, P, V, out_dtype):
+    def forward(ctx, X, I, slot, Xa, H, P, V, out_dtype):
+        own = Xa is None  # X_a = X[I]: the mixing reads the active rows straight from X
+        if own:
+            Xa = take_rows(X, I)
         cdt = _cdt(Xa, H, P, V)
-        Xf = Xa.to(cdt)
-        mixed = Xf if H is None else torch.einsum("...jq,...qc->...jc", H.to(cdt), Xf)
-        new = mixed + torch.einsum("...js,...sc->...jc", P.to(cdt), V.to(cdt))
-        ctx.save_for_backward(I, Xa, H, P, V)
-        ctx.has_H, ctx.has_I = H is not None, I is not None
+        ctx.save_for_backward(I, slot, X if own else Xa, H, P, V)
+        ctx.has_H, ctx.has_I, ctx.own = H is not None, I is not None, own
         ctx.x_dtype = None if X is None else X.dtype
         if I is None:
-            return new.to(out_dtype)
-        return X.scatter(-2, _index(I, X.shape[-1]), new.to(X.dtype)).to(out_dtype)
+            return _new_rows(Xa, H, P, V, cdt).to(out_dtype)
+        act = (slot >= 0).unsqueeze(-1)
+        new = _new_rows(Xa, H, P, V, cdt, rows=slot.clamp_min(0))
+        return torch.where(act, new.to(X.dtype), X).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        I, Xa, H, P, V = ctx.saved_tensors
+        I, slot, Xa, H, P, V = ctx.saved_tensors
+        if ctx.own:
+            Xa = take_rows(Xa, I)  # the saved tensor is X
         cdt = _cdt(Xa, H, P, V)
         need = ctx.needs_input_grad
         dX = None
+        dXa = dH = dP = dV = None
         if ctx.has_I:
-            idx = _index(I, dout.shape[-1])
-            dnew = dout.gather(-2, idx).to(cdt)
-            if need[0]:
-                dX = dout.scatter(-2, idx, torch.zeros_like(idx, dtype=dout.dtype)).to(ctx.x_dtype)
+            dnew = take_rows(dout, I).to(cdt)
         else:
             dnew = dout.to(cdt)
-        dXa = dH = dP = dV = None
-        if need[2]:
-            dXa = dnew if H is None else torch.einsum("...jq,...jc->...qc", H.to(cdt), dnew)
+        if need[3] or (ctx.own and need[0]):
+            dXa = dnew if H is None else _contract_rows(H.transpose(-1, -2), dnew, cdt)
+        if ctx.has_I and need[0]:
+            act = (slot >= 0).unsqueeze(-1)
+            into = take_rows(dXa, slot.clamp_min(0)).to(dout.dtype) if ctx.own else \
+                torch.zeros((), dtype=dout.dtype, device=dout.device)
+            dX = torch.where(act, into, dout).to(ctx.x_dtype)
+        if ctx.own:
+            dXa = None
+        elif dXa is not None:
             dXa = _unbroadcast(dXa.to(Xa.dtype), Xa)
-        if need[3] and H is not None:
-            dH = _unbroadcast(torch.einsum("...jc,...qc->...jq", dnew, Xa.to(cdt)).to(H.dtype), H)
-        if need[4]:
-            dP = _unbroadcast(torch.einsum("...jc,...sc->...js", dnew, V.to(cdt)).to(P.dtype), P)
+        if need[4] and H is not None:
+            dH = _unbroadcast(_row_dots(dnew, Xa, cdt).to(H.dtype), H)
         if need[5]:
-            dV = _unbroadcast(torch.einsum("...js,...jc->...sc", P.to(cdt), dnew).to(V.dtype), V)
-        return dX, None, dXa, dH, dP, dV, None
+            dP = _unbroadcast(_row_dots(dnew, V, cdt).to(P.dtype), P)
+        if need[6]:
+            dV = _unbroadcast(_contract_rows(P.transpose(-1, -2), dnew, cdt).to(V.dtype), V)
+        return dX, None, None, dXa, dH, dP, dV, None
 
 
-def write(X, I, Xa, H, P, V, out_dtype=None):
-    """One-op write (see :func:`xhc.kernels.write`); backward by hand, saves Xa, H, P, V, I."""
+def write(X, I, Xa, H, P, V, out_dtype=None, slot: Optional[torch.Tensor] = None):
+    """One-op write (see :func:`xhc.kernels.write`); backward by hand, saves Xa, H, P, V, I.
+    ``slot``: :func:`inverse_slots` of I (computed if None).  ``Xa`` None (with ``I``): X_a = X[I],
+    read from X inside the op (the xHC sublayer; a Flash window's carried X_a is its own tensor)."""
+    if Xa is None and I is None:
+        raise ValueError("write: Xa=None (X_a = X[I]) needs the active rows I")
     if out_dtype is None:
         out_dtype = X.dtype if I is not None else Xa.dtype
-    return _Write.apply(X, I, Xa, H, P, V, out_dtype)
+    if I is not None and slot is None:
+        slot = inverse_slots(I, X.shape[-2])
+    return _Write.apply(X, I, slot, Xa, H, P, V, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -150,6 +270,22 @@ def flat_moments(x: torch.Tensor):
     flat norm of ``x`` (docs/math.md §1.5), computed once per token."""
     x = fp32(x)
     return x.mean(-1, keepdim=True), x.pow(2).mean(-1, keepdim=True)
+
+
+def stream_moments(X: torch.Tensor):
+    """Per-row sums (Σ_c X[..., i, c], Σ_c X[..., i, c]²), fp32 ``[..., n]`` each: one pass over the
+    state from which the flat-norm statistics of vec(X) and of any row subset vec(X[I]) follow
+    without reading X again (:func:`moments_of_rows`; docs/math.md §1.5)."""
+    x = fp32(X)
+    return x.sum(-1), x.pow(2).sum(-1)
+
+
+def moments_of_rows(sums: torch.Tensor, sq_sums: torch.Tensor, C: int, I: Optional[torch.Tensor] = None):
+    """(μ, ν) of vec(X) (``I`` None) or of vec(X[I]) from :func:`stream_moments`, keepdim ``[..., 1]``."""
+    if I is not None:
+        sums, sq_sums = sums.gather(-1, I), sq_sums.gather(-1, I)
+    D = sums.shape[-1] * C
+    return sums.sum(-1, keepdim=True) / D, sq_sums.sum(-1, keepdim=True) / D
 
 
 def rms_scale(nu: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,12 +306,13 @@ def norm_linear_reference(x, W, eps=1e-6, kind="rms", gain=None):
     return F.linear(xh, fp32(W))
 
 
-def norm_linear(x, W, eps=1e-6, kind="rms", gain=None):
-    """The GEMM on the raw x, the norm applied to its d outputs (docs/math.md §1.5 reordering)."""
+def norm_linear(x, W, eps=1e-6, kind="rms", gain=None, moments=None):
+    """The GEMM on the raw x, the norm applied to its d outputs (docs/math.md §1.5 reordering).
+    ``moments``: (μ, ν) of x when already known (:func:`moments_of_rows`)."""
     x = fp32(x)
     Wf = fp32(W) if gain is None else fp32(W) * fp32(gain)
     proj = F.linear(x, Wf)
-    mu, nu = flat_moments(x)
+    mu, nu = flat_moments(x) if moments is None else moments
     if kind == "rms":
         return proj * rms_scale(nu, eps)
     if kind == "layer":
