@@ -28,6 +28,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# HCConfig.kernels='auto' on CPU times a probe to choose between the fused ops and the eager
+# reference (xhc.kernels.autoselect).  Tests (and the training runs they start in subprocesses)
+# must not depend on which one a loaded machine measured faster: fix it.  The probe itself is
+# tested in tests/test_hc_kernels_auto.py.
+os.environ.setdefault("XHC_HC_KERNELS_AUTO", "compile")
+
 # torch.compile reads TORCHDYNAMO_DISABLE at every call: a test (or a module it imports) that
 # leaves it set makes every later compile test silently run eagerly, and pass for the wrong
 # reason.  Entry points switch it off only while their main() runs; this guard keeps it that way.

@@ -187,6 +187,11 @@ class Trainer:
         self.seq = cfg.batch.seq_length or self.preset.seq_length
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.log = _p if self.is_main else (lambda *_a, **_k: None)
+        if not self.cuda and self.preset.hc.enabled and self.preset.hc.kernels == "auto":
+            from xhc.kernels import autoselect
+
+            # every rank takes rank 0's measurement (replicated HC parameters must see the same maths)
+            self.log(f"[xhc] {autoselect.decide(broadcast=True).describe()}")
 
     def setup_run_dir(self) -> None:
         cfg = self.cfg
