@@ -137,7 +137,10 @@ def preprocess(
     try:
         batches = _batches(ds, text_key, batch_size)
         if workers > 1:
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            # Never "fork": the caller may already run threads (torch, tqdm, a trainer's writers), and a
+            # forked child can then block for ever on a lock one of them held (seen in the test suite).
+            # The workers start from a clean server process and get the tokenizer pickled.
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
             pool = multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tok,))
             encoded = pool.imap(_encode_batch, batches, chunksize=1)
         else:
