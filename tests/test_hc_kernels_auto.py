@@ -3,10 +3,8 @@ reference (xhc.kernels.autoselect), its override, and its agreement across ranks
 
 import os
 import tempfile
-import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

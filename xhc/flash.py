@@ -61,7 +61,7 @@ import torch.nn as nn
 
 from xhc import kernels
 from xhc.config import HCConfig
-from xhc.kernels.torch_ops import moments_of_rows, stream_moments
+from xhc.kernels.torch_ops import moments_of_rows
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import StreamRouter
 from xhc.xhc import (
@@ -72,8 +72,8 @@ from xhc.xhc import (
     check_xhc_config,
     default_fused,
     entry_mappings,
+    entry_statistics,
     fold_components,
-    gather_active,
     make_temporal,
     mapping_diagnostics,
     num_components,
@@ -161,15 +161,6 @@ def carried_write(
     P = fold_components(p.unsqueeze(-1) * H_post, L)
     out_dtype = Xa.dtype if X0 is None else X0.dtype
     return kernels.write(X0, I, Xa, H_res, P, V, out_dtype, backend=backend), H_res, H_post
-
-
-def _entry_stats(X0: torch.Tensor, fused: bool, backend: str):
-    """(per-row sums, (μ, ν) of vec X^(0)) from one pass over the window-entry state on the fused
-    backends (:func:`xhc.kernels.torch_ops.stream_moments`), else (None, None)."""
-    if not fused or backend == "eager":
-        return None, None
-    stats = stream_moments(X0)
-    return stats, moments_of_rows(*stats, X0.shape[-1])
 
 
 def _components(y, temporal, cfg: HCConfig, seq, backend: str):
@@ -263,7 +254,7 @@ class XHCFlashLayer(_WindowPart):
         ``X0``: ``[s, b, N, C]`` (any leading dims)  ->  :class:`FlashState`.
         """
         backend = _backend(self, X0)
-        stats, entry_mom = _entry_stats(X0, self.fused, backend)
+        stats, entry_mom = entry_statistics(X0, self.fused, backend)
         routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
                                               self.fused, entry_mom)
         h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
@@ -420,7 +411,7 @@ class Flash4FirstLayer(_WindowPart):
         """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
         pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
         backend = _backend(self, X0)
-        stats, entry_mom = _entry_stats(X0, self.fused, backend)
+        stats, entry_mom = entry_statistics(X0, self.fused, backend)
         routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused, entry_mom)
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I

@@ -70,7 +70,7 @@ from xhc.config import HCConfig, HCConfigError
 from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
-from xhc.kernels.torch_ops import flat_moments, layer_scale, moments_of_rows, rms_scale, stream_moments
+from xhc.kernels.torch_ops import layer_scale, moments_of_rows, rms_scale, stream_moments
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
@@ -279,6 +279,17 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
         out.append(m(x, proj[..., start : start + d]))
         start += d
     return out
+
+
+def entry_statistics(X: torch.Tensor, fused: bool, backend: str):
+    """(per-row sums, (μ, ν) of vec X) from one pass over the state on the fused backends
+    (:func:`xhc.kernels.torch_ops.stream_moments`; the statistics of any X[I] follow from the sums
+    via :func:`~xhc.kernels.torch_ops.moments_of_rows`), else (None, None): the reference order
+    computes them where it normalises."""
+    if not fused or backend == "eager":
+        return None, None
+    stats = stream_moments(X)
+    return stats, moments_of_rows(*stats, X.shape[-1])
 
 
 def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["ReadMapping"], eps: float = 1e-6,
@@ -535,10 +546,8 @@ class XHCSublayer(nn.Module):
         cfg = self.cfg
         dense = cfg.dense_read
         backend = kernels.resolve_backend(cfg.kernels, X.device)
-        entry_mom = act_mom = stats = None
-        if self.fused and backend != "eager":  # one pass over X gives the norm statistics of X and X[I]
-            stats = stream_moments(X)
-            entry_mom = moments_of_rows(*stats, X.shape[-1])
+        stats, entry_mom = entry_statistics(X, self.fused, backend)
+        act_mom = None
         routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused,
                                          entry_mom)
         Xa = kernels.gather(X, routing.I, backend)  # [..., k, C]

@@ -250,7 +250,8 @@ class _Write(torch.autograd.Function):
 
 
 def write(X, I, Xa, H, P, V, out_dtype=None, slot: Optional[torch.Tensor] = None):
-    """One-op write (see :func:`xhc.kernels.write`); backward by hand, saves Xa, H, P, V, I.
+    """One-op write (see :func:`xhc.kernels.write`); backward by hand, saves I, its slots, H, P, V
+    and Xa (X itself when ``Xa`` is None).
     ``slot``: :func:`inverse_slots` of I (computed if None).  ``Xa`` None (with ``I``): X_a = X[I],
     read from X inside the op (the xHC sublayer; a Flash window's carried X_a is its own tensor)."""
     if Xa is None and I is None:
