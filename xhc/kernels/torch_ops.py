@@ -55,17 +55,24 @@ def _contract_rows(W: torch.Tensor, A: torch.Tensor, cdt: torch.dtype) -> torch.
     return out
 
 
-def _row_dots(A: torch.Tensor, B: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+def _row_dots(A: torch.Tensor, B: torch.Tensor, cdt: torch.dtype, split: bool = False) -> torch.Tensor:
     """out[..., i, j] = Σ_c A[..., i, c] · B[..., j, c] in ``cdt``: ``[..., a, C]``, ``[..., b, C]`` -> ``[..., a, b]``.
 
     While ``torch.compile`` traces (few rows) a broadcast product summed over C, which the
     compiler turns into a reduction loop that shares its reads with the other per-token reductions
     of the same backward (one pass over dout, X_a, V instead of one batched GEMM each); eagerly
-    one ``einsum``.
+    one ``einsum``.  ``split`` (compile): one reduction per row of A instead (see below).
     """
-    if A.shape[-2] * B.shape[-2] > UNROLL_MAX * UNROLL_MAX or not torch.compiler.is_compiling():
+    a = A.shape[-2]
+    if a * B.shape[-2] > UNROLL_MAX * UNROLL_MAX or not torch.compiler.is_compiling():
         return torch.einsum("...ic,...jc->...ij", A.to(cdt), B.to(cdt))
-    return (A.to(cdt).unsqueeze(-2) * B.to(cdt).unsqueeze(-3)).sum(-1)
+    if not split or a > UNROLL_MAX:
+        return (A.to(cdt).unsqueeze(-2) * B.to(cdt).unsqueeze(-3)).sum(-1)
+    # one reduction per row of A, each of loop shape (tokens·b, C): the reductions of one backward
+    # with the same b then share one loop over their common operand (the write's dH_i = dnew_i·X_a
+    # and the read's dh = du·X read X once), where one reduction of shape (tokens·a·b, C) fuses with none
+    Bf = B.to(cdt)
+    return torch.stack([(A[..., i : i + 1, :].to(cdt) * Bf).sum(-1) for i in range(a)], -2)
 
 
 def row_dots(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -241,9 +248,13 @@ class _Write(torch.autograd.Function):
         elif dXa is not None:
             dXa = _unbroadcast(dXa.to(Xa.dtype), Xa)
         if need[4] and H is not None:
-            dH = _unbroadcast(_row_dots(dnew, Xa, cdt).to(H.dtype), H)
+            dH = _unbroadcast(_row_dots(dnew, Xa, cdt, split=not ctx.has_I).to(H.dtype), H)
         if need[5]:
-            dP = _unbroadcast(_row_dots(dnew, V, cdt).to(P.dtype), P)
+            if ctx.has_I:
+                dP = _row_dots(dnew, V, cdt)
+            else:  # as (Vᵀ dnew)ᵀ: reductions of loop shape (tokens·k, C), the shape of dH's rows
+                dP = _row_dots(V, dnew, cdt, split=True).transpose(-1, -2)
+            dP = _unbroadcast(dP.to(P.dtype), P)
         if need[6]:
             dV = _unbroadcast(_contract_rows(P.transpose(-1, -2), dnew, cdt).to(V.dtype), V)
         return dX, None, None, dXa, dH, dP, dV, None
