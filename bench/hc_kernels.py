@@ -377,7 +377,9 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
     compiled = backend == "compile"
     if compiled:
         torch._dynamo.reset()
-        step = torch.compile(unit.step, fullgraph=True, mode=compile_mode)
+        from xhc.kernels import compile_options  # the options models.hc_layer.compile_hc_modules uses
+
+        step = torch.compile(unit.step, fullgraph=True, options=compile_options(compile_mode))
 
     # ---- traffic ---------------------------------------------------------------------------
     if compiled:

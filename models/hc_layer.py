@@ -486,6 +486,11 @@ def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compil
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    from xhc.kernels import compile_options
+
+    kw = dict(compile_kwargs)
+    if kw.get("backend", "inductor") == "inductor":  # HC graphs get xhc.kernels.INDUCTOR_OPTIONS
+        kw["options"] = {**compile_options(kw.pop("mode", None)), **(kw.get("options") or {})}
     count = 0
     for layer in model.modules():
         if not isinstance(layer, HyperConnectionTransformerLayer) or not layer.hc_enabled:
@@ -496,7 +501,7 @@ def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compil
             for name in _HC_METHODS:
                 fn = getattr(mod, name, None)
                 if fn is not None:
-                    setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **compile_kwargs))
+                    setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **kw))
             mod._hc_compiled = True
             count += 1
     return count

@@ -418,6 +418,8 @@ def test_zero_graph_breaks(kind, kw, dynamo_reset):
 COMPILED_CASES = [pytest.param(kind, kw, 4, id=vid) for vid, kw, kind in VARIANTS
                   if vid in ("mhc", "xhc_attn", "xhc_mlp", "xhc_mlp_nogs", "xhc_flash", "xhc_flash4")]
 COMPILED_CASES.append(pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2, 3)), 16, id="xhc_mlp-N16"))
+# kernels longer than the sequence (S = 6): the compiled taps beyond the first row are all zero
+COMPILED_CASES.append(pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(3, 8)), 16, id="xhc_mlp-N16-long"))
 
 
 @pytest.mark.parametrize("kind, kw, n", COMPILED_CASES)
@@ -428,7 +430,8 @@ def test_compiled_fused_equals_eager(kind, kw, n, dynamo_reset):
     cfg = _cfg(kw, n)
     ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
     got = _forward_backward(kind, cfg.replace(kernels="compile"), "cpu",
-                            wrap=lambda f: torch.compile(f, fullgraph=True, dynamic=False))
+                            wrap=lambda f: torch.compile(f, fullgraph=True, dynamic=False,
+                                                         options=kernels.compile_options()))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not silently eager
     _compare(ref, got, f"compiled {kind}")
 
@@ -523,3 +526,97 @@ def test_compiled_temporal_conv_equals_grouped_conv(dynamo_reset):
         _close(got, ref, what=f"halo={h is not None} resets={p is not None}")
         for i, (a, c) in enumerate(zip(got_g, ref_g)):
             _close(a, c, what=f"grad {i} halo={h is not None} resets={p is not None}")
+
+
+# ================================================================================================
+# the write components one by one (compiled xHC MLP writes): conv taps, Gram matrix, write
+# ================================================================================================
+def _conv_inputs(seed=3, s=7, b=2, Cc=5, kernel_sizes=(2, 4, 9)):
+    from xhc.temporal import TemporalAugmentation
+
+    torch.manual_seed(seed)
+    ta = TemporalAugmentation(Cc, kernel_sizes).double()
+    with torch.no_grad():
+        for w in ta.conv:
+            w.normal_()
+    g = torch.Generator().manual_seed(seed + 1)
+    y = torch.randn(s, b, Cc, generator=g, dtype=F64, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2], [5, 6, 0, 1, 2, 3, 4]]).T.contiguous()  # resets; row 1 starts mid-document
+    return ta, y, pos
+
+
+@pytest.mark.parametrize("resets", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_component_list_equals_temporal_forward(resets, compiled, dynamo_reset):
+    """[y, g_1, …, g_r] one by one (each g_j its own sum of shifted taps when compiled) equal the
+    stacked components of the reference conv, forward and gradients of y and of every kernel,
+    float64; one kernel (9) is longer than the sequence (7)."""
+    from xhc.temporal import SequenceContext as Seq
+
+    ta, y, pos = _conv_inputs()
+    seq = Seq(pos_in_doc=pos) if resets else None
+    g = torch.Generator().manual_seed(9)
+    G = torch.randn(7, 2, 4, 5, generator=g, dtype=F64)
+    ref = ta(y, seq)
+    ref_g = torch.autograd.grad((ref * G).sum(), [y, *ta.conv])
+
+    def run(y):
+        return torch.stack(ta.component_list(y, seq), -2)
+
+    fn = torch.compile(run, fullgraph=True, dynamic=False, options=kernels.compile_options()) if compiled else run
+    got = fn(y)
+    got_g = torch.autograd.grad((got * G).sum(), [y, *ta.conv])
+    _close(got, ref, what="components")
+    for name, a, b in zip(["y", "w1", "w2", "w3"], got_g, ref_g):
+        _close(a, b, what=f"d{name}")
+
+
+def test_gram_of_component_list_equals_row_gram():
+    g = torch.Generator().manual_seed(4)
+    V = torch.randn(3, 2, 4, 11, generator=g, dtype=F64)
+    _close(kernels.gram(list(V.unbind(-2))), kernels.gram(V), what="gram of a list")
+    _close(kernels.gram(V), torch.einsum("...ac,...bc->...ab", V, V), what="gram")
+
+
+@pytest.mark.parametrize("with_I", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_write_takes_components_one_by_one(with_I, compiled, dynamo_reset):
+    """write(..., V=[v_1, …, v_K]) equals write(..., V=stack) and the reference, output and every
+    gradient (X, X_a, H, P, each component), float64; N = 16 so that the compiled backward
+    stores dout[I] through its one-hot contraction."""
+    g = torch.Generator().manual_seed(5)
+    T, N, k, K, Cc = 5, 16, 4, 3, 7
+    X = torch.randn(T, N, Cc, generator=g, dtype=F64, requires_grad=True)
+    I = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)]) if with_I else None
+    Xa = None if with_I else torch.randn(T, k, Cc, generator=g, dtype=F64, requires_grad=True)
+    H = torch.randn(T, k, k, generator=g, dtype=F64, requires_grad=True)
+    P = torch.randn(T, k, K, generator=g, dtype=F64, requires_grad=True)
+    Vs = [torch.randn(T, Cc, generator=g, dtype=F64, requires_grad=True) for _ in range(K)]
+    Gout = torch.randn(T, N if with_I else k, Cc, generator=g, dtype=F64)
+    leaves = [t for t in (X, Xa, H, P, *Vs) if t is not None and (with_I or t is not X)]
+
+    def ref_fn():
+        xa = X[torch.arange(T)[:, None], I] if with_I else Xa
+        return torch_ops.write_reference(X if with_I else None, I, xa, H, P, torch.stack(Vs, -2))
+
+    def fused(*Vs_):
+        return kernels.write(X if with_I else None, I, Xa, H, P, list(Vs_), backend="compile")
+
+    fn = torch.compile(fused, fullgraph=True, dynamic=False, options=kernels.compile_options()) if compiled else fused
+    ref = ref_fn()
+    ref_g = torch.autograd.grad((ref * Gout).sum(), leaves)
+    got = fn(*Vs)
+    got_g = torch.autograd.grad((got * Gout).sum(), leaves)
+    _close(got, ref, what="write output")
+    for i, (a, b) in enumerate(zip(got_g, ref_g)):
+        _close(a, b, what=f"write grad {i}")
+
+
+def test_compile_options_env_override(monkeypatch):
+    monkeypatch.setenv("XHC_INDUCTOR_OPTIONS", '{"realize_reads_threshold": 7}')
+    opts = kernels.compile_options()
+    assert opts["realize_reads_threshold"] == 7
+    assert opts["realize_acc_reads_threshold"] == kernels.INDUCTOR_OPTIONS["realize_acc_reads_threshold"]
+    monkeypatch.setenv("XHC_INDUCTOR_OPTIONS", "[1]")
+    with pytest.raises(ValueError, match="XHC_INDUCTOR_OPTIONS"):
+        kernels.compile_options()

@@ -633,6 +633,36 @@ class TemporalAugmentation(nn.Module):
             )
         return self._components(y, [_SPHaloExchange.apply(y, H, seq.group)], [s], pos)
 
+    def component_list(self, y: Tensor, seq: Optional[SequenceContext] = None) -> List[Tensor]:
+        """The components of :meth:`forward` as a list ``[y, g_1, …, g_r]`` of fp32 ``[s, b, C]``.
+
+        While ``torch.compile`` traces a sequence held whole by this rank (no halo: no sequence
+        group, no segments, no decode cache) each g_j is its own sum of κ_j shifted slices of the
+        zero-padded y, Σ_i w_j[i] ⊙ y[t − i] (tap i dropped where pos_in_doc < i), and no stacked
+        [s, b, 1 + r, C] buffer is made: the compiler computes every g_j and the Gram matrix in
+        one pass over y, and the write reads them where it needs them (docs/kernels.md).
+        Otherwise the slices of :meth:`forward`.  Same sums as the compiled form of :meth:`forward`.
+        """
+        whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
+        if not (whole and torch.compiler.is_compiling()):
+            return list(self.forward(y, seq).unbind(-2))
+        self._check(y)
+        pos = self._doc_positions(seq.pos_in_doc if seq is not None else None, y)
+        yf = fp32(y)
+        s, H = yf.shape[0], self.halo_size
+        xpad = F.pad(yf, (0, 0, 0, 0, H, 0))  # [H zero rows, y]: row t − i of y is row H + t − i
+        out = [yf]
+        for w in self.conv:
+            wf = w.to(yf.dtype)
+            g = None
+            for i in range(w.shape[0]):
+                term = wf[i] * xpad[H - i : H - i + s]
+                if pos is not None and i > 0:
+                    term = term * (pos >= i).to(yf.dtype)[:, :, None]
+                g = term if g is None else g + term
+            out.append(g)
+        return out
+
     # -- decoding --------------------------------------------------------------------------
     def init_cache(self, batch_size: int, dtype=torch.float32, device=None) -> Tensor:
         """An empty rolling cache ``[b, H, C]`` (zeros = nothing before the first token)."""

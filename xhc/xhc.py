@@ -171,15 +171,21 @@ def write_components_folded(
 
     For the fused write: the branch weights P (``[..., k, K]``) become P·L and the write reads the raw
     components, so the orthogonalised V is never materialised (docs/kernels.md).
+
+    While ``torch.compile`` traces, ``V_raw`` is the list ``[y, g_1, …, g_r]`` of ``[..., C]`` tensors
+    (:meth:`~xhc.temporal.TemporalAugmentation.component_list`), which :func:`xhc.kernels.write` and
+    :func:`xhc.kernels.gram` take as they are: no stacked copy of the components is made.
     """
     if temporal is None:
         return fp32(y).unsqueeze(-2), None
-    V = temporal(y, seq)
-    if not use_gram_schmidt or V.shape[-2] < 2:
+    V = temporal.component_list(y, seq) if torch.compiler.is_compiling() else temporal(y, seq)
+    K = len(V) if isinstance(V, list) else V.shape[-2]
+    if not use_gram_schmidt or K < 2:
         return V, None
     from xhc.gram_schmidt import gram_schmidt_coefficients
 
-    M = kernels.row_gram(V) / V.shape[-1]  # mean_c(V_a V_b): one pass over the components
+    C = V[0].shape[-1] if isinstance(V, list) else V.shape[-1]
+    M = kernels.gram(V) / C  # mean_c(V_a V_b): one pass over the components
     return V, gram_schmidt_coefficients(M, gs_eps)
 
 

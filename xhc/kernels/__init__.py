@@ -21,6 +21,7 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 :func:`sinkhorn`    H = Sinkhorn–Knopp(Z) (docs/math.md §1.4), one op, hand-written backward
 :func:`read`        u_t = Σ_j h[t, j] · X_j  (T reads of one state in one pass; §1.3, §3.4, §4.1)
 :func:`write`       X'[I_j] = Σ_q H[j, q]·X_a[q] + Σ_s P[j, s]·V_s;  X'[i] = X[i] for i ∉ I  (§1.3, §3.4)
+:func:`gram`        M[a, b] = Σ_c V_a·V_b, the Gram matrix of the write components (§3.3)
 :func:`norm_linear` RMSNorm(x)·Wᵀ or LayerNorm(x)·Wᵀ with the norm applied after the GEMM (§1.5)
 :func:`gather`      X_a = X[I], the active rows (§3.4), with a row-wise backward (no scatter_add)
 ==================  ==========================================================================
@@ -28,11 +29,43 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional, Union
 
 import torch
 
 BACKENDS = ("eager", "compile", "triton")
+
+# Inductor settings for graphs of HC code (``torch.compile(..., options=INDUCTOR_OPTIONS)``;
+# :func:`compile_options` merges them with a ``mode``).  The xHC write is one loop over the state
+# in which every row reads its slot's k mixing and K branch coefficients, k active rows and K
+# components: more distinct reads than inductor's CPU default (12) lets one pointwise node
+# accumulate before it stores it, which would write all N new rows to memory and read them back
+# (+32C per sublayer at N = 16; docs/kernels-bench.md).  GPU kernels are Triton (the ``triton``
+# backend), so this only shapes the compiled CPU path and ``torch.compile`` on GPU.
+INDUCTOR_OPTIONS = {"realize_acc_reads_threshold": 64}
+
+
+def compile_options(mode: Optional[str] = None) -> dict:
+    """``options`` for ``torch.compile`` of HC code: a ``mode``'s inductor settings (``torch.compile``
+    takes either a mode or options) with :data:`INDUCTOR_OPTIONS` on top."""
+    opts = {}
+    if mode is not None:
+        opts.update(torch._inductor.list_mode_options(mode))
+    opts.update(INDUCTOR_OPTIONS)
+    extra = os.environ.get("XHC_INDUCTOR_OPTIONS", "")
+    if extra:  # tuning: a JSON object of inductor settings on top
+        try:
+            more = json.loads(extra)
+        except ValueError as e:
+            raise ValueError(f"XHC_INDUCTOR_OPTIONS={extra!r} is not a JSON object: {e}; "
+                             'write e.g. XHC_INDUCTOR_OPTIONS=\'{"realize_reads_threshold": 8}\'') from None
+        if not isinstance(more, dict):
+            raise ValueError(f"XHC_INDUCTOR_OPTIONS={extra!r} is not a JSON object; "
+                             'write e.g. XHC_INDUCTOR_OPTIONS=\'{"realize_reads_threshold": 8}\'')
+        opts.update(more)
+    return opts
 KERNEL_CHOICES = ("auto",) + BACKENDS
 
 _TRITON_OK: Optional[bool] = None
@@ -146,12 +179,17 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     ``Xa`` may be ``None`` with ``I``: X_a = X[I], read from X by the op itself (one read of the
     state; the mixing gradient then goes to X).
 
+    ``V`` may be a sequence of K ``[..., C]`` tensors, the components one by one (the ``compile``
+    backend reads them as they are; the others stack them first).
+
     ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
     nor written.  Only for callers that own X and need no gradient through it afterwards
     (inference, or a state no other op saved for backward); autograd raises otherwise.
     """
     from xhc.kernels import torch_ops
 
+    if isinstance(V, (list, tuple)) and (backend != "compile" or inplace):
+        V = torch.stack(list(V), -2)
     if Xa is None and I is not None and backend != "compile":  # the other backends take X_a explicitly
         from xhc.xhc import gather_active
 
@@ -184,11 +222,17 @@ def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile") -> torch.
     return torch_ops.gather(X, I)
 
 
-def row_gram(V: torch.Tensor) -> torch.Tensor:
-    """G[..., a, b] = Σ_c V[..., a, c]·V[..., b, c] (fp32; float64 stays float64) ``[..., K, K]``:
-    one reduction pass over V when compiled (:func:`xhc.kernels.torch_ops.row_dots`)."""
+def gram(V) -> torch.Tensor:
+    """G[..., a, b] = Σ_c V_a[..., c]·V_b[..., c] (fp32; float64 stays float64) ``[..., K, K]``.
+
+    ``V``: ``[..., K, C]``, or a sequence of K ``[..., C]`` tensors (the components as separate
+    expressions, :meth:`xhc.temporal.TemporalAugmentation.component_list`).  One reduction pass
+    over the components when compiled (:func:`xhc.kernels.torch_ops.row_dots`,
+    :func:`xhc.kernels.torch_ops.gram_of_list`)."""
     from xhc.kernels import torch_ops
 
+    if isinstance(V, (list, tuple)):
+        return torch_ops.gram_of_list(V)
     return torch_ops.row_dots(V, V)
 
 

@@ -75,6 +75,28 @@ def _row_dots(A: torch.Tensor, B: torch.Tensor, cdt: torch.dtype, split: bool = 
     return torch.stack([(A[..., i : i + 1, :].to(cdt) * Bf).sum(-1) for i in range(a)], -2)
 
 
+def _row_dots_widened(A: torch.Tensor, B: torch.Tensor, cdt: torch.dtype, width: int) -> torch.Tensor:
+    """:func:`_row_dots` (``[..., a, C]``, ``[..., b, C]`` -> ``[..., a, b]``) for b ≤ ``width``, computed
+    while ``torch.compile`` traces as one reduction per row of A over B widened to ``width`` rows
+    (broadcast when b = 1, zero rows appended otherwise), keeping the first b columns.
+
+    Why: a reduction's loop is (tokens·rows of its second operand, C).  The write's dH_i = dnew_i·X_a
+    (width = k rows) and the read's dh = du·X run in loops of that shape and share one pass over
+    dnew and X; dP_i = dnew_i·V over V's own b < k rows would be a loop of another shape, a second
+    pass over dnew.  Widened, dP_i reads dnew_i with the same index as dH_i and joins that pass (the
+    extra columns cost arithmetic, not memory traffic).  Called eagerly: :func:`_row_dots`.
+    """
+    a, b = A.shape[-2], B.shape[-2]
+    if b > width or a > UNROLL_MAX or width > UNROLL_MAX or not torch.compiler.is_compiling():
+        return _row_dots(A, B, cdt)
+    Bw = B.to(cdt)
+    if b == 1:
+        Bw = Bw.expand(*Bw.shape[:-2], width, Bw.shape[-1])
+    elif b < width:
+        Bw = F.pad(Bw, (0, 0, 0, width - b))
+    return torch.stack([(A[..., i : i + 1, :].to(cdt) * Bw).sum(-1)[..., :b] for i in range(a)], -2)
+
+
 def row_dots(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """Σ_c A[..., i, c]·B[..., j, c] ``[..., a, b]`` in fp32 (float64 if either is), differentiable."""
     return _row_dots(A, B, _cdt(A, B))
@@ -126,6 +148,23 @@ def inverse_slots(I: torch.Tensor, n: int) -> torch.Tensor:
 def take_rows(A: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """A[..., idx[..., m], :]: ``A`` ``[..., r, C]``, ``idx`` long ``[..., M]``  ->  ``[..., M, C]``."""
     return A.gather(-2, idx.unsqueeze(-1).expand(*idx.shape, A.shape[-1]))
+
+
+def _gather_rows_stored(A: torch.Tensor, I: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """A[..., I, :] in ``cdt`` ``[..., k, C]``, stored once when compiled.
+
+    A gather is a pointwise read, so the compiler inlines it into every consumer, and each such
+    loop then reads the whole of A (an indirect read's range is all of A).  The backward of the
+    xHC write has many consumers of dout[I] (dH, dP, the components' and the conv's gradients),
+    so there it is written as a contraction with the one-hot rows of I, a reduction over the N
+    rows that the compiler stores: A is read once and the k rows are read back by the rest.
+    Called eagerly: a gather.
+    """
+    N = A.shape[-2]
+    if not torch.compiler.is_compiling() or N <= 8:  # inductor unrolls reductions this small
+        return take_rows(A, I).to(cdt)
+    onehot = (I.unsqueeze(-1) == torch.arange(N, device=I.device)).to(cdt)  # [..., k, N]
+    return (onehot.unsqueeze(-1) * A.to(cdt).unsqueeze(-3)).sum(-2)
 
 
 class _Gather(torch.autograd.Function):
@@ -181,24 +220,48 @@ def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def _new_rows(Xa, H, P, V, cdt, rows: Optional[torch.Tensor] = None):
-    """new[..., j, :] = Σ_q H[j, q]·Xa_q + Σ_s P[j, s]·V_s in ``cdt`` (``H`` None = identity).
+def _blocks_of(V) -> tuple:
+    """The write components as blocks ``[..., K_b, C]``: a ``[..., K, C]`` tensor is one block, a
+    sequence of ``[..., C]`` tensors one block per component (unsqueezed views, no copy)."""
+    if isinstance(V, torch.Tensor):
+        return (V,)
+    return tuple(v.unsqueeze(-2) for v in V)
+
+
+def _column_spans(blocks) -> list:
+    spans, start = [], 0
+    for b in blocks:
+        spans.append((start, start + b.shape[-2]))
+        start += b.shape[-2]
+    return spans
+
+
+def _branch(P, blocks, cdt):
+    """Σ_s P[..., j, s]·V_s over the component blocks (P's columns in block order)."""
+    out = None
+    for (a, b), B in zip(_column_spans(blocks), blocks):
+        term = _contract_rows(P[..., a:b], B, cdt)
+        out = term if out is None else out + term
+    return out
+
+
+def _new_rows(Xa, H, P, blocks, cdt, rows: Optional[torch.Tensor] = None):
+    """new[..., j, :] = Σ_q H[j, q]·Xa_q + Σ_s P[j, s]·V_s in ``cdt`` (``H`` None = identity);
+    ``blocks``: the components V (:func:`_blocks_of`).
 
     ``rows`` (long ``[..., M]``, values in [0, k)): compute the rows ``rows`` of ``new`` instead,
     ``[..., M, C]`` — the xHC write evaluates new[slot[i]] for every state row i.
     """
     if rows is None:
         mixed = Xa.to(cdt) if H is None else _contract_rows(H, Xa, cdt)
-        return mixed + _contract_rows(P, V, cdt)
-    # the k branch rows P·V first (k·C), then each state row picks its slot's row: the final loop
-    # reads X_a and the k written rows once instead of every component of V per state row
-    # (a batched GEMM, so that the compiler materialises these k rows rather than recomputing
-    # them inside the per-state-row loop)
-    written = torch.einsum("...js,...sc->...jc", P.to(cdt), V.to(cdt)) if V.shape[-2] > 1 else None
-    if written is None:
-        branch = take_rows(P, rows).to(cdt) * V.to(cdt)
-    else:
-        branch = take_rows(written, rows)
+        return mixed + _branch(P, blocks, cdt)
+    if torch.compiler.is_compiling():
+        # one loop over the state: each row reads its slot's coefficients and every component
+        # (inductor counts a buffer once per kernel, so the components cost their own size once;
+        # xhc.kernels.INDUCTOR_OPTIONS keeps this many reads in one loop)
+        branch = _branch(take_rows(P, rows), blocks, cdt)
+    else:  # eagerly: the k branch rows as batched GEMMs, then each state row takes its slot's
+        branch = take_rows(_branch(P, blocks, cdt), rows)
     mixed = take_rows(Xa, rows).to(cdt) if H is None else _contract_rows(take_rows(H, rows), Xa, cdt)
     return mixed + branch
 
@@ -206,34 +269,37 @@ def _new_rows(Xa, H, P, V, cdt, rows: Optional[torch.Tensor] = None):
 class _Write(torch.autograd.Function):
     """Mixing + branch write (+ scatter) as one op.  With ``I``: out[i] = new[slot[i]] for active
     rows and X[i] otherwise, evaluated row by row (a ``where``, no scatter), and dX = dout on
-    inactive rows, 0 on active ones; the gradient of the active rows flows through X_a."""
+    inactive rows, 0 on active ones; the gradient of the active rows flows through X_a.
+    The components come last, as blocks ``[..., K_b, C]`` (:func:`_blocks_of`)."""
 
     @staticmethod
-    def forward(ctx, X, I, slot, Xa, H, P, V, out_dtype):
+    def forward(ctx, X, I, slot, Xa, H, P, out_dtype, *blocks):
         own = Xa is None  # X_a = X[I]: the mixing reads the active rows straight from X
         if own:
             Xa = take_rows(X, I)
-        cdt = _cdt(Xa, H, P, V)
-        ctx.save_for_backward(I, slot, X if own else Xa, H, P, V)
+        cdt = _cdt(Xa, H, P, *blocks)
+        ctx.save_for_backward(I, slot, X if own else Xa, H, P, *blocks)
         ctx.has_H, ctx.has_I, ctx.own = H is not None, I is not None, own
         ctx.x_dtype = None if X is None else X.dtype
         if I is None:
-            return _new_rows(Xa, H, P, V, cdt).to(out_dtype)
+            return _new_rows(Xa, H, P, blocks, cdt).to(out_dtype)
         act = (slot >= 0).unsqueeze(-1)
-        new = _new_rows(Xa, H, P, V, cdt, rows=slot.clamp_min(0))
+        new = _new_rows(Xa, H, P, blocks, cdt, rows=slot.clamp_min(0))
         return torch.where(act, new.to(X.dtype), X).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        I, slot, Xa, H, P, V = ctx.saved_tensors
+        I, slot, Xa, H, P, *blocks = ctx.saved_tensors
         if ctx.own:
             Xa = take_rows(Xa, I)  # the saved tensor is X
-        cdt = _cdt(Xa, H, P, V)
+        cdt = _cdt(Xa, H, P, *blocks)
         need = ctx.needs_input_grad
         dX = None
-        dXa = dH = dP = dV = None
+        dXa = dH = dP = None
+        dVs = [None] * len(blocks)
         if ctx.has_I:
-            dnew = take_rows(dout, I).to(cdt)
+            # several consumers of dout[I] when the components come one by one (compiled MLP write)
+            dnew = _gather_rows_stored(dout, I, cdt) if len(blocks) > 1 else take_rows(dout, I).to(cdt)
         else:
             dnew = dout.to(cdt)
         if need[3] or (ctx.own and need[0]):
@@ -250,19 +316,25 @@ class _Write(torch.autograd.Function):
         if need[4] and H is not None:
             dH = _unbroadcast(_row_dots(dnew, Xa, cdt, split=not ctx.has_I).to(H.dtype), H)
         if need[5]:
-            if ctx.has_I:
-                dP = _row_dots(dnew, V, cdt)
-            else:  # as (Vᵀ dnew)ᵀ: reductions of loop shape (tokens·k, C), the shape of dH's rows
-                dP = _row_dots(V, dnew, cdt, split=True).transpose(-1, -2)
+            parts = []
+            for B in blocks:
+                if ctx.has_I:
+                    parts.append(_row_dots(dnew, B, cdt))
+                else:  # per row of dnew, in the loop shape of dH's rows (see _row_dots_widened)
+                    parts.append(_row_dots_widened(dnew, B, cdt, Xa.shape[-2]))
+            dP = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
             dP = _unbroadcast(dP.to(P.dtype), P)
-        if need[6]:
-            dV = _unbroadcast(_contract_rows(P.transpose(-1, -2), dnew, cdt).to(V.dtype), V)
-        return dX, None, None, dXa, dH, dP, dV, None
+        for i, ((a, b), B) in enumerate(zip(_column_spans(blocks), blocks)):
+            if need[7 + i]:
+                dVs[i] = _unbroadcast(_contract_rows(P[..., a:b].transpose(-1, -2), dnew, cdt).to(B.dtype), B)
+        return (dX, None, None, dXa, dH, dP, None, *dVs)
 
 
 def write(X, I, Xa, H, P, V, out_dtype=None, slot: Optional[torch.Tensor] = None):
     """One-op write (see :func:`xhc.kernels.write`); backward by hand, saves I, its slots, H, P, V
     and Xa (X itself when ``Xa`` is None).
+    ``V``: ``[..., K, C]``, or a sequence of K ``[..., C]`` tensors (the components one by one,
+    read by the op as they are, never stacked).
     ``slot``: :func:`inverse_slots` of I (computed if None).  ``Xa`` None (with ``I``): X_a = X[I],
     read from X inside the op (the xHC sublayer; a Flash window's carried X_a is its own tensor)."""
     if Xa is None and I is None:
@@ -271,7 +343,20 @@ def write(X, I, Xa, H, P, V, out_dtype=None, slot: Optional[torch.Tensor] = None
         out_dtype = X.dtype if I is not None else Xa.dtype
     if I is not None and slot is None:
         slot = inverse_slots(I, X.shape[-2])
-    return _Write.apply(X, I, slot, Xa, H, P, V, out_dtype)
+    return _Write.apply(X, I, slot, Xa, H, P, out_dtype, *_blocks_of(V))
+
+
+def gram_of_list(Vs) -> torch.Tensor:
+    """M[..., a, b] = Σ_c V_a·V_b ``[..., K, K]`` for components given one by one (``[..., C]``
+    each), fp32 (float64 if any is): the K(K+1)/2 dot products as reductions of one loop shape,
+    which the compiler runs in one pass over what the components are computed from."""
+    cdt = _cdt(*Vs)
+    K = len(Vs)
+    vals = {}
+    for a in range(K):
+        for b in range(a, K):
+            vals[a, b] = (Vs[a].to(cdt) * Vs[b].to(cdt)).sum(-1)
+    return torch.stack([torch.stack([vals[min(a, b), max(a, b)] for b in range(K)], -1) for a in range(K)], -2)
 
 
 # ------------------------------------------------------------------------------------------------
