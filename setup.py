@@ -48,7 +48,8 @@ setup(
         "eval": ["lm-eval>=0.4.13", "transformers>=5.0", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.8"],
         # Triton kernels for the HC ops (docs/kernels.md); optional: without it the torch paths run.
-        "kernels": ["triton>=3.2"],
+        # Liger-Kernel: its fused mHC coefficient op, backend `kernels: liger` (xhc/kernels/liger.py).
+        "kernels": ["triton>=3.2", "liger-kernel>=0.8.5"],
     },
     entry_points={
         "console_scripts": [

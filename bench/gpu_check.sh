@@ -66,7 +66,7 @@ if [ "$NPROC" = 1 ]; then
     plan "6a kernel tests (CUDA)" 5 "echo 'SKIP kernel tests: CPU smoke run'"
     plan "6b HC kernel benchmark" 5 "echo 'SKIP HC kernel benchmark: CPU smoke run'"
   else
-    plan "6a kernel tests (CUDA)" 60 "if [ -f tests/test_hc_kernels.py ]; then \$PY -m pytest -q -x -p no:cacheprovider tests/test_hc_kernels.py -k cuda && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda' || echo 'FAIL kernel tests: see the log'; else echo 'SKIP (not present) kernel tests: tests/test_hc_kernels.py'; fi"
+    plan "6a kernel tests (CUDA)" 60 "if [ -f tests/test_hc_kernels.py ]; then \$PY -m pytest -q -x -p no:cacheprovider tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend' && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda, tests/test_liger_mhc.py -k liger_backend' || echo 'FAIL kernel tests: see the log'; else echo 'SKIP (not present) kernel tests: tests/test_hc_kernels.py'; fi"
     plan "6b HC kernel benchmark" 40 "if [ -f bench/hc_kernels.py ]; then \$PY -m bench.hc_kernels --device cuda --dtype bf16 --hidden 2048 --tokens 8192 && echo 'PASS HC kernel benchmark: numbers above' || echo 'FAIL HC kernel benchmark: see the log'; else echo 'SKIP (not present) HC kernel benchmark: bench/hc_kernels.py'; fi"
   fi
   plan "6c throughput, shrunk paper preset" 90 "$CHK throughput"

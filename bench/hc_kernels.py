@@ -6,9 +6,11 @@ Run::
     python -m bench.hc_kernels --device cpu --tokens 512 --backends eager,compile
     python -m bench.hc_kernels --device cuda --dtype bf16 --hidden 2048 --tokens 8192   # the GPU check
     python -m bench.hc_kernels --json runs/hc_kernels.json
+    TRITON_INTERPRET=1 python -m bench.hc_kernels --device cpu --backends triton --reps 1   # Triton bytes on CPU
 
 Per variant (vanilla residual, mHC N=4, xHC N=16 attention and MLP sublayer, xHC-Flash, Flash-4sub)
-and per kernel backend (``HCConfig.kernels``: eager, compile, triton), one *unit* is timed and
+and per kernel backend (``HCConfig.kernels``: eager, compile, triton; liger on CUDA for the mHC row,
+with ``sinkhorn_order: col_last``, the one configuration it covers), one *unit* is timed and
 counted: the HC read and write of one sublayer (mHC, xHC), one layer (Flash: begin, two reads, two
 writes) or one two-layer window (Flash-4sub), driven with fixed branch outputs ``y`` (the branch
 itself is not part of the measurement).  Every number is divided by the tokens and by the
@@ -17,7 +19,7 @@ sublayers of the unit (Flash 2, Flash-4sub 4), so the columns read "per token pe
 Columns
 -------
 ``fwd`` / ``bwd``  bytes moved, in units of C elements of the state dtype (bytes / (C · itemsize)):
-    * eager / triton: a ``TorchDispatchMode`` adds up the input and output bytes of every aten op
+    * eager / triton / liger: a ``TorchDispatchMode`` adds up the input and output bytes of every aten op
       that is not a view (views, ``detach`` and metadata ops move nothing; a broadcast input counts
       its storage, not its logical size); Triton launches do not pass the dispatcher, so each
       ``JITFunction`` launch adds the bytes of its tensor arguments.
@@ -58,7 +60,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 VARIANTS = ("vanilla", "mhc", "xhc-attn", "xhc-mlp", "flash", "flash4")
-BACKENDS = ("eager", "compile", "triton")
+BACKENDS = ("eager", "compile", "triton", "liger")
+LIGER_VARIANTS = ("vanilla", "mhc")  # Liger-Kernel has only the Sinkhorn mHC map
 
 
 # ================================================================================================
@@ -127,24 +130,44 @@ class ByteCounter(TorchDispatchMode):
 @contextlib.contextmanager
 def count_triton_launches(counter: ByteCounter):
     """Add the tensor-argument bytes of every ``triton.jit`` kernel launch to ``counter`` (Triton
-    kernels are launched outside the dispatcher).  A no-op without Triton."""
+    kernels are launched outside the dispatcher).  Under ``TRITON_INTERPRET=1`` the interpreter
+    copies every argument to and from host buffers with torch ops; those copies are not the
+    kernel's traffic, so dispatch counting is suspended while a launch runs, and CPU counts of the
+    ``triton`` backend mean what they would on a GPU.  A no-op without Triton."""
     try:
         from triton.runtime.jit import JITFunction
     except Exception:  # no triton
         yield
         return
-    orig = JITFunction.run
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    def run(self, *args, **kwargs):
-        ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        counter.add("triton:" + getattr(self, "__name__", "kernel"), sum(tensor_bytes(t) for t in ts))
-        return orig(self, *args, **kwargs)
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
 
-    JITFunction.run = run
+        classes.append(InterpretedFunction)
+    except Exception:  # an interpreter-less Triton build
+        pass
+    origs = {cls: cls.run for cls in classes}
+
+    def wrap(orig):
+        def run(self, *args, **kwargs):
+            if kwargs.get("warmup"):
+                return orig(self, *args, **kwargs)
+            ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+            counter.add("triton:" + getattr(self, "__name__", "kernel"), sum(tensor_bytes(t) for t in ts))
+            with _disable_current_modes():
+                return orig(self, *args, **kwargs)
+
+        return run
+
+    for cls, orig in origs.items():
+        cls.run = wrap(orig)
     try:
         yield
     finally:
-        JITFunction.run = orig
+        for cls, orig in origs.items():
+            cls.run = orig
 
 
 class SavedCounter:
@@ -244,7 +267,8 @@ def hc_config(variant: str, kernels: str):
     if variant == "vanilla":
         return HCConfig(variant="none", **kw)
     if variant == "mhc":
-        return HCConfig(variant="mhc", n=4, **kw)
+        # kernels: liger covers only the col_last Sinkhorn (xhc/kernels/liger.py); same traffic
+        return HCConfig(variant="mhc", n=4, **kw, **({"sinkhorn_order": "col_last"} if kernels == "liger" else {}))
     v = {"xhc-attn": "xhc", "xhc-mlp": "xhc", "flash": "xhc_flash", "flash4": "xhc_flash4"}[variant]
     return HCConfig(variant=v, n=16, k=4, m=2, **kw)
 
@@ -391,9 +415,11 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
             b = nbytes() - f
         row.fwd, row.bwd = f / per, b / per
     else:
-        row.count_method = "dispatch ops" + (" + triton launches" if backend == "triton" else "")
+        row.count_method = "dispatch ops" + (" + triton launches" if backend in ("triton", "liger") else "")
         outs = step(X, ys)  # warm-up (autotuning, lazy init) outside the count
         _backward(outs, _grads_like(outs, seed))
+        for t in [X, *ys, *params]:  # else the counted backward adds into .grad: not the HC's traffic
+            t.grad = None
         fc, bc = ByteCounter(), ByteCounter()
         with count_triton_launches(fc), fc:
             outs = step(X, ys)
@@ -480,8 +506,13 @@ def available_backends(device: str) -> List[str]:
     except ImportError:  # a checkout without xhc.kernels: only the eager reference exists
         return ["eager"]
     out = ["eager", "compile"]
-    if device == "cuda" and triton_available():
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"  # CPU: bytes are counted, times mean nothing
+    if (device == "cuda" or interpreting) and triton_available():
         out.append("triton")
+        from xhc.kernels import liger
+
+        if liger.liger_available():
+            out.append("liger")
     return out
 
 
@@ -492,7 +523,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", default="1024,2048", help="C, comma-separated (default: 1024,2048)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per unit (default: 8192 on CUDA, 256 on CPU)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--backends", default=None, help="comma-separated subset of eager,compile,triton "
+    p.add_argument("--backends", default=None, help="comma-separated subset of eager,compile,triton,liger "
                    "(default: every backend available on the device)")
     p.add_argument("--reps", type=int, default=5, help="timed forward+backward repetitions (median)")
     p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
@@ -522,17 +553,18 @@ def main(argv=None) -> int:
     backends = [b for b in backends if b in avail]
     if skipped:
         print(f"skipping backend(s) {','.join(skipped)}: not available on {args.device} "
-              "(triton needs CUDA and `pip install triton`)", file=sys.stderr)
+              "(triton needs CUDA and `pip install triton`; liger also `pip install liger-kernel`)", file=sys.stderr)
 
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
     all_rows: List[Row] = []
-    total = len(hidden) * len(backends) * len(variants)
+    runs = lambda b: [v for v in variants if b != "liger" or v in LIGER_VARIANTS]  # noqa: E731
+    total = len(hidden) * sum(len(runs(b)) for b in backends)
     done = 0
     for C in hidden:
         rows: List[Row] = []
         for backend in backends:
             base = None
-            for v in variants:
+            for v in runs(backend):
                 done += 1
                 print(f"[{done}/{total}] C={C} {backend:<7} {v} ...", file=sys.stderr, flush=True)
                 try:
@@ -544,7 +576,10 @@ def main(argv=None) -> int:
                 if r.ms is not None and base:
                     r.vs_vanilla = r.ms / base
                 rows.append(r)
-        print(format_table(rows, f"\nHC kernels, C = {C}, {tokens} tokens, {args.dtype}, {dev}"))
+        title = f"\nHC kernels, C = {C}, {tokens} tokens, {args.dtype}, {dev}"
+        if args.device == "cpu" and {"triton", "liger"} & set(backends):
+            title += " (triton/liger under TRITON_INTERPRET=1: their bytes count, their times do not)"
+        print(format_table(rows, title))
         all_rows += rows
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

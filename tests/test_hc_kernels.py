@@ -203,6 +203,60 @@ def test_write_ops_match_reference(device, n):
                 _close(a, b, what=f"{name} grad {i} k={k} K={K} scatter={scatter} mix={mix}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("R,d", [(1, 24), (4, 24), (16, 0), (3, 40)])
+def test_linear_stats_matches_reference(device, R, d):
+    """Triton ``linear_stats``: x·Wᵀ and the per-row Σx, Σx² from one pass, and its backward
+    (dX from all three outputs, dW), float64, against torch."""
+    tops = _triton_ops()
+    g = torch.Generator().manual_seed(11)
+    T, C = 6, 37
+    X = torch.randn(T, R, C, generator=g, dtype=F64).to(device).requires_grad_(True)
+    W = torch.randn(d, R * C, generator=g, dtype=F64).to(device).requires_grad_(d > 0)
+    Gs = [torch.randn(T, n, generator=g, dtype=F64).to(device) for n in (d, R, R)]
+
+    def ref(X, *W_):
+        Wt = W_[0] if W_ else W
+        return X.flatten(-2) @ Wt.t(), X.sum(-1), (X * X).sum(-1)
+
+    leaves = [X, W] if d > 0 else [X]
+    outs_r = ref(*leaves)
+    outs = tops.linear_stats(X, W)
+    for a, b, w in zip(outs, outs_r, ("proj", "s1", "s2")):
+        _close(a, b, what=w)
+    gr = torch.autograd.grad(outs_r, leaves, Gs)
+    got = torch.autograd.grad(outs, leaves, Gs)
+    for a, b, w in zip(got, gr, ("dX", "dW")):
+        _close(a, b, what=w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_stats_fp32_and_bf16_read_the_state_as_it_is(device):
+    """fp32 (dW through ``tl.dot`` in IEEE fp32) and a bf16 state (read in bf16, no fp32 copy made,
+    accumulated in fp32) against float64 on the same values: fp32 rounding only, 1e-5 relative to
+    the largest |value|; dX returns in the state's dtype."""
+    tops = _triton_ops()
+    g = torch.Generator().manual_seed(12)
+    T, R, C, d = 40, 4, 48, 24  # T > 32: the dW kernel's token loop takes more than one block
+    W = torch.randn(d, R * C, generator=g).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        X = torch.randn(T, R, C, generator=g).to(dtype).to(device).requires_grad_(True)
+        Wl = W.clone().requires_grad_(True)
+        X64, W64 = X.detach().double().requires_grad_(True), W.double().requires_grad_(True)
+        outs = tops.linear_stats(X, Wl)
+        outs64 = (X64.flatten(-2) @ W64.t(), X64.sum(-1), (X64 * X64).sum(-1))
+        Gs = [torch.randn(o.shape, generator=g, dtype=F64).to(device) for o in outs64]
+        for a, b in zip(outs, outs64):
+            assert a.dtype == torch.float32
+            assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, dtype
+        dX, dW = torch.autograd.grad(outs, [X, Wl], [gg.float() for gg in Gs])
+        dX64, dW64 = torch.autograd.grad(outs64, [X64, W64], Gs)
+        assert dX.dtype == dtype and dW.dtype == torch.float32
+        tol_dx = 1e-5 if dtype == torch.float32 else 2**-8  # bf16 dX: one rounding of the result
+        assert ((dX.double() - dX64).abs().max() / dX64.abs().max()).item() < tol_dx, dtype
+        assert ((dW.double() - dW64).abs().max() / dW64.abs().max()).item() < 1e-5, dtype
+
+
 @pytest.mark.parametrize("backend", ["compile", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_inplace_touches_only_active_rows(device, backend):
@@ -458,16 +512,19 @@ def test_inverse_slots_and_gather_backward_is_row_wise():
     assert torch.equal(got_g, ref_g)  # one term per row: no rounding
 
 
+@pytest.mark.parametrize("backend,device", [("compile", "cpu")] + [("triton", d) for d in DEVICES])
 @pytest.mark.parametrize("mix", [True, False])
-def test_write_reading_active_rows_from_the_state(mix):
+def test_write_reading_active_rows_from_the_state(mix, backend, device):
     """``write(X, I, None, ...)`` (X_a = X[I] read inside the op) equals the reference write with
-    X_a = gather(X, I), output and every gradient, float64."""
+    X_a = gather(X, I), output and every gradient, float64; rows outside I pass through bit for bit."""
+    if backend == "triton":
+        _triton_ops()
     g = torch.Generator().manual_seed(8)
     T, N, k, K, C = 5, 16, 4, 4, 11
-    I = torch.stack([torch.randperm(N, generator=g)[:k].sort().values for _ in range(T)])
-    r = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_(True)  # noqa: E731
+    I = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(T)]).to(device)  # unsorted too
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64).to(device).requires_grad_(True)  # noqa: E731
     X, H, P, V = r(T, N, C), (r(T, k, k) if mix else None), r(T, k, K), r(T, K, C)
-    G = torch.randn(T, N, C, generator=g, dtype=F64)
+    G = torch.randn(T, N, C, generator=g, dtype=F64).to(device)
     from xhc.xhc import gather_active
 
     args = [a for a in (X, H, P, V) if a is not None]
@@ -478,11 +535,14 @@ def test_write_reading_active_rows_from_the_state(mix):
 
     def got_fn(X, *rest):
         H_, P_, V_ = (rest if mix else (None, *rest))
-        return kernels.write(X, I, None, H_, P_, V_, backend="compile")
+        return kernels.write(X, I, None, H_, P_, V_, backend=backend)
 
     ref, ref_g = _grads(ref_fn, args, G)
     out, got_g = _grads(got_fn, args, G)
     _close(out, ref, what="out")
+    keep = torch.ones(T, N, dtype=torch.bool, device=device).scatter(1, I, False)
+    assert torch.equal(out[keep], X[keep])
+    assert torch.equal(got_g[0][keep], G[keep])  # dX outside I: dout passed through
     for i, (a, b) in enumerate(zip(got_g, ref_g)):
         _close(a, b, what=f"grad {i}")
 

@@ -81,3 +81,29 @@ def test_pretrain_compile_hc_equals_the_uncompiled_run(tmp_path, capsys):
     for s in ra:
         assert rb[s]["loss"] == pytest.approx(ra[s]["loss"], rel=1e-5), s
         assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=1e-4), s
+
+
+def test_pretrain_with_liger_coefficients_equals_the_eager_run(tmp_path, capsys):
+    """``model.hc_kernels=liger`` (mHC, col_last Sinkhorn): xhc-pretrain takes Liger-Kernel's fused
+    coefficient op (on CPU under the Triton interpreter, with our Triton read/write) and its losses
+    and gradient norms equal the eager run's to float32 rounding."""
+    from xhc.kernels import liger
+
+    if not (liger.liger_available() and liger.runnable(torch.device("cuda" if torch.cuda.is_available() else "cpu"))):
+        pytest.skip("liger-kernel is not installed, or neither CUDA nor TRITON_INTERPRET=1")
+    from tests.test_pretrain import BASE, _by_step, _records
+    from training.pretrain import main
+
+    steps = ["run.train_steps=3", "run.eval_interval=0", "checkpoint.interval=0", "model.backbone.num_layers=1",
+             "model.preset=tiny-moe:mhc", "model.hc.sinkhorn_order=col_last",
+             "model.hc.sinkhorn_iters=3",  # few iterations: the interpreter runs every one in Python
+             "batch.global_batch_size=2", "batch.seq_length=8", "run.eval_iters=0"]  # 16 tokens a step, no eval
+    a, b = str(tmp_path / "eager"), str(tmp_path / "liger")
+    assert main([*BASE, *steps, "model.hc_kernels=eager", f"run.dir={a}"]) == 0
+    assert main([*BASE, *steps, "model.hc_kernels=liger", f"run.dir={b}"]) == 0
+    assert "mHC coefficients by Liger-Kernel's fused op" in capsys.readouterr().out
+    ra, rb = _by_step(_records(a)), _by_step(_records(b))
+    assert sorted(ra) == sorted(rb) == [1, 2, 3]
+    for s in ra:
+        assert rb[s]["loss"] == pytest.approx(ra[s]["loss"], rel=1e-5), s
+        assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=1e-4), s

@@ -24,6 +24,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from xhc.config import HCConfig, HCConfigError
+from xhc.hyper_connection import HyperConnection
+from xhc.kernels import liger as liger_op
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,3 +76,138 @@ def test_liger_mhc_coefficients_against_ours():
         assert r["pre"] < tol and r["post"] < tol, (t_max, r)
         assert r["col_last"] < tol, (t_max, r)          # same maths as our col_last order
     assert res[2]["row_last"] > 100 * tol, res           # not our default order before convergence
+
+
+# ------------------------------------------------------------------------------------------------
+# The ``liger`` backend (xhc/kernels/liger.py): HyperConnection with Liger's coefficient op
+# ------------------------------------------------------------------------------------------------
+needs_liger = pytest.mark.skipif(not liger_op.liger_available(), reason="liger-kernel is not installed")
+# the interpreter computes masked-off lanes too (0/0 there; the results are discarded)
+quiet_interpreter = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # CPU: TRITON_INTERPRET=1
+
+
+def _pair(cfg: HCConfig, C: int, seed: int = 0):
+    """(Liger module on DEV, float64 eager reference) with the same perturbed parameters."""
+    torch.manual_seed(seed)
+    lig = HyperConnection(cfg, C, layer_index=1).to(DEV)
+    ref = HyperConnection(cfg.replace(kernels="eager"), C, layer_index=1).double()
+    with torch.no_grad():
+        for p in lig.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # away from the init, where every map is near-trivial
+        for p, q in zip(lig.parameters(), ref.parameters()):
+            q.copy_(p)
+    return lig, ref
+
+
+def _branch(u):
+    return 1.7 * torch.tanh(u)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double().cpu() - b.double().cpu()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+@needs_liger
+@quiet_interpreter
+@pytest.mark.parametrize("affine,clamp,iters", [(False, True, 20), (False, False, 3), (True, True, 3)])
+def test_liger_backend_equals_eager(affine, clamp, iters):
+    """kernels: liger (Liger's fused coefficients + our Triton read/write) equals the float64 eager
+    path in the forward and in every gradient, to fp32 rounding; Liger's op really ran."""
+    n, C = 4, 32
+    cfg = HCConfig(variant="mhc", n=n, sinkhorn_order="col_last", kernels="liger", sinkhorn_iters=iters,
+                   mapping_norm_affine=affine, row_sum_clamp=clamp)
+    lig, ref = _pair(cfg, C)
+    X = torch.randn(2, 6, n, C)
+    Xl, Xr = X.clone().to(DEV).requires_grad_(), X.double().requires_grad_()
+    calls = []
+    orig = liger_op.mhc_coefficients
+    liger_op.mhc_coefficients = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        out_l = lig(Xl, _branch)
+    finally:
+        liger_op.mhc_coefficients = orig
+    assert calls, "Liger's op was not used"
+    out_r = ref(Xr, _branch)
+    w = torch.randn(out_r.shape, dtype=torch.float64)
+    (out_l.double().cpu() * w).sum().backward()
+    (out_r * w).sum().backward()
+    tol = 2e-5  # fp32: a GEMM over n·C = 128 terms, sigmoids and up to 20 Sinkhorn steps, relative to max
+    assert _rel(out_l, out_r) < tol
+    assert _rel(Xl.grad, Xr.grad) < tol
+    for (name, p), q in zip(lig.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) < tol, name
+
+
+@needs_liger
+@quiet_interpreter
+def test_liger_backend_bf16_state():
+    """A bf16 state (fp32 parameters): Liger's path stays within bf16 rounding of the float64
+    reference — tolerance 2e-2 of the largest value (bf16 keeps 8 bits; the state and u are bf16)."""
+    n, C = 4, 32
+    cfg = HCConfig(variant="mhc", n=n, sinkhorn_order="col_last", kernels="liger", sinkhorn_iters=3)
+    lig, ref = _pair(cfg, C, seed=1)
+    X = torch.randn(12, n, C).bfloat16()
+    Xl, Xr = X.clone().to(DEV).requires_grad_(), X.double().requires_grad_()
+    out_l = lig(Xl, _branch)
+    assert out_l.dtype == torch.bfloat16
+    out_r = ref(Xr, _branch)
+    w = torch.randn(out_r.shape, dtype=torch.float64)
+    (out_l.double().cpu() * w).sum().backward()
+    (out_r * w).sum().backward()
+    assert Xl.grad.dtype == torch.bfloat16
+    assert _rel(out_l, out_r) < 2e-2
+    assert _rel(Xl.grad, Xr.grad) < 2e-2
+    for (name, p), q in zip(lig.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) < 2e-2, name
+
+
+@needs_liger
+def test_liger_backend_without_a_triton_device_runs_the_same_maths(monkeypatch):
+    """CPU tensors without the interpreter: Liger cannot run, the compiled ops (same maths) do."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not liger_op.runnable(torch.device("cpu"))
+    n, C = 4, 16
+    cfg = HCConfig(variant="mhc", n=n, sinkhorn_order="col_last", kernels="liger", sinkhorn_iters=5)
+    torch.manual_seed(3)
+    lig = HyperConnection(cfg, C).double()
+    ref = HyperConnection(cfg.replace(kernels="eager"), C).double()
+    with torch.no_grad():
+        for p, q in zip(lig.parameters(), ref.parameters()):
+            p.add_(0.3 * torch.randn_like(p))
+            q.copy_(p)
+    X = torch.randn(5, n, C, dtype=torch.float64)
+    assert _rel(lig(X, _branch), ref(X, _branch)) < 1e-12
+
+
+@needs_liger
+def test_liger_backend_has_no_graph_breaks():
+    """Under torch.compile the liger backend traces the compiled ops: zero graph breaks."""
+    cfg = HCConfig(variant="mhc", n=4, sinkhorn_order="col_last", kernels="liger", sinkhorn_iters=3)
+    hc = HyperConnection(cfg, 16)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(hc)(torch.randn(3, 4, 16), _branch)
+    assert explained.graph_count >= 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(sinkhorn_order="row_last"), "sinkhorn_order"),
+    (dict(variant="kromhc"), "kernels"),
+    (dict(variant="xhc", n=16), "kernels"),
+    (dict(dynamic=False), "dynamic"),
+    (dict(ablate_res=True), "ablate_res"),
+    (dict(res_logit_dropout=0.1), "res_logit_dropout"),
+    (dict(sinkhorn_iters=0), "sinkhorn_iters"),
+])
+def test_liger_backend_refuses_configs_where_its_maths_differs(change, field):
+    base = dict(variant="mhc", n=4, sinkhorn_order="col_last", kernels="liger")
+    with pytest.raises(HCConfigError, match=rf"^HCConfig\.{field}=.*(col_last|auto|>= 1|set it to 0)"):
+        HCConfig(**{**base, **change})
+    HCConfig(**base)  # the base configuration is accepted
+
+
+def test_liger_backend_names_the_missing_package(monkeypatch):
+    monkeypatch.setattr(liger_op, "_LIGER_OK", False)
+    cfg = HCConfig(variant="mhc", n=4, sinkhorn_order="col_last", kernels="liger")
+    with pytest.raises(HCConfigError, match="pip install liger-kernel"):
+        HyperConnection(cfg, 16)

@@ -80,7 +80,9 @@ class ModelConfig:
     """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (uniform, 1 layer)."""
     hc_kernels: Optional[str] = None
     """Kernel backend of the HC ops (``HCConfig.kernels``): ``auto`` (triton on CUDA, else compile),
-    ``eager``, ``compile``, ``triton``; null: the preset's (default ``auto``).  docs/kernels.md."""
+    ``eager``, ``compile``, ``triton``, or ``liger`` (Liger-Kernel's fused mHC coefficients, for
+    ``variant: mhc`` with ``sinkhorn_order: col_last`` only); null: the preset's (default ``auto``).
+    docs/kernels.md."""
     hc_recompute: Optional[bool] = None
     """HC recompute: keep only each sublayer's entry state and branch output for backward and
     recompute the HC coefficients (combinable with ``recompute: selective``); null: the preset's
@@ -603,7 +605,7 @@ def validate_config(cfg: PretrainConfig) -> None:
                    "(list them with `python -m tools.zoo --list`)")
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
     if m.hc_kernels is not None:
-        _choice("model.hc_kernels", m.hc_kernels, ("auto", "eager", "compile", "triton"))
+        _choice("model.hc_kernels", m.hc_kernels, ("auto", "eager", "compile", "triton", "liger"))
     if not isinstance(m.compile_hc, bool):
         raise _err("model.compile_hc", f"{m.compile_hc!r} must be true or false")
     if m.hc_recompute is not None and not isinstance(m.hc_recompute, bool):

@@ -192,6 +192,12 @@ class Trainer:
 
             # every rank takes rank 0's measurement (replicated HC parameters must see the same maths)
             self.log(f"[xhc] {autoselect.decide(broadcast=True).describe()}")
+        if self.preset.hc.enabled and self.preset.hc.kernels == "liger":
+            from xhc.kernels import liger
+
+            where = ("Liger-Kernel's fused op" if liger.runnable(self.device) else
+                     "the compiled ops (same maths; Liger's Triton kernels need CUDA or TRITON_INTERPRET=1)")
+            self.log(f"[xhc] model.hc_kernels: liger: mHC coefficients by {where}")
 
     def setup_run_dir(self) -> None:
         cfg = self.cfg

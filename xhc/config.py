@@ -48,7 +48,7 @@ PRESETS = ("spec", "peft_paper")
 ROUTERS = ("sigmoid", "softmax")
 SINKHORN_ORDERS = ("row_last", "col_last")
 CONV_DOC_RESET = ("auto", "always", "never")
-KERNEL_BACKENDS = ("auto", "eager", "compile", "triton")
+KERNEL_BACKENDS = ("auto", "eager", "compile", "triton", "liger")
 
 
 class HCConfigError(ValueError):
@@ -137,9 +137,11 @@ class HCConfig:
     # ---- kernels (docs/kernels.md) ----------------------------------------------------------
     kernels: str = "auto"
     """Backend of the fused HC ops: ``eager`` (readable torch reference), ``compile`` (the same
-    fused functions, meant to run under ``torch.compile``), ``triton`` (GPU kernels), or ``auto``
-    (triton on CUDA when Triton imports, else compile).  Resolved per device by
-    :func:`xhc.kernels.resolve_backend`."""
+    fused functions, meant to run under ``torch.compile``), ``triton`` (GPU kernels), ``auto``
+    (triton on CUDA when Triton imports, else compile), or ``liger`` (Liger-Kernel's fused mHC
+    coefficient op with the ``triton`` read and write; only ``variant: mhc`` with
+    ``sinkhorn_order: col_last``, where its maths equals ours: xhc/kernels/liger.py).  Resolved per
+    device by :func:`xhc.kernels.resolve_backend`."""
 
     def __post_init__(self):
         if isinstance(self.kernel_sizes, list):
@@ -193,8 +195,31 @@ class HCConfig:
             raise _err("kernels", self.kernels, f"allowed values are {', '.join(KERNEL_BACKENDS)}")
         if self.reduction not in REDUCTIONS:
             raise _err("reduction", self.reduction, f"allowed values are {', '.join(REDUCTIONS)}")
+        if self.kernels == "liger" and self.enabled:
+            self._validate_liger()
         if self.variant in XHC_FAMILY:
             self._validate_xhc()
+
+    def _validate_liger(self) -> None:
+        """``kernels: liger`` only where Liger-Kernel's fused mHC op equals our maths (xhc/kernels/liger.py)."""
+        if self.variant != "mhc":
+            raise _err("kernels", "liger", f"Liger-Kernel has only the Sinkhorn mHC map, not variant "
+                       f"{self.variant!r}; use kernels: auto")
+        if not self.dynamic:
+            raise _err("dynamic", False, "kernels: liger fuses the dynamic projection; set dynamic: true "
+                       "or use kernels: auto")
+        for name in ("ablate_pre", "ablate_res", "ablate_post"):
+            if getattr(self, name):
+                raise _err(name, True, "kernels: liger always computes all three maps; use kernels: auto")
+        if self.sinkhorn_order != "col_last":
+            raise _err("sinkhorn_order", self.sinkhorn_order, "Liger-Kernel's Sinkhorn ends on the columns: "
+                       "set sinkhorn_order: col_last with kernels: liger, or use kernels: auto")
+        if self.sinkhorn_iters < 1:
+            raise _err("sinkhorn_iters", self.sinkhorn_iters, "kernels: liger runs at least one Sinkhorn "
+                       "iteration; set sinkhorn_iters >= 1")
+        if self.res_logit_dropout > 0:
+            raise _err("res_logit_dropout", self.res_logit_dropout, "kernels: liger has no dropout on the "
+                       "residual logits; set it to 0 or use kernels: auto")
 
     def _validate_xhc(self) -> None:
         if not isinstance(self.k, int) or not 1 <= self.k <= self.n:

@@ -256,7 +256,7 @@ class XHCFlashLayer(_WindowPart):
         backend = _backend(self, X0)
         stats, entry_mom = entry_statistics(X0, self.fused, backend)
         routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
-                                              self.fused, entry_mom)
+                                              self.fused, entry_mom, backend)
         h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
         inp = base_readouts(h, X0) if backend == "eager" else kernels.read(h, X0, fp32(h).dtype, backend=backend)
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], routing.I)
@@ -412,7 +412,7 @@ class Flash4FirstLayer(_WindowPart):
         pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
         backend = _backend(self, X0)
         stats, entry_mom = entry_statistics(X0, self.fused, backend)
-        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused, entry_mom)
+        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused, entry_mom, backend)
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I
         h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]

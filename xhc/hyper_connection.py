@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xhc import kernels
+from xhc.kernels import liger as liger_op
 from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
 from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix, sinkhorn
 from xhc.norms import fp32, layer_norm_streams
@@ -257,6 +258,8 @@ class HyperConnection(nn.Module):
                 self.alpha_post = None if cfg.ablate_post else z(1)
                 self.alpha_res = z(1) if R > 0 else None
                 self.norm_weight = nn.Parameter(torch.ones(nc)) if cfg.mapping_norm_affine else None
+        if cfg.kernels == "liger":
+            liger_op.require()  # which configurations Liger covers: HCConfig.validate
         self.reset_parameters()
 
     # --------------------------------------------------------------------------------------------
@@ -344,11 +347,22 @@ class HyperConnection(nn.Module):
         cfg = self.cfg
         if cfg.variant == "hc":
             return self._hc_coefficients(X)
+        if cfg.kernels == "liger" and liger_op.runnable(X.device):
+            return self._liger_coefficients(X)
         z_pre, z_post, z_res = self._logits(X)
         h_pre = None if z_pre is None else pre_weights(z_pre)
         h_post = None if z_post is None else post_weights(z_post)
         H_res = None if z_res is None else self.mixing(z_res)
         return h_pre, h_post, H_res
+
+    def _liger_coefficients(self, X: torch.Tensor):
+        """Dynamic mHC coefficients by Liger-Kernel's fused op (``kernels: liger``, xhc/kernels/liger.py):
+        the same maps as :meth:`_logits` + :meth:`mixing` for the configurations HCConfig allows."""
+        h_pre, h_post, H = liger_op.mhc_coefficients(
+            X, torch.cat([self.W_pre, self.W_post, self.W_res], 0), torch.cat([self.b_pre, self.b_post, self.b_res]),
+            (self.alpha_pre, self.alpha_post, self.alpha_res), self.cfg.sinkhorn_iters, self.cfg.norm_eps,
+            self.norm_weight)
+        return h_pre, h_post, (clamp_rows(H) if self.cfg.row_sum_clamp else H)
 
     def _logits(self, X: torch.Tensor):
         """(z_pre, z_post, z_res) with shapes [..., N], [..., N], [..., R] (fp32)."""

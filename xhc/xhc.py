@@ -70,7 +70,7 @@ from xhc.config import HCConfig, HCConfigError
 from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
-from xhc.kernels.torch_ops import layer_scale, moments_of_rows, rms_scale, stream_moments
+from xhc.kernels.torch_ops import layer_scale, moments_of_rows, rms_scale
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
@@ -223,7 +223,7 @@ def scatter_active(X: torch.Tensor, I: torch.Tensor, Xa_new: torch.Tensor) -> to
 
 def fused_entry_projections(
     x: torch.Tensor, W_router: Optional[torch.Tensor], W_pres: Sequence[torch.Tensor], eps: float = 1e-6,
-    moments=None,
+    moments=None, backend: str = "compile",
 ):
     """Router logits and pre-projections from ONE GEMM on the raw state (docs/math.md §1.5 reordering, §3.5).
 
@@ -234,20 +234,27 @@ def fused_entry_projections(
     ``x``: ``[..., N·C]``;  ``W_router``: ``[N, N·C]`` or ``None``;  ``W_pres``: list of ``[n_t, N·C]``
     ->  (z_router ``[..., N]`` or ``None``, [x̂ W_t ``[..., n_t]``]), fp32.
     ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.kernels.torch_ops.moments_of_rows`;
-    only ν is used: μ comes out of the GEMM).
+    only ν is used: μ comes out of the GEMM).  ``backend='triton'``: the GEMM is
+    :func:`xhc.kernels.triton_ops.linear_stats` (x read once in its dtype, fp32 accumulation).
 
     The LayerNorm's mean is folded into the GEMM as well: x W_rᵀ − μ·W_r1 = x (W_r − W_r1/D 1ᵀ)ᵀ
     (centred router weights, D = N·C), and μ = x·(1/D)1 is one more GEMM column, so the state is
     read once and its gradient comes back through the GEMM's backward alone.
     """
-    x = fp32(x)
     D = x.shape[-1]
     Ws = [fp32(W) for W in W_pres]
     if W_router is not None:
         Wr = fp32(W_router)
         Ws = [Wr - Wr.mean(-1, keepdim=True)] + Ws + [torch.full((1, D), 1.0 / D, dtype=Wr.dtype, device=Wr.device)]
-    proj = F.linear(x, torch.cat(Ws, 0))
-    nu = x.pow(2).mean(-1, keepdim=True) if moments is None else moments[1]  # norm statistic once per token
+    if backend == "triton":  # one pass over x in its own dtype (no fp32 copy of a bf16 state)
+        from xhc.kernels import triton_ops
+
+        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), torch.cat(Ws, 0))
+        nu = s2 / D if moments is None else moments[1]
+    else:
+        x = fp32(x)
+        proj = F.linear(x, torch.cat(Ws, 0))
+        nu = x.pow(2).mean(-1, keepdim=True) if moments is None else moments[1]  # norm statistic once per token
     start, z_router = 0, None
     if W_router is not None:
         n = W_router.shape[0]
@@ -294,12 +301,12 @@ def entry_statistics(X: torch.Tensor, fused: bool, backend: str):
     computes them where it normalises."""
     if not fused or backend == "eager":
         return None, None
-    stats = stream_moments(X)
+    stats = kernels.stream_moments(X, backend)
     return stats, moments_of_rows(*stats, X.shape[-1])
 
 
 def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["ReadMapping"], eps: float = 1e-6,
-                   fused: bool = False, moments=None):
+                   fused: bool = False, moments=None, backend: str = "compile"):
     """Routing and dense pre-mappings generated from one state (docs/math.md §3.5 steps 1–2; the Flash window
     entry of §4.1 / §4.2 generates several pre-mappings in the same pass).
 
@@ -310,7 +317,7 @@ def entry_mappings(X: torch.Tensor, router: StreamRouter, pre_maps: Sequence["Re
     x = X.flatten(-2)  # vec(X): [..., N·C], stream-major (§1.2)
     Ws = [pm.weight for pm in pre_maps if pm.weight is not None]
     if fused and (router.weight is not None or Ws):
-        z_router, projs = fused_entry_projections(x, router.weight, Ws, eps, moments)
+        z_router, projs = fused_entry_projections(x, router.weight, Ws, eps, moments, backend)
         it = iter(projs)
         h = [pm(x, next(it) if pm.weight is not None else None) for pm in pre_maps]
         return router(x, z_router), h
@@ -555,7 +562,7 @@ class XHCSublayer(nn.Module):
         stats, entry_mom = entry_statistics(X, self.fused, backend)
         act_mom = None
         routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused,
-                                         entry_mom)
+                                         entry_mom, backend)
         Xa = kernels.gather(X, routing.I, backend)  # [..., k, C]
         if stats is not None:
             act_mom = moments_of_rows(*stats, X.shape[-1], routing.I)

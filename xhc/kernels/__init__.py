@@ -11,6 +11,9 @@ Backends (``HCConfig.kernels``):
            ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
 ``auto``   ``triton`` on CUDA when Triton imports; ``compile`` under ``torch.compile``; on CPU run
            eagerly the faster of ``compile`` and ``eager`` (measured once, :mod:`.autoselect`)
+``liger``  ``variant: mhc`` only: Liger-Kernel's fused coefficient op (:mod:`.liger`) where its
+           maths equals ours; the ops here then resolve as for ``triton`` (``compile`` under
+           ``torch.compile``, where Liger's op is not used either)
 =========  ============================================================================
 
 Every op here has the signature of its reference and takes ``backend`` (a *resolved* name, from
@@ -25,6 +28,9 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 :func:`norm_linear` RMSNorm(x)·Wᵀ or LayerNorm(x)·Wᵀ with the norm applied after the GEMM (§1.5)
 :func:`gather`      X_a = X[I], the active rows (§3.4), with a row-wise backward (no scatter_add)
 ==================  ==========================================================================
+
+:func:`stream_moments` gives the per-row Σ X and Σ X² of the state in one pass (the flat norms'
+statistics, §1.5); on ``triton`` :func:`norm_linear` computes them in the GEMM's pass.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ def compile_options(mode: Optional[str] = None) -> dict:
                              'write e.g. XHC_INDUCTOR_OPTIONS=\'{"realize_reads_threshold": 8}\'')
         opts.update(more)
     return opts
-KERNEL_CHOICES = ("auto",) + BACKENDS
+KERNEL_CHOICES = ("auto",) + BACKENDS + ("liger",)
 
 _TRITON_OK: Optional[bool] = None
 
@@ -93,11 +99,15 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     ``compile`` (the fused torch ops) and ``eager`` a one-time probe measured faster
     (:mod:`xhc.kernels.autoselect`; ``XHC_HC_KERNELS_AUTO`` fixes it); else ``compile``.  An explicit
     ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
-    (the Triton interpreter runs the kernels on CPU tensors).
+    (the Triton interpreter runs the kernels on CPU tensors).  ``liger`` resolves as ``triton`` (only
+    the mHC coefficients come from Liger-Kernel, :mod:`xhc.kernels.liger`), and as ``compile`` while
+    ``torch.compile`` traces.
     """
     kernels = getattr(cfg_or_kernels, "kernels", cfg_or_kernels)
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"HCConfig.kernels={kernels!r} is invalid: allowed values are {', '.join(KERNEL_CHOICES)}")
+    if kernels == "liger":  # under torch.compile Liger's op is not used either (xhc/kernels/liger.py)
+        kernels = "compile" if torch.compiler.is_compiling() else "triton"
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if kernels == "eager" or kernels == "compile":
         return kernels
@@ -177,7 +187,7 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     ``V`` ``[..., K, C]``.  Output dtype: ``out_dtype``, default X's (or Xa's) dtype.
 
     ``Xa`` may be ``None`` with ``I``: X_a = X[I], read from X by the op itself (one read of the
-    state; the mixing gradient then goes to X).
+    state; the mixing gradient then goes to X), in the ``compile`` and ``triton`` backends.
 
     ``V`` may be a sequence of K ``[..., C]`` tensors, the components one by one (the ``compile``
     backend reads them as they are; the others stack them first).
@@ -190,7 +200,7 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
 
     if isinstance(V, (list, tuple)) and (backend != "compile" or inplace):
         V = torch.stack(list(V), -2)
-    if Xa is None and I is not None and backend != "compile":  # the other backends take X_a explicitly
+    if Xa is None and I is not None and (backend == "eager" or inplace):  # these take X_a explicitly
         from xhc.xhc import gather_active
 
         Xa = gather_active(X, I)
@@ -251,4 +261,28 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
 
     if backend == "eager":
         return torch_ops.norm_linear_reference(x, W, eps, kind, gain)
+    if backend == "triton":  # the GEMM and x's statistics in one pass, x read in its own dtype
+        from xhc.kernels import triton_ops
+        from xhc.norms import fp32
+
+        Wf = fp32(W) if gain is None else fp32(W) * fp32(gain)
+        proj, s1, s2 = triton_ops.linear_stats(x.unsqueeze(-2), Wf)
+        if moments is None:
+            moments = (s1 / x.shape[-1], s2 / x.shape[-1])
+        return torch_ops.norm_after(proj, Wf, *moments, eps, kind)
     return torch_ops.norm_linear(x, W, eps, kind, gain, moments)
+
+
+def stream_moments(X: torch.Tensor, backend: str = "compile"):
+    """Per-row sums (Σ_c X[..., i, c], Σ_c X[..., i, c]²) ``[..., n]`` each, fp32 (float64 stays), from
+    one pass over ``X`` ``[..., n, C]`` (:func:`xhc.kernels.torch_ops.stream_moments`; the ``triton``
+    backend reads X once in its own dtype)."""
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+        from xhc.norms import fp32
+
+        _, s1, s2 = triton_ops.linear_stats(X, fp32(X.new_empty(0, X.shape[-2] * X.shape[-1])))
+        return s1, s2
+    from xhc.kernels import torch_ops
+
+    return torch_ops.stream_moments(X)

@@ -410,6 +410,12 @@ def norm_linear(x, W, eps=1e-6, kind="rms", gain=None, moments=None):
     Wf = fp32(W) if gain is None else fp32(W) * fp32(gain)
     proj = F.linear(x, Wf)
     mu, nu = flat_moments(x) if moments is None else moments
+    return norm_after(proj, Wf, mu, nu, eps, kind)
+
+
+def norm_after(proj, Wf, mu, nu, eps=1e-6, kind="rms"):
+    """The flat norm applied to the GEMM's outputs ``proj`` = x·Wfᵀ ``[..., d]``, from x's (μ, ν)
+    ``[..., 1]`` (docs/math.md §1.5): RMSNorm(x)·Wfᵀ or LayerNorm(x)·Wfᵀ."""
     if kind == "rms":
         return proj * rms_scale(nu, eps)
     if kind == "layer":

@@ -18,6 +18,7 @@ expand broadcast inputs.  ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -284,8 +285,8 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
 # ================================================================================================
 @triton.jit
 def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, HAS_H: tl.constexpr,
-                      COPY: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr,
-                      CDT: tl.constexpr):
+                      COPY: tl.constexpr, XA_FROM_X: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                      SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     jr = tl.arange(0, KP)[:, None]  # output slot (rows)
     qc = tl.arange(0, KP)[None, :]
@@ -306,7 +307,10 @@ def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, H
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)[None, :]
         cm = c < C
-        xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
+        if XA_FROM_X:  # X_a = X[I]: the active rows straight from the state
+            xa = tl.load(X + t * N * C + rows * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
+        else:
+            xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
         v = tl.load(V + t * K * C + sr * C + c, mask=(sr < K) & cm, other=0.0).to(CDT)  # [SP, BC]
         new = tl.sum(p[:, :, None] * v[None, :, :], 1)
         if HAS_H:
@@ -323,9 +327,9 @@ def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, H
 
 
 @triton.jit
-def _write_bwd_kernel(DOUT, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS_I: tl.constexpr,
-                      HAS_H: tl.constexpr, NEED_DX: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
-                      SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+def _write_bwd_kernel(DOUT, X, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS_I: tl.constexpr,
+                      HAS_H: tl.constexpr, NEED_DX: tl.constexpr, XA_FROM_X: tl.constexpr, NP: tl.constexpr,
+                      KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     jr = tl.arange(0, KP)[:, None]
     qc = tl.arange(0, KP)[None, :]
@@ -352,22 +356,34 @@ def _write_bwd_kernel(DOUT, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS
         c = c0 + tl.arange(0, BC)[None, :]
         cm = c < C
         dn = tl.load(DOUT + t * Nrows * C + rows * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
-        xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)
+        if XA_FROM_X:
+            xa = tl.load(X + t * N * C + rows * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)
+        else:
+            xa = tl.load(XA + t * k * C + jr * C + c, mask=(jr < k) & cm, other=0.0).to(CDT)
         v = tl.load(V + t * K * C + sr * C + c, mask=(sr < K) & cm, other=0.0).to(CDT)
         if HAS_H:
             dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
             dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
         else:
             dxa = dn
-        tl.store(DXA + t * k * C + jr * C + c, _cast(dxa, DXA), mask=(jr < k) & cm)
+        if XA_FROM_X:  # dX[I[q]] = dX_a[q]; the other rows below (disjoint rows: no ordering needed)
+            if NEED_DX:
+                tl.store(DX + t * N * C + rows * C + c, _cast(dxa, DX), mask=(jr < k) & cm)
+        else:
+            tl.store(DXA + t * k * C + jr * C + c, _cast(dxa, DXA), mask=(jr < k) & cm)
         dv = tl.sum(p[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
         tl.store(DV + t * K * C + sr * C + c, _cast(dv, DV), mask=(sr < K) & cm)
         dp += tl.sum(dn[:, None, :] * v[None, :, :], 2)
         if HAS_I:
             if NEED_DX:
-                g = tl.load(DOUT + t * N * C + nr * C + c, mask=(nr < N) & cm, other=0.0)
-                g = tl.where(active, 0.0, g.to(CDT))
-                tl.store(DX + t * N * C + nr * C + c, _cast(g, DX), mask=(nr < N) & cm)
+                if XA_FROM_X:  # rows outside I only: the active ones hold dX_a
+                    pas = (nr < N) & (active == 0) & cm
+                    g = tl.load(DOUT + t * N * C + nr * C + c, mask=pas, other=0.0)
+                    tl.store(DX + t * N * C + nr * C + c, _cast(g.to(CDT), DX), mask=pas)
+                else:
+                    g = tl.load(DOUT + t * N * C + nr * C + c, mask=(nr < N) & cm, other=0.0)
+                    g = tl.where(active, 0.0, g.to(CDT))
+                    tl.store(DX + t * N * C + nr * C + c, _cast(g, DX), mask=(nr < N) & cm)
     if HAS_H:
         tl.store(DH + t * k * k + jr * k + qc, _cast(dh, DH), mask=hmask)
     tl.store(DP + t * k * K + jr * K + sc, _cast(dp, DP), mask=pmask)
@@ -379,16 +395,24 @@ def _write_meta(N, k, K, C):
 
 
 class _Write(torch.autograd.Function):
+    """``Xa`` None (with ``I``): X_a = X[I] is read from X inside the kernels, X is saved instead of
+    X_a (the read saves it anyway) and dX_a lands on X's active rows: no gather, no scatter_add."""
+
     @staticmethod
     def forward(ctx, X, I, Xa, H, P, V, out_dtype, inplace):
-        k, C = Xa.shape[-2:]
+        own = Xa is None
+        if own:
+            k, C = I.shape[-1], X.shape[-1]
+            lead = I.shape[:-1]
+        else:
+            k, C = Xa.shape[-2:]
+            lead = Xa.shape[:-2]
         K = V.shape[-2]
-        lead = Xa.shape[:-2]
-        Xac = Xa.reshape(-1, k, C).contiguous()
-        T = Xac.shape[0]
+        T = math.prod(lead)
+        Xac = None if own else Xa.reshape(T, k, C).contiguous()
         Hc = None if H is None else H.reshape(T, k, k).contiguous()
         Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
-        cdt = _tl(_cdt(Xa, H, P, V))
+        cdt = _tl(_cdt(X if own else Xa, H, P, V))
         if I is not None:
             N = X.shape[-2]
             Ic = I.reshape(T, k).contiguous()
@@ -404,9 +428,10 @@ class _Write(torch.autograd.Function):
         NP, KP, SP, BC = _write_meta(N, k, K, C)
         if T > 0:
             _write_fwd_kernel[(T,)](Xc, Ic, Xac, Hc, Pc, Vc, out, N, k, K, C, HAS_I=I is not None,
-                                    HAS_H=H is not None, COPY=not inplace, NP=NP, KP=KP, SP=SP, BC=BC, CDT=cdt)
-        ctx.save_for_backward(I, Xa, H, P, V)
-        ctx.meta = (None if X is None else X.dtype, N)
+                                    HAS_H=H is not None, COPY=not inplace, XA_FROM_X=own, NP=NP, KP=KP, SP=SP,
+                                    BC=BC, CDT=cdt)
+        ctx.save_for_backward(I, X if own else Xa, H, P, V)
+        ctx.meta = (None if X is None else X.dtype, N, own, k, lead)
         if inplace:
             ctx.mark_dirty(X)
             return X
@@ -414,35 +439,45 @@ class _Write(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        I, Xa, H, P, V = ctx.saved_tensors
-        x_dtype, N = ctx.meta
-        k, C = Xa.shape[-2:]
+        I, XorXa, H, P, V = ctx.saved_tensors
+        x_dtype, N, own, k, lead = ctx.meta
+        C = XorXa.shape[-1]
         K = V.shape[-2]
-        Xac = Xa.reshape(-1, k, C).contiguous()
-        T = Xac.shape[0]
+        T = math.prod(lead)
+        Xc = XorXa.reshape(T, N, C).contiguous() if own else None
+        Xac = None if own else XorXa.reshape(T, k, C).contiguous()
         Hc = None if H is None else H.reshape(T, k, k).contiguous()
         Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
         Ic = None if I is None else I.reshape(T, k).contiguous()
         need_dx = I is not None and ctx.needs_input_grad[0]
-        dXa, dV = torch.empty_like(Xac), torch.empty_like(Vc)
+        dXa = None if own else torch.empty_like(Xac)
+        dV = torch.empty_like(Vc)
         dH = None if H is None else torch.empty_like(Hc)
         dP = torch.empty_like(Pc)
         dX = torch.empty(T, N, C, dtype=x_dtype, device=dout.device) if need_dx else None
         NP, KP, SP, BC = _write_meta(N, k, K, C)
         if T > 0:
-            _write_bwd_kernel[(T,)](dout.reshape(T, N, C).contiguous(), Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP, dV,
-                                    N, k, K, C, HAS_I=I is not None, HAS_H=H is not None, NEED_DX=need_dx,
-                                    NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(_cdt(Xa, H, P, V)))
-        lead = Xa.shape[:-2]
-        return (None if dX is None else dX.view(*lead, N, C), None, dXa.view(Xa.shape),
+            _write_bwd_kernel[(T,)](dout.reshape(T, N, C).contiguous(), Xc, Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP,
+                                    dV, N, k, K, C, HAS_I=I is not None, HAS_H=H is not None, NEED_DX=need_dx,
+                                    XA_FROM_X=own, NP=NP, KP=KP, SP=SP, BC=BC,
+                                    CDT=_tl(_cdt(XorXa, H, P, V)))
+        return (None if dX is None else dX.view(*lead, N, C), None,
+                None if dXa is None else dXa.view(*lead, k, C),
                 None if dH is None else dH.view(H.shape), dP.view(P.shape), dV.view(V.shape), None, None)
 
 
 def write(X, I, Xa, H, P, V, out_dtype=None, inplace: bool = False):
     """See :func:`xhc.kernels.write`.  ``inplace`` (only with ``I``): rows outside ``I`` are not
     copied, X is updated in place and returned (allowed when nothing saved X for backward)."""
-    lead = Xa.shape[:-2]
-    k, K = Xa.shape[-2], V.shape[-2]
+    if Xa is None:
+        if I is None:
+            raise ValueError("write: Xa=None (X_a = X[I]) needs the active rows I")
+        if inplace:
+            raise ValueError("write(inplace=True) needs Xa: the rows it reads are the rows it overwrites")
+        lead, k = X.shape[:-2], I.shape[-1]
+    else:
+        lead, k = Xa.shape[:-2], Xa.shape[-2]
+    K = V.shape[-2]
     if H is not None:
         H = H.expand(*lead, k, k)
     P = P.expand(*lead, k, K)
@@ -456,3 +491,133 @@ def write(X, I, Xa, H, P, V, out_dtype=None, inplace: bool = False):
         out_dtype = out_dtype or Xa.dtype
         inplace = False
     return _Write.apply(X, I, Xa, H, P, V, out_dtype, inplace)
+
+
+# ================================================================================================
+# linear_stats: proj = x·Wᵀ and the per-row sums Σ_c X[t, r, c], Σ_c X[t, r, c]² in one pass over X
+# ================================================================================================
+@triton.jit
+def _linear_stats_fwd_kernel(X, W, PROJ, S1, S2, R, C, d, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    D = R * C
+    m = tl.arange(0, DP)[:, None]  # output column
+    acc = tl.zeros([DP], dtype=CDT)
+    for r in range(0, R):
+        s1 = tl.zeros([BC], dtype=CDT)
+        s2 = tl.zeros([BC], dtype=CDT)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            cm = c < C
+            x = tl.load(X + t * D + r * C + c, mask=cm, other=0.0).to(CDT)  # [BC], read once
+            w = tl.load(W + m * D + r * C + c[None, :], mask=(m < d) & cm[None, :], other=0.0).to(CDT)  # [DP, BC]
+            acc += tl.sum(w * x[None, :], 1)
+            s1 += x
+            s2 += x * x
+        tl.store(S1 + t * R + r, tl.sum(s1, 0))
+        tl.store(S2 + t * R + r, tl.sum(s2, 0))
+    mm = tl.arange(0, DP)
+    tl.store(PROJ + t * d + mm, acc, mask=mm < d)
+
+
+@triton.jit
+def _linear_stats_dx_kernel(X, W, G, DS1, DS2, DX, R, C, d, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    """dX[t, r, c] = Σ_m G[t, m]·W[m, rC + c] + dS1[t, r] + 2·dS2[t, r]·X[t, r, c]."""
+    t = tl.program_id(0).to(tl.int64)
+    D = R * C
+    m = tl.arange(0, DP)
+    g = tl.load(G + t * d + m, mask=m < d, other=0.0).to(CDT)  # [DP]
+    for r in range(0, R):
+        ds1 = tl.load(DS1 + t * R + r).to(CDT)
+        ds2 = tl.load(DS2 + t * R + r).to(CDT)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            cm = c < C
+            x = tl.load(X + t * D + r * C + c, mask=cm, other=0.0).to(CDT)
+            w = tl.load(W + m[:, None] * D + r * C + c[None, :], mask=(m[:, None] < d) & cm[None, :],
+                        other=0.0).to(CDT)  # [DP, BC]
+            dx = tl.sum(g[:, None] * w, 0) + ds1 + 2.0 * ds2 * x
+            tl.store(DX + t * D + r * C + c, _cast(dx, DX), mask=cm)
+
+
+@triton.jit
+def _linear_stats_dw_kernel(X, G, DW, T, D, d, DP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            USE_DOT: tl.constexpr, CDT: tl.constexpr):
+    """dW[m, k] = Σ_t G[t, m]·X[t, k]: one program per block of k, a loop over the tokens."""
+    k = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
+    km = k < D
+    m = tl.arange(0, DP)
+    acc = tl.zeros([DP, BK], dtype=CDT)
+    for t0 in range(0, T, BT):
+        t = t0 + tl.arange(0, BT).to(tl.int64)
+        tm = t < T
+        x = tl.load(X + t[:, None] * D + k[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)  # [BT, BK]
+        g = tl.load(G + t[:, None] * d + m[None, :], mask=tm[:, None] & (m[None, :] < d), other=0.0).to(CDT)
+        if USE_DOT:  # fp32 in, fp32 out, no TF32: the same precision as the elementwise form
+            acc += tl.dot(tl.trans(g), x, input_precision="ieee")
+        else:
+            acc += tl.sum(g[:, :, None] * x[:, None, :], 0)
+    tl.store(DW + m[:, None] * D + k[None, :], acc, mask=(m[:, None] < d) & km[None, :])
+
+
+def _linear_stats_meta(C: int, d: int):
+    DP = max(16, triton.next_power_of_2(int(d)))
+    return DP, max(16, min(triton.next_power_of_2(C), 4096 // DP))
+
+
+class _LinearStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, W):
+        R, C = X.shape[-2:]
+        d = W.shape[0]
+        Xc = X.reshape(-1, R, C).contiguous()
+        T = Xc.shape[0]
+        cdt = _cdt(X, W)
+        Wc = W.to(cdt).contiguous()
+        proj = torch.empty(T, d, dtype=cdt, device=X.device)
+        s1, s2 = torch.empty(T, R, dtype=cdt, device=X.device), torch.empty(T, R, dtype=cdt, device=X.device)
+        DP, BC = _linear_stats_meta(C, d)
+        if T > 0:
+            _linear_stats_fwd_kernel[(T,)](Xc, Wc, proj, s1, s2, R, C, d, DP=DP, BC=BC, CDT=_tl(cdt))
+        ctx.save_for_backward(X, W)
+        lead = X.shape[:-2]
+        return proj.view(*lead, d), s1.view(*lead, R), s2.view(*lead, R)
+
+    @staticmethod
+    def backward(ctx, dproj, ds1, ds2):
+        X, W = ctx.saved_tensors
+        R, C = X.shape[-2:]
+        d = W.shape[0]
+        Xc = X.reshape(-1, R, C).contiguous()
+        T = Xc.shape[0]
+        cdt = _cdt(X, W)
+        z = lambda *s: torch.zeros(*s, dtype=cdt, device=X.device)  # noqa: E731  (an unused output)
+        G = z(T, d) if dproj is None else dproj.reshape(T, d).to(cdt).contiguous()
+        dS1 = z(T, R) if ds1 is None else ds1.reshape(T, R).to(cdt).contiguous()
+        dS2 = z(T, R) if ds2 is None else ds2.reshape(T, R).to(cdt).contiguous()
+        DP, BC = _linear_stats_meta(C, d)
+        dX = dW = None
+        if ctx.needs_input_grad[0]:
+            dX = torch.empty_like(Xc)
+            if T > 0:
+                _linear_stats_dx_kernel[(T,)](Xc, W.to(cdt).contiguous(), G, dS1, dS2, dX, R, C, d, DP=DP, BC=BC,
+                                              CDT=_tl(cdt))
+            dX = dX.view(X.shape)
+        if ctx.needs_input_grad[1]:
+            D = R * C
+            dW = torch.zeros(d, D, dtype=cdt, device=X.device)
+            use_dot = cdt == torch.float32
+            BT, BK = (32, 64) if use_dot else (1, 64)
+            if T > 0:
+                _linear_stats_dw_kernel[(triton.cdiv(D, BK),)](Xc, G, dW, T, D, d, DP=DP, BT=BT, BK=BK,
+                                                              USE_DOT=use_dot, CDT=_tl(cdt))
+            dW = dW.to(W.dtype)
+        return dX, dW
+
+
+def linear_stats(X: torch.Tensor, W: torch.Tensor):
+    """(vec(X)·Wᵀ, Σ_c X_r, Σ_c X_r²) from one pass over ``X`` ``[..., R, C]`` (any float dtype, read as
+    it is and accumulated in fp32; float64 stays float64); ``W`` ``[d, R·C]``  ->  ``[..., d]``,
+    ``[..., R]``, ``[..., R]``.  Backward: dX in one pass (GEMM term + the statistics' terms), dW
+    in one pass over X.  The norm statistics of vec X and of any row subset follow from the sums
+    (:func:`xhc.kernels.torch_ops.moments_of_rows`)."""
+    return _LinearStats.apply(X, W)
