@@ -350,6 +350,7 @@ class Row:
     vs_vanilla: Optional[float] = None
     count_method: str = ""
     note: str = ""
+    by_op: Dict[str, float] = field(default_factory=dict)  # dispatch-counted backends: "fwd op"/"bwd op" -> units of C
 
     @property
     def fwd_over_acct(self):
@@ -427,6 +428,7 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
         with count_triton_launches(bc), bc:
             _backward(outs, grads)
         row.fwd, row.bwd = fc.bytes / per, bc.bytes / per
+        row.by_op = {f"{pas} {op}": n / per for pas, c in (("fwd", fc), ("bwd", bc)) for op, n in c.by_op.items()}
     X.grad = None
     for y in ys:
         y.grad = None
@@ -500,6 +502,18 @@ def format_table(rows: List[Row], title: str) -> str:
     return "\n".join(lines)
 
 
+def slope_row(r1: Row, r2: Row) -> Row:
+    """Per-token bytes from two runs at T and 2T tokens: bytes are a·T + b (b: per-call terms such
+    as weight reads), each column is (bytes/T)/unit, so a/unit = 2·v(2T) − v(T).  Times are dropped."""
+    out = Row(r1.variant, r1.backend, r1.C, r1.tokens, r1.acct, floor=r1.floor,
+              count_method=r1.count_method + f", slope {r1.tokens}->{r2.tokens} tokens", note=r1.note)
+    for name in ("fwd", "bwd", "saved", "saved_rc"):
+        a, b = getattr(r1, name), getattr(r2, name)
+        setattr(out, name, None if a is None or b is None else 2 * b - a)
+    out.by_op = {k: 2 * r2.by_op.get(k, 0.0) - r1.by_op.get(k, 0.0) for k in set(r1.by_op) | set(r2.by_op)}
+    return out
+
+
 def available_backends(device: str) -> List[str]:
     try:
         from xhc.kernels import triton_available
@@ -529,6 +543,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows here as JSON")
+    p.add_argument("--by-kernel", action="store_true",
+                   help="after each table, the bytes of every op / Triton kernel of 0.5C or more (eager, triton, liger)")
+    p.add_argument("--slope", action="store_true",
+                   help="byte columns as the per-token slope between --tokens and twice as many tokens "
+                        "(removes per-call terms such as reading the weights, which small token counts "
+                        "inflate; used for the Triton interpreter, where every token costs seconds); no times")
     args = p.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -569,6 +589,8 @@ def main(argv=None) -> int:
                 print(f"[{done}/{total}] C={C} {backend:<7} {v} ...", file=sys.stderr, flush=True)
                 try:
                     r = measure(v, backend, C, tokens, args.device, dtype, args.reps, args.seed)
+                    if args.slope:
+                        r = slope_row(r, measure(v, backend, C, 2 * tokens, args.device, dtype, args.reps, args.seed))
                 except Exception as e:  # report and keep going: one broken path must not hide the others
                     r = Row(v, backend, C, tokens, float("nan"), note=f"failed: {type(e).__name__}: {str(e)[:80]}")
                 if v == "vanilla":
@@ -580,6 +602,11 @@ def main(argv=None) -> int:
         if args.device == "cpu" and {"triton", "liger"} & set(backends):
             title += " (triton/liger under TRITON_INTERPRET=1: their bytes count, their times do not)"
         print(format_table(rows, title))
+        if args.by_kernel:
+            for r in rows:
+                big = sorted(((n, k) for k, n in r.by_op.items() if n >= 0.5), reverse=True)
+                if big:
+                    print(f"  {r.variant} {r.backend}: " + ", ".join(f"{k} {n:.1f}" for n, k in big))
         all_rows += rows
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

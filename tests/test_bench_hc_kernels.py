@@ -90,3 +90,20 @@ def test_vanilla_row_is_the_residual_add():
     r = measure("vanilla", "eager", 64, 8, "cpu", torch.float32, reps=1)
     assert r.fwd == pytest.approx(3.0) and r.acct == 3.0
     assert r.saved is None
+
+
+def test_slope_row_removes_per_call_bytes():
+    """--slope: with bytes a·T + b (b per call, e.g. weight reads) each column reads a + b/T per
+    token; two runs at T and 2T give a back exactly, and the times are dropped."""
+    from bench.hc_kernels import Row, slope_row
+
+    a, b, T = 7.5, 96.0, 16
+
+    def row(tokens):
+        return Row("mhc", "triton", 64, tokens, 34.0, fwd=a + b / tokens, bwd=2 * a + 3 * b / tokens,
+                   saved=5.0, saved_rc=5.0 + b / tokens, floor=5.0, ms=1.0)
+
+    r = slope_row(row(T), row(2 * T))
+    assert r.fwd == pytest.approx(a) and r.bwd == pytest.approx(2 * a)
+    assert r.saved == pytest.approx(5.0) and r.saved_rc == pytest.approx(5.0)
+    assert r.ms is None and r.tokens == T and "slope 16->32" in r.count_method
