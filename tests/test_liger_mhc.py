@@ -68,8 +68,7 @@ def test_liger_mhc_coefficients_against_ours():
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not line:
-        pytest.skip(f"Liger's kernels do not run under the Triton interpreter here: {proc.stderr[-400:]}")
+    assert line, f"Liger's kernels did not run under the Triton interpreter: {proc.stderr[-800:]}"
     res = {int(k): v for k, v in json.loads(line[0][7:]).items()}
     tol = 1e-5  # fp32 GEMM over n·C = 128 terms, sigmoid and 2–20 Sinkhorn steps of O(1) values
     for t_max, r in res.items():
