@@ -34,7 +34,6 @@ token (1.25 KiB at n = 4, t_max = 20), where our one-op Sinkhorn recomputes it f
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -72,7 +71,9 @@ def runnable(device: torch.device) -> bool:
     never while ``torch.compile`` traces (there the compiled ops, same maths, are used)."""
     if torch.compiler.is_compiling() or not liger_available():
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from xhc.kernels import _interpreting
+
+    return device.type == "cuda" or _interpreting()
 
 
 def mhc_coefficients(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, alphas, t_max: int, norm_eps: float,
