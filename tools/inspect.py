@@ -1,0 +1,1287 @@
+"""xhc-inspect: what the residual streams learned, as figures, for a run, a checkpoint or an exported model.
+
+::
+
+    python -m tools.inspect runs/X --output inspect/X                     # newest checkpoint of a run
+    python -m tools.inspect runs/X --step 200 --output inspect/X-200      # one kept checkpoint
+    python -m tools.inspect runs/X --steps all --output inspect/X-steps   # every kept checkpoint
+    python -m tools.inspect runs/X/checkpoints/step_00000300 --output inspect/ckpt
+    python -m tools.inspect hf/X --text notes.txt --output inspect/hf      # exported Hugging Face folder
+    python -m tools.inspect runs/mhc --compare runs/vanilla runs/xhc --output inspect/sweep
+    python -m tools.inspect --estimate moe-18b:xhc                         # memory bound, meta device
+
+SOURCE is a run directory (its newest checkpoint, or ``--step N`` / ``--steps all|N,M``), a checkpoint
+directory (``runs/X/checkpoints/step_N``) or a Hugging Face folder written by ``xhc-convert to-hf``.
+The output folder gets PNG figures, ``report.md`` (the figures with one-line captions) and
+``inspect.json`` (every plotted number).  docs/inspect.md explains how to read each figure.
+
+The model is streamed one decoder layer at a time, the way ``xhc-convert`` reads checkpoints: only
+the embedding rows of the sampled tokens and one layer's tensors are held, and the layer runs forward
+(``torch.no_grad``, eager hyper-connection kernels) on ``--tokens`` tokens of the run's validation
+data (or ``--text FILE``; seeded random ids when neither exists).  Vanilla models have no
+hyper-connections: they are reported as such (their training curves are still drawn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from training.process_defaults import cpu_entry_point, set_omp_wait_policy
+
+set_omp_wait_policy()
+
+SCHEMA = 1
+DEFAULT_TOKENS = 256
+RANDOM_SEED = 0
+FLASH = ("xhc_flash", "xhc_flash4")
+
+
+class InspectError(RuntimeError):
+    """Bad input (the one-line message names the path or flag)."""
+
+
+# ================================================================================================
+# Sources
+# ================================================================================================
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Target:
+    """One SOURCE: what kind it is and which model snapshots of it are inspected."""
+
+    path: str
+    kind: str  # "run" | "checkpoint" | "hf"
+    label: str
+    checkpoints: List[Tuple[int, str]] = field(default_factory=list)  # (step, dir); empty for "hf"
+    run_dir: Optional[str] = None
+    run_config: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except (OSError, ValueError) as e:
+        raise InspectError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _parse_steps(text: Optional[str]) -> Optional[List[int]]:
+    """``--steps all`` -> [] (every kept checkpoint), ``2,4`` -> [2, 4], None -> None."""
+    if text is None:
+        return None
+    if text.strip() == "all":
+        return []
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise InspectError(f"--steps {text!r}: use 'all' or a comma-separated list of steps, e.g. 100,200") from None
+
+
+def resolve(path: str, step: Optional[int] = None, steps: Optional[List[int]] = None) -> Target:
+    """What ``path`` is (run directory, checkpoint, Hugging Face folder) and the checkpoints to inspect.
+
+    Raises :class:`InspectError` with a one-line message naming ``path`` for anything else.
+    """
+    from training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+    label = os.path.basename(os.path.normpath(path)) or path
+    if not os.path.exists(path):
+        raise InspectError(f"{path}: no such file or directory")
+    if not os.path.isdir(path):
+        raise InspectError(f"{path}: is a file; SOURCE is a run directory, a checkpoint directory or a Hugging Face folder")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        found = list_checkpoints(os.path.join(path, "checkpoints"))
+        if not found:
+            raise InspectError(f"{path}: run directory without a finished checkpoint under {os.path.join(path, 'checkpoints')}")
+        cfg = _read_yaml(os.path.join(path, "config.yaml")) if os.path.isfile(os.path.join(path, "config.yaml")) else {}
+        kept = {s: p for s, p in found}
+        if steps is not None:
+            wanted = sorted(kept) if not steps else steps
+        elif step is not None:
+            wanted = [step]
+        else:
+            wanted = [found[-1][0]]
+        missing = [s for s in wanted if s not in kept]
+        if missing:
+            raise InspectError(f"{path}: no checkpoint at step {missing[0]} (kept steps: "
+                               f"{', '.join(str(s) for s in sorted(kept))})")
+        chosen = [(s, kept[s]) for s in wanted]
+        for _, ck in chosen:
+            _check_manifest(ck, verify_checkpoint, CheckpointError)
+        return Target(path, "run", label, chosen, path, cfg)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if step is not None or steps is not None:
+            raise InspectError(f"{path}: a Hugging Face folder holds one model; --step/--steps apply to run directories")
+        return Target(path, "hf", label)
+    looks_like_ckpt = bool(_STEP_DIR.match(os.path.basename(os.path.normpath(path)))) or any(
+        os.path.exists(os.path.join(path, f)) for f in (".metadata", "metadata.json", "common.pt", "manifest.json"))
+    if looks_like_ckpt:
+        if step is not None or steps is not None:
+            raise InspectError(f"{path}: a checkpoint holds one step; --step/--steps apply to run directories")
+        body = _check_manifest(path, verify_checkpoint, CheckpointError)
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        cfg_path = os.path.join(run_dir, "config.yaml")
+        cfg = _read_yaml(cfg_path) if os.path.isfile(cfg_path) else {}
+        m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        st = int(body.get("step", m.group(1) if m else 0))
+        return Target(path, "checkpoint", label, [(st, path)], run_dir if cfg else None, cfg, body)
+    raise InspectError(f"{path}: not a run directory (no checkpoints/), a checkpoint (no manifest.json) or a "
+                       "Hugging Face folder (no config.json)")
+
+
+def _check_manifest(ck: str, verify, error_cls) -> dict:
+    if not os.path.isfile(os.path.join(ck, "manifest.json")):
+        raise InspectError(f"{ck}: checkpoint without manifest.json (the save did not finish, or it was not written by "
+                           "xhc training)")
+    try:
+        return verify(ck, hashes=False)
+    except error_cls as e:
+        raise InspectError(str(e)) from None
+
+
+# ================================================================================================
+# The model, one layer at a time
+# ================================================================================================
+@dataclass
+class ModelInfo:
+    hc: object  # xhc.config.HCConfig (kernels forced to eager)
+    hf_config: object  # XHCMoeConfig, or None for vanilla
+    num_layers: int
+    vocab_size: int
+    seq_length: int
+    preset: str
+    step: Optional[int]
+    tokenizer: Optional[str]  # SentencePiece .model or HF folder
+
+
+def _hc_eager(hc_dict: dict):
+    from xhc.config import HCConfig
+
+    return HCConfig.from_dict({**hc_dict, "kernels": "eager"})
+
+
+def _remote_config_class():
+    from models.hf.export.remote.configuration_xhc_moe import XHCMoeConfig
+
+    return XHCMoeConfig
+
+
+def _checkpoint_source(target: Target, ck: str):
+    from models.hf.export import convert as C
+
+    cfg = target.run_config
+    model = cfg.get("model") or {}
+    preset = model.get("preset") or (target.manifest or {}).get("preset")
+    if not preset:
+        from training.checkpoint import verify_checkpoint
+
+        preset = verify_checkpoint(ck, hashes=False).get("preset")
+    if not preset:
+        raise InspectError(f"{ck}: no model preset (neither the run's config.yaml nor manifest.json names one)")
+    return C.Source(checkpoint=os.path.abspath(ck), run_dir=target.run_dir, run_config=cfg, preset_name=preset,
+                    backbone_overrides=model.get("backbone") or {}, hc_overrides=model.get("hc") or {})
+
+
+def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo, object, object]:
+    """(ModelInfo, convert.Source, preset) of a checkpoint (nothing but metadata is read)."""
+    from models.hf.export import convert as C
+
+    src = _checkpoint_source(target, ck)
+    try:
+        preset = C.effective_preset(src)
+        vocab = C.vocab_size_of(src.checkpoint)
+    except C.ConversionError as e:
+        raise InspectError(f"{ck}: {e}") from None
+    seq = int((src.run_config.get("batch") or {}).get("seq_length") or preset.seq_length)
+    hc = _hc_eager(preset.hc.to_dict())
+    hf_config = None
+    if hc.enabled:
+        try:
+            kwargs = C.hf_config_kwargs(preset, vocab, seq)
+        except C.ConversionError as e:
+            raise InspectError(f"{ck}: {e}") from None
+        hf_config = _remote_config_class()(hc=hc.to_dict(), **kwargs)
+    info = ModelInfo(hc, hf_config, int(preset.backbone["num_layers"]), vocab, seq, preset.name, step,
+                     C._tokenizer_path(src))
+    return info, src, preset
+
+
+def model_info_hf(target: Target) -> ModelInfo:
+    from models.hf.export import convert as C
+    from xhc.config import HCConfigError
+
+    try:
+        cfg = C.read_hf_config(target.path)
+    except C.ConversionError as e:
+        raise InspectError(f"{target.path}: {str(e).split(': ', 1)[-1]}") from None
+    meta = cfg.get("xhc") or {}
+    hc_dict = dict(meta.get("hc") or cfg.get("hc") or {"variant": "none"})
+    try:
+        hc = _hc_eager(hc_dict)
+    except HCConfigError as e:
+        raise InspectError(f"{target.path}/config.json: {e}") from None
+    hf_config = None
+    if hc.enabled:
+        hf_config = _remote_config_class().from_json_file(os.path.join(target.path, "config.json"))
+        hf_config.hc = hc.to_dict()
+    step = (meta.get("training") or {}).get("step")
+    tok = target.path if os.path.isfile(os.path.join(target.path, "tokenizer.json")) else None
+    return ModelInfo(hc, hf_config, int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]),
+                     int(cfg.get("max_position_embeddings") or 128), meta.get("preset") or "hf", step, tok)
+
+
+def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> Iterator[Tuple[str, Dict]]:
+    """``(group, {hf name: tensor})``: the embedding, then each decoder layer, read one group at a time
+    from the checkpoint by ``dist_checkpointing`` (``models.hf.export.convert.stream_checkpoint``)."""
+    from models.hf.export import convert as C
+    from models.hf.export import mapping as M
+
+    arch = M.arch_of(preset.backbone)
+    with C.single_rank():
+        model = C.build_single_rank_model(preset, info.vocab_size, info.seq_length)
+        try:
+            for g, tensors in C.stream_checkpoint(model, src.checkpoint, progress=False):
+                if g == "head":
+                    break  # the final norm and LM head are not needed
+                yield g, M.megatron_to_hf(tensors, arch, fused_experts=True)
+                del tensors
+        except C.ConversionError as e:
+            raise InspectError(str(e)) from None
+
+
+def stream_hf_layers(hf_dir: str, info: ModelInfo) -> Iterator[Tuple[str, Dict]]:
+    """``(group, {hf name: tensor})`` from an exported folder (safetensors, one group at a time), in the
+    fused expert layout the remote model uses (the Hub's per-expert layout is converted)."""
+    from models.hf.export import convert as C
+    from models.hf.export import mapping as M
+
+    cfg = info.hf_config
+    arch = {"heads": int(cfg.num_attention_heads), "groups": int(cfg.num_key_value_heads),
+            "head_dim": int(cfg.head_dim), "num_experts": int(cfg.n_routed_experts)}
+    try:
+        for g, tensors in C.read_hf_tensors(hf_dir):
+            if g == "head":
+                continue
+            if g.startswith("layer.") and int(g.split(".")[1]) >= info.num_layers:
+                continue
+            tensors = {k: v.float() for k, v in tensors.items()}
+            if any(".mlp.experts." in k and k.endswith("_proj.weight") for k in tensors):
+                tensors = M.megatron_to_hf(M.hf_to_megatron(tensors, arch), arch, fused_experts=True)
+            yield g, tensors
+    except C.ConversionError as e:
+        raise InspectError(f"{hf_dir}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def build_layer(info: ModelInfo, i: int, tensors: Dict):
+    """One remote-code decoder layer (``XHCMoeDecoderLayer``) holding ``tensors`` (HF names of layer i)."""
+    import torch
+
+    from models.hf.export.remote.modeling_xhc_moe import XHCMoeDecoderLayer
+
+    prefix = f"model.layers.{i}."
+    sd = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+    with torch.device("meta"):
+        layer = XHCMoeDecoderLayer(info.hf_config, i)
+    missing, unexpected = layer.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise InspectError(f"layer {i}: tensors do not fit the model ({len(missing)} missing, e.g. "
+                           f"{(missing or unexpected)[0]}; {len(unexpected)} unexpected)")
+    for name, b in list(layer.named_buffers()):
+        if b.is_meta:
+            raise InspectError(f"layer {i}: buffer {name} has no value in the checkpoint")
+    return layer.eval()
+
+
+# ================================================================================================
+# Tokens
+# ================================================================================================
+def _validation_tokens(target: Target, count: int) -> Optional[Tuple[List[int], str]]:
+    """The first ``count`` tokens of the run's validation documents (default data or data.prefixes)."""
+    cfg = target.run_config
+    d = cfg.get("data") or {}
+    if not target.run_dir or d.get("mock") or d.get("per_split") and not (d.get("per_split") or {}).get("valid"):
+        return None
+    if d.get("per_split"):
+        prefix, split = d["per_split"]["valid"][0], "0,1,0"
+    elif d.get("prefixes"):
+        prefix, split = d["prefixes"][0], d.get("split") or "969,30,1"
+    else:
+        from training.data.default import default_paths
+
+        prefix, split = default_paths(d.get("default_dir") or "data/default")["data_prefix"], d.get("split") or "969,30,1"
+    candidates = [prefix] if os.path.isabs(prefix) else [
+        prefix, os.path.join(os.path.dirname(os.path.abspath(target.run_dir)), prefix),
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(target.run_dir))), prefix)]
+    prefix = next((p for p in candidates if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin")), None)
+    if prefix is None:
+        return None
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from training.data.gpt import _split_ranges
+
+    ds = IndexedDataset(prefix, mmap=True)
+    n_docs = len(ds.document_indices) - 1
+    rng = _split_ranges(n_docs, split)[1]
+    if rng is None or rng[1] <= rng[0]:
+        return None
+    out: List[int] = []
+    for doc in range(rng[0], rng[1]):
+        for s in range(int(ds.document_indices[doc]), int(ds.document_indices[doc + 1])):
+            out.extend(int(t) for t in ds[s])
+            if len(out) >= count:
+                return out[:count], f"validation documents of {prefix} (split {split})"
+    return (out, f"validation documents of {prefix} (split {split})") if out else None
+
+
+def _text_tokens(path: str, info: ModelInfo, count: int) -> Tuple[List[int], str]:
+    if not os.path.isfile(path):
+        raise InspectError(f"--text {path}: no such file")
+    if info.tokenizer is None:
+        raise InspectError(f"--text {path}: the source has no tokenizer to encode it with (mock data or raw ids)")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if os.path.isdir(info.tokenizer):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)(text)["input_ids"]
+    else:
+        from training.data import Tokenizer
+
+        ids = Tokenizer.from_file(info.tokenizer).tokenize(text)
+    if not ids:
+        raise InspectError(f"--text {path}: encodes to no tokens")
+    return [int(t) for t in ids[:count]], f"--text {path}"
+
+
+def sample_tokens(target: Target, info: ModelInfo, count: int, text: Optional[str]):
+    """``[b, s]`` token ids (rows of at most the model's sequence length) and a description."""
+    import torch
+
+    if text is not None:
+        ids, where = _text_tokens(text, info, count)
+    else:
+        got = _validation_tokens(target, count) if target.kind != "hf" else None
+        if got is None:
+            g = torch.Generator().manual_seed(RANDOM_SEED)
+            ids = torch.randint(0, info.vocab_size, (count,), generator=g).tolist()
+            where = f"random token ids (seed {RANDOM_SEED}; no validation data; pass --text FILE for real text)"
+        else:
+            ids, where = got
+    ids = [min(max(int(t), 0), info.vocab_size - 1) for t in ids]
+    s = min(info.seq_length, len(ids))
+    b = max(len(ids) // s, 1)
+    return torch.tensor(ids[: b * s], dtype=torch.long).view(b, s), where
+
+
+# ================================================================================================
+# Measures (pure functions; known answers in tests/test_inspect.py)
+# ================================================================================================
+def nearest_permutation(H) -> Tuple[List[int], float]:
+    """The permutation matrix P closest to ``H`` in Frobenius norm and ‖H − P‖_F.
+
+    ‖H − P_π‖² = ‖H‖² + n − 2 Σ_i H[i, π(i)], so the nearest P maximises the assignment Σ_i H[i, π(i)]
+    (Hungarian algorithm).  Returns (π as a list, π[i] = column of row i's one; distance).
+    """
+    import numpy as np
+    from scipy.optimize import linear_sum_assignment
+
+    H = np.asarray(H, dtype=np.float64)
+    rows, cols = linear_sum_assignment(-H)
+    P = np.zeros_like(H)
+    P[rows, cols] = 1.0
+    return [int(c) for c in cols], float(np.sqrt(((H - P) ** 2).sum()))
+
+
+def mixing_measures(H) -> dict:
+    """Distances of one N×N mixing matrix from the identity, the permutations and the doubly
+    stochastic set (row / column sums), all in float64."""
+    import numpy as np
+
+    H = np.asarray(H, dtype=np.float64)
+    n = H.shape[0]
+    perm, d_perm = nearest_permutation(H)
+    return {
+        "dist_identity": float(np.sqrt(((H - np.eye(n)) ** 2).sum())),
+        "dist_permutation": d_perm,
+        "nearest_permutation": perm,
+        "row_sum_error": float(np.abs(H.sum(1) - 1).max()),
+        "col_sum_error": float(np.abs(H.sum(0) - 1).max()),
+        "min_entry": float(H.min()),
+    }
+
+
+def composite_gains(H_list: Sequence) -> Tuple[List[float], List[float]]:
+    """Amax gain over depth ([mHC] §4, Fig. 3): for P_l = H_l ⋯ H_1 (X' = H X, left products, float64),
+    forward gain = max absolute row sum of P_l, backward gain = max absolute column sum; one value per l."""
+    import numpy as np
+
+    fwd, bwd, P = [], [], None
+    for H in H_list:
+        H = np.asarray(H, dtype=np.float64)
+        P = H if P is None else H @ P
+        fwd.append(float(np.abs(P).sum(1).max()))
+        bwd.append(float(np.abs(P).sum(0).max()))
+    return fwd, bwd
+
+
+def routing_measures(I, p, n: int, k: int, m: int) -> dict:
+    """Router load per stream (fraction of tokens that write it; fixed streams 1, the loads sum to k),
+    the share of route weight on fixed vs routed slots, and the entropy of the routed choice."""
+    import torch
+
+    from xhc.router import router_load
+
+    I = I.reshape(-1, I.shape[-1])
+    p = p.reshape(-1, p.shape[-1]).double()
+    load = router_load(I, n).double()
+    tot = p.sum(-1).clamp_min(1e-30)
+    fixed_share = float((p[:, :m].sum(-1) / tot).mean()) if m else 0.0
+    out = {"load": [float(x) for x in load], "fixed_share": fixed_share, "routed_share": 1.0 - fixed_share,
+           "route_weight_mean": float(p[:, m:].mean()) if k > m else None, "entropy": None, "entropy_normalised": None}
+    if k > m and n - m > 1:
+        q = load[m:] / (k - m)
+        ent = float(-(q[q > 0] * torch.log(q[q > 0])).sum())
+        out["entropy"] = ent
+        out["entropy_normalised"] = ent / math.log(n - m)
+    return out
+
+
+def _rms_per_stream(X) -> List[float]:
+    """sqrt(mean over tokens and channels of X_i²) for ``X``: ``[..., N, C]``."""
+    Xd = X.detach().double().reshape(-1, *X.shape[-2:])
+    return [float(v) for v in Xd.pow(2).mean((0, 2)).sqrt()]
+
+
+def _cosine(X) -> List[List[float]]:
+    """Mean over tokens of cos(X_i, X_j): ``[N, N]``."""
+    import torch
+
+    Xd = X.detach().double().reshape(-1, *X.shape[-2:])
+    Xn = Xd / Xd.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return torch.einsum("tic,tjc->ij", Xn, Xn).div(Xd.shape[0]).tolist()
+
+
+# ================================================================================================
+# Recording one forward pass
+# ================================================================================================
+class Recorder:
+    """Drives each layer's hyper-connection modules exactly as ``XHCMoeDecoderLayer.forward`` does
+    (read, branch, write per sublayer; Flash windows through begin / attn / mlp) and records, per
+    sublayer, the per-token coefficients; per layer, the state X.  :meth:`result` turns the records
+    into the numbers of ``inspect.json``."""
+
+    def __init__(self, hc):
+        self.hc = hc
+        self.n = hc.n
+        self.subs: List[dict] = []
+        self.routing: List[dict] = []
+        self.depth_labels: List[str] = []
+        self.stream_rms: List[List[float]] = []
+        self.cosine: List[List[List[float]]] = []
+        self.carry: dict = {}
+
+    # ---- per-token tensors -> records ---------------------------------------------------------
+    def _sub(self, index: int, layer: int, kind: str, H_tok, h_pre_tok, h_post_tok, static: dict, **extra) -> None:
+        import torch
+
+        n = self.n
+        eye = torch.eye(n, dtype=torch.float64)
+        if H_tok is None:
+            H_mean, H_std, d_tok = eye, torch.zeros(n, n, dtype=torch.float64), 0.0
+        else:
+            Ht = H_tok.detach().double().reshape(-1, n, n)
+            H_mean, H_std = Ht.mean(0), Ht.std(0, unbiased=False)
+            d_tok = float((Ht - eye).pow(2).sum((-1, -2)).sqrt().mean())
+        rec = {"index": index, "layer": layer, "kind": kind, "H_mean": H_mean.tolist(), "H_spread": H_std.tolist(),
+               "dist_identity_token_mean": d_tok}
+        rec.update(mixing_measures(H_mean.numpy()))
+        rec["h_pre"] = [float(v) for v in h_pre_tok.detach().double().reshape(-1, n).mean(0)]
+        rec["h_post"] = [float(v) for v in h_post_tok.detach().double().reshape(-1, n).mean(0)]
+        rec.update(static)
+        rec.update(extra)
+        self.subs.append(rec)
+
+    def _state(self, label: str, X) -> None:
+        self.depth_labels.append(label)
+        self.stream_rms.append(_rms_per_stream(X))
+        self.cosine.append(_cosine(X))
+
+    # ---- static (token-independent) parts --------------------------------------------------------
+    def _static_mhc(self, mod) -> dict:
+        import torch
+
+        from xhc.norms import fp32
+
+        n, cfg = self.n, self.hc
+        if cfg.variant == "hc":
+            H = mod.S_res if mod.S_res is not None else torch.eye(n)
+            pre = mod.a_pre if mod.a_pre is not None else torch.full((n,), 1.0 / n)
+            post = mod.a_post if mod.a_post is not None else torch.ones(n)
+        else:
+            H = torch.eye(n) if mod.b_res is None else mod.mixing(fp32(mod.b_res))
+            pre = torch.full((n,), 1.0 / n) if mod.b_pre is None else torch.sigmoid(fp32(mod.b_pre))
+            post = torch.ones(n) if mod.b_post is None else 2 * torch.sigmoid(fp32(mod.b_post))
+        return {"H_static": H.double().tolist(), "h_pre_static": [float(v) for v in pre],
+                "h_post_static": [float(v) for v in post]}
+
+    def _static_xhc(self, res, pre, post) -> dict:
+        import torch
+
+        from xhc.xhc import res_weights_from_logits
+
+        k, cfg = self.hc.k, self.hc
+        out = {}
+        if res is not None:
+            out["H_static"] = res_weights_from_logits(res.bias.float().view(k, k), cfg, "eager").double().tolist()
+        else:
+            out["H_static"] = torch.eye(k, dtype=torch.float64).tolist()
+        out["H_static_note"] = f"active block ({k}×{k}, slots in routing order)"
+        if pre is not None:
+            out["h_pre_static"] = [float(v) for v in (torch.sigmoid(pre.bias.float()) if pre.bias is not None
+                                                      else torch.full((pre.n,), 1.0 / pre.n))]
+        if post is not None:
+            b = post.bias.float().view(post.k, post.K) if post.bias is not None else torch.zeros(post.k, post.K)
+            out["h_post_static"] = [float(v) for v in (2 * torch.sigmoid(b[:, 0]))]
+            out["h_post_static_note"] = "per active slot (weight of the branch output y)"
+        return out
+
+    # ---- xHC helpers --------------------------------------------------------------------------
+    def _write_weights(self, I, p, H_post):
+        """Per-stream weight of the branch output y: p_j·H_post[j, 0] at stream I_j, 0 elsewhere. ``[..., N]``."""
+        import torch
+
+        w = (p * H_post[..., 0]).double()
+        return torch.zeros(*I.shape[:-1], self.n, dtype=torch.float64).scatter(-1, I, w)
+
+    def _components(self, temporal, y, seq) -> dict:
+        """RMS of the write-back components before and after Gram–Schmidt (``[K]`` each)."""
+        from xhc.gram_schmidt import gram_schmidt
+
+        if temporal is None:
+            return {}
+        V = temporal(y, seq).double()  # [s, b, K, C]
+        after = gram_schmidt(V, self.hc.gs_eps) if self.hc.gram_schmidt else V
+
+        def rms(t):
+            return [float(v) for v in t.pow(2).mean((0, 1, 3)).sqrt()]
+
+        kernels = []
+        for w in temporal.conv:  # [κ_j, C]: w[i, c] multiplies y[t − i, c]
+            wd = w.detach().double()
+            kernels.append({"size": int(wd.shape[0]), "mean": [float(v) for v in wd.mean(1)],
+                            "rms": [float(v) for v in wd.pow(2).mean(1).sqrt()]})
+        return {"gs_rms_before": rms(V), "gs_rms_after": rms(after), "gram_schmidt": bool(self.hc.gram_schmidt),
+                "conv_kernels": kernels}
+
+    def _routing(self, index: int, sublayers: List[int], I, p, window: Optional[int] = None) -> None:
+        r = routing_measures(I, p, self.n, self.hc.k, self.hc.m)
+        r.update({"index": index, "sublayers": sublayers})
+        if window is not None:
+            r["window"] = window
+        self.routing.append(r)
+
+    # ---- one layer ------------------------------------------------------------------------------
+    def run_layer(self, i: int, attn_mod, mlp_mod, attn: Callable, mlp: Callable, X, seq=None, last: bool = False):
+        """Layer ``i``: ``X`` ``[s, b, N, C]`` -> ``X`` after the layer (before any exit reduction)."""
+        import torch
+
+        from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
+        from xhc.hyper_connection import HyperConnection
+        from xhc.norms import rms_norm_flat
+        from xhc.xhc import XHCSublayer, scatter_active
+
+        if not self.depth_labels:
+            self._state("embedding", X)
+        n, eps = self.n, self.hc.norm_eps
+        if isinstance(attn_mod, HyperConnection):
+            for idx, mod, f in ((2 * i, attn_mod, attn), (2 * i + 1, mlp_mod, mlp)):
+                u, ctx = mod.read(X)
+                y = f(u)
+                pre = ctx.h_pre if ctx.h_pre is not None else torch.full(X.shape[:-1], 1.0 / n)
+                post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1])
+                self._sub(idx, i, "attention" if idx % 2 == 0 else "mlp", ctx.H_res, pre, post, self._static_mhc(mod))
+                X = mod.write(X, y, ctx, seq)
+        elif isinstance(attn_mod, XHCSublayer):
+            for idx, mod, f in ((2 * i, attn_mod, attn), (2 * i + 1, mlp_mod, mlp)):
+                u, ctx = mod.read(X)
+                y = f(u)
+                H = mod.effective_mixing(ctx) if ctx.H_res is not None else None
+                pre = ctx.h_pre if self.hc.dense_read else torch.zeros(*X.shape[:-2], n, dtype=ctx.h_pre.dtype).scatter(
+                    -1, ctx.I, ctx.h_pre)
+                self._routing(idx, [idx], ctx.I, ctx.p)
+                self._sub(idx, i, "attention" if idx % 2 == 0 else "mlp", H, pre,
+                          self._write_weights(ctx.I, ctx.p, ctx.H_post), self._static_xhc(mod.res, mod.pre, mod.post),
+                          **self._components(mod.temporal, y, seq))
+                X = mod.write(X, y, ctx, seq)
+        elif isinstance(attn_mod, XHCFlashLayer):
+            mod = attn_mod
+            st = mod.begin(X)
+            self._routing(2 * i, [2 * i, 2 * i + 1], st.I, st.p, window=i)
+            H_post_A = mod.post_A(rms_norm_flat(st.Xa.flatten(-2), eps))
+            yA = attn(mod.attn_read(st))
+            self._sub(2 * i, i, "attention", None, st.h_pre[..., 0, :], self._write_weights(st.I, st.p, H_post_A),
+                      self._static_xhc(None, mod.pre_A, mod.post_A), window=i,
+                      **self._components(mod.temporal_A, yA, seq))
+            st = mod.attn_write(st, yA, seq)
+            H_res = mod.mlp_mixing(st)
+            H_post_M = mod.post_M(rms_norm_flat(st.Xa.flatten(-2), eps))
+            yM = mlp(mod.mlp_read(st))
+            from xhc.router import effective_mixing
+
+            self._sub(2 * i + 1, i, "mlp", None if H_res is None else effective_mixing(st.I, H_res, n),
+                      st.h_pre[..., 1, :], self._write_weights(st.I, st.p, H_post_M),
+                      self._static_xhc(mod.res_M, mod.pre_M, mod.post_M), window=i,
+                      **self._components(mod.temporal_M, yM, seq))
+            X = mod.mlp_write(st, yM, seq)
+        elif isinstance(attn_mod, (Flash4FirstLayer, Flash4SecondLayer)):
+            from xhc.router import effective_mixing
+
+            mod = attn_mod
+            first = isinstance(mod, Flash4FirstLayer)
+            g = i // 2
+            if first:
+                st = mod.begin(X)
+                self._routing(2 * i, [2 * i, 2 * i + 1, 2 * i + 2, 2 * i + 3], st.I, st.p, window=g)
+                self.carry[g] = {"pre": [mod.pre_A1, mod.pre_M1, mod.pre_A2, mod.pre_M2]}
+                names = (("A1", mod.post_A1, mod.temporal_A1, None), ("M1", mod.post_M1, mod.temporal_M1, None))
+                base_t = 0
+            else:
+                st = self.carry[g].pop("state")
+                names = (("A2", mod.post_A2, mod.temporal_A2, None), ("M2", mod.post_M2, mod.temporal_M2, mod.res_M2))
+                base_t = 2
+            pres = self.carry[g]["pre"]
+            for t_off, (name, post, temporal, res) in enumerate(names):
+                t = base_t + t_off
+                idx = 2 * i + t_off
+                xa_hat = rms_norm_flat(st.Xa.flatten(-2), eps)
+                H_post = post(xa_hat)
+                H_res = None if res is None else res(xa_hat)
+                u = mod.attn_read(st) if t_off == 0 else mod.mlp_read(st)
+                y = (attn if t_off == 0 else mlp)(u)
+                self._sub(idx, i, "attention" if t_off == 0 else "mlp",
+                          None if H_res is None else effective_mixing(st.I, H_res, n), st.h_pre[..., t, :],
+                          self._write_weights(st.I, st.p, H_post), self._static_xhc(res, pres[t], post),
+                          window=g, window_sublayer=name, **self._components(temporal, y, seq))
+                st = mod.attn_write(st, y, seq) if t_off == 0 else mod.mlp_write(st, y, seq)
+            if first:
+                self.carry[g]["state"] = st
+                X = scatter_active(st.X0, st.I, st.Xa)  # the state as it stands (inactive streams unchanged)
+                self._state(f"layer {i + 1}", X)
+                return st.X0  # the window's entry state travels on; the exit scatter is in layer 2g+1
+            X = st
+        else:
+            raise InspectError(f"layer {i}: unknown hyper-connection module {type(attn_mod).__name__}")
+        self._state(f"layer {i + 1}", X)
+        return X
+
+    # ---- summary -------------------------------------------------------------------------------
+    def result(self) -> dict:
+        subs = sorted(self.subs, key=lambda r: r["index"])
+        fwd, bwd = composite_gains([r["H_mean"] for r in subs])
+        single = [composite_gains([r["H_mean"]]) for r in subs]
+        for r, f, b, s in zip(subs, fwd, bwd, single):
+            r["gain_fwd"], r["gain_bwd"] = f, b
+            r["gain_single_fwd"], r["gain_single_bwd"] = s[0][0], s[1][0]
+        n_layers = len(self.depth_labels) - 1
+        picks = sorted({0, max(n_layers // 4, 1), max(n_layers // 2, 1), n_layers} & set(range(1, n_layers + 1)))
+        return {
+            "sublayers": subs,
+            "gain": {"forward": fwd, "backward": bwd},
+            "routing": sorted(self.routing, key=lambda r: r["index"]),
+            "depth": {"labels": self.depth_labels, "stream_rms": self.stream_rms,
+                      "cosine": {str(d): self.cosine[d] for d in picks}},
+        }
+
+
+def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, log: Callable[[str], None]) -> dict:
+    """Run the tokens through the streamed layers, one at a time, and return the measures."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
+
+    from xhc.hyper_connection import expand_streams
+
+    cfg = info.hf_config
+    cfg._attn_implementation = "eager"
+    if hasattr(cfg, "_experts_implementation"):
+        cfg._experts_implementation = "eager"
+    rec = Recorder(info.hc)
+    X = emb = mask = pos_emb = None
+    b, s = tokens.shape
+    position_ids = torch.arange(s).unsqueeze(0)
+    peak_group = 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for g, tensors in groups:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            peak_group = max(peak_group, nbytes)
+            if g == "embedding":
+                W = tensors["model.embed_tokens.weight"]
+                emb = W[tokens].float()  # [b, s, C]
+                del W, tensors
+                mask = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=None,
+                                          position_ids=position_ids)
+                pos_emb = Glm4MoeRotaryEmbedding(config=cfg)(emb, position_ids)
+                X = expand_streams(emb.transpose(0, 1), info.hc.n)  # [s, b, N, C]
+                continue
+            i = int(g.split(".")[1])
+            if X is None:
+                raise InspectError("the source has no embedding (model.embed_tokens.weight)")
+            layer = build_layer(info, i, tensors)
+            del tensors
+            kw = dict(attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
+                      position_embeddings=pos_emb)
+            X = rec.run_layer(i, layer.self_attention_hyper_connection, layer.mlp_hyper_connection,
+                              lambda u, _l=layer: _l._attn(u, **kw), layer._mlp, X, None, i == info.num_layers - 1)
+            del layer
+            log(f"layer {i + 1}/{info.num_layers} ({nbytes / 1e6:.1f} MB) {time.perf_counter() - t0:.1f}s")
+    if len(rec.depth_labels) != info.num_layers + 1:
+        raise InspectError(f"the source holds {len(rec.depth_labels) - 1} of {info.num_layers} layers")
+    out = rec.result()
+    out["largest_group_bytes"] = peak_group
+    return out
+
+
+# ================================================================================================
+# metrics.jsonl
+# ================================================================================================
+HEALTH_KEYS = ("h_res_identity_distance", "h_res_identity_distance_max", "amax_gain_fwd", "amax_gain_bwd",
+               "router_load_min", "router_load_max")
+
+
+def read_curves(run_dir: Optional[str]) -> dict:
+    """Loss curves and the logged HC health scalars of ``<run>/metrics.jsonl`` (empty when absent)."""
+    if not run_dir or not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        return {}
+    from training.metrics import dedupe_resumed, read_jsonl
+
+    recs = dedupe_resumed(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+    out = {"train": {"step": [], "loss": []}, "eval": {"step": [], "loss": []}, "hc": {}}
+    for r in recs:
+        kind = r.get("kind")
+        if kind in ("train", "eval") and isinstance(r.get("loss"), (int, float)):
+            out[kind]["step"].append(int(r["step"]))
+            out[kind]["loss"].append(float(r["loss"]))
+        if kind == "train" and isinstance(r.get("hc"), dict):
+            for k in HEALTH_KEYS:
+                v = r["hc"].get(k)
+                if isinstance(v, (int, float)):
+                    out["hc"].setdefault(k, {"step": [], "value": []})
+                    out["hc"][k]["step"].append(int(r["step"]))
+                    out["hc"][k]["value"].append(float(v))
+    return out
+
+
+# ================================================================================================
+# One SOURCE
+# ================================================================================================
+def inspect_target(target: Target, tokens_count: int, text: Optional[str], log: Callable[[str], None],
+                   progress: bool = True) -> dict:
+    """Everything ``inspect.json`` holds for one SOURCE (one entry of ``runs``)."""
+    run = {"label": target.label, "source": {"path": target.path, "kind": target.kind}, "inspections": [],
+           "curves": read_curves(target.run_dir) if target.kind == "run" else {}}
+    snaps = target.checkpoints if target.kind != "hf" else [(None, target.path)]
+    for step, where in snaps:
+        t0 = time.perf_counter()
+        if target.kind == "hf":
+            info = model_info_hf(target)
+            src = preset = None
+        else:
+            info, src, preset = model_info_checkpoint(target, where, step)
+        hc = info.hc
+        run.update({"preset": info.preset, "variant": hc.variant if hc.enabled else "none", "hc": bool(hc.enabled)})
+        if hc.enabled:
+            run.update({"n": hc.n, "dynamic": bool(hc.dynamic)})
+            if hc.is_xhc:
+                run.update({"k": hc.k, "m": hc.m})
+        if not hc.enabled:
+            run["message"] = (f"{target.path}: variant none (vanilla): the model has no hyper-connections, so there is "
+                              "no residual mixing, stream or router to inspect")
+            log(run["message"])
+            break
+        tokens, where_tokens = sample_tokens(target, info, tokens_count, text)
+        log(f"{target.path}{'' if step is None else f' step {step}'}: {info.preset} ({hc.variant}, N={hc.n}), "
+            f"{tokens.numel()} tokens from {where_tokens}")
+        groups = (stream_hf_layers(target.path, info) if target.kind == "hf"
+                  else stream_checkpoint_layers(src, preset, info, progress))
+        m = inspect_stream(groups, info, tokens, log if progress else (lambda _m: None))
+        m.update({"step": step if step is not None else info.step, "checkpoint": where,
+                  "tokens": {"count": int(tokens.numel()), "shape": list(tokens.shape), "from": where_tokens},
+                  "seconds": round(time.perf_counter() - t0, 3)})
+        run["inspections"].append(m)
+    return run
+
+
+# ================================================================================================
+# Figures
+# ================================================================================================
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(count: int, cols: int = 8):
+    c = max(1, min(cols, count))
+    return (count + c - 1) // c, c
+
+
+def _save(fig, out_dir: str, name: str, figures: list, caption: str) -> None:
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    _plt().close(fig)
+    figures.append({"file": name, "caption": caption})
+
+
+def _heatmap_grid(plt, mats: List, titles: List[str], suptitle: str, vmin=None, vmax=None, cmap="viridis"):
+    import numpy as np
+
+    rows, cols = _grid(len(mats))
+    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols + 0.8, 1.9 * rows + 0.5), squeeze=False)
+    im = None
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, M, t in zip(axes.flat, mats, titles):
+        im = ax.imshow(np.asarray(M), vmin=vmin, vmax=vmax, cmap=cmap)
+        ax.set_title(t, fontsize=8)
+    fig.suptitle(suptitle, fontsize=10)
+    if im is not None:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+    return fig
+
+
+def _sub_title(r: dict) -> str:
+    return f"L{r['layer'] + 1} {'attn' if r['kind'] == 'attention' else 'mlp'}" + (
+        f" {r['window_sublayer']}" if "window_sublayer" in r else "")
+
+
+def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
+    """The figures of one inspection (one checkpoint of one SOURCE)."""
+    import numpy as np
+
+    plt = _plt()
+    figs: list = []
+    subs = m["sublayers"]
+    titles = [_sub_title(r) for r in subs]
+    x = [r["index"] for r in subs]
+    tag = f"{run['label']} ({run['variant']}, N={run['n']}{', step ' + str(m['step']) if m.get('step') is not None else ''})"
+
+    # 1. residual mixing
+    fig = _heatmap_grid(plt, [r["H_mean"] for r in subs], titles, f"H_res, token mean (N×N effective mixing): {tag}",
+                        vmin=0.0, vmax=1.0)
+    _save(fig, out_dir, f"{prefix}mixing_mean.png", figs,
+          "H_res of every sublayer, mean over the sampled tokens (xHC: the N×N mixing with identity on unwritten streams).")
+    if run.get("dynamic"):
+        fig = _heatmap_grid(plt, [r["H_spread"] for r in subs], titles, f"H_res spread (std over tokens): {tag}",
+                            vmin=0.0)
+        _save(fig, out_dir, f"{prefix}mixing_spread.png", figs,
+              "Standard deviation of each H_res entry over the sampled tokens: how much the dynamic part varies.")
+    fig = _heatmap_grid(plt, [r["H_static"] for r in subs], titles,
+                        f"H_res static part (biases only{'; xHC: k×k active block' if 'H_static_note' in subs[0] else ''}): {tag}",
+                        vmin=0.0, vmax=1.0)
+    _save(fig, out_dir, f"{prefix}mixing_static.png", figs,
+          "The token-independent part of H_res (Φ of the biases; HC: S_res), the matrix every token starts from.")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    axes[0].plot(x, [r["dist_identity"] for r in subs], "o-", label="‖H̄ − I‖_F")
+    axes[0].plot(x, [r["dist_identity_token_mean"] for r in subs], "s--", label="mean over tokens ‖H − I‖_F")
+    axes[0].plot(x, [r["dist_permutation"] for r in subs], "^-", label="‖H̄ − P*‖_F (nearest permutation)")
+    axes[0].set_xlabel("sublayer ℓ")
+    axes[0].set_title("distance of H_res from I and from the permutations")
+    axes[0].legend(fontsize=7)
+    axes[1].semilogy(x, [max(r["row_sum_error"], 1e-17) for r in subs], "o-", label="max |row sum − 1|")
+    axes[1].semilogy(x, [max(r["col_sum_error"], 1e-17) for r in subs], "s-", label="max |column sum − 1|")
+    axes[1].set_xlabel("sublayer ℓ")
+    axes[1].set_title("distance from the doubly stochastic set (H̄)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(tag, fontsize=9)
+    _save(fig, out_dir, f"{prefix}mixing_distances.png", figs,
+          "Per sublayer: distance of the mean H_res from the identity and from its nearest permutation; row/column-sum errors.")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * len(subs) + 1.8))
+    for ax, key, name in ((axes[0], "h_pre", "h_pre (read weight per stream)"),
+                          (axes[1], "h_post", "h_post (write weight of y per stream)")):
+        im = ax.imshow(np.array([r[key] for r in subs]), aspect="auto", cmap="magma")
+        ax.set_yticks(range(len(subs)))
+        ax.set_yticklabels(titles, fontsize=7)
+        ax.set_xlabel("stream")
+        ax.set_title(name, fontsize=9)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(tag, fontsize=9)
+    _save(fig, out_dir, f"{prefix}read_write.png", figs,
+          "Token-mean read weights h_pre and write weights h_post (xHC: p_j·H_post[j, y] on the written streams), sublayer × stream.")
+
+    # 2. signal propagation
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ax.plot(x, m["gain"]["forward"], "o-", label="forward gain (max |row sum| of Π H)")
+    ax.plot(x, m["gain"]["backward"], "s-", label="backward gain (max |column sum| of Π H)")
+    ax.plot(x, [r["gain_single_fwd"] for r in subs], ":", color="gray", label="single sublayer, forward")
+    ax.set_xlabel("depth (sublayer ℓ)")
+    ax.set_ylabel("Amax gain")
+    if max(m["gain"]["forward"] + m["gain"]["backward"]) > 10:
+        ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"composite Amax gain over depth: {tag}", fontsize=9)
+    _save(fig, out_dir, f"{prefix}gain.png", figs,
+          "Composite forward and backward Amax gain of H_ℓ⋯H_1 over depth ([mHC] Fig. 3); 1 for doubly stochastic products.")
+
+    rms = np.array(m["depth"]["stream_rms"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for j in range(rms.shape[1]):
+        ax.plot(range(rms.shape[0]), rms[:, j], marker=".", label=f"stream {j}")
+    ax.set_xticks(range(rms.shape[0]))
+    ax.set_xticklabels(m["depth"]["labels"], rotation=30, fontsize=7)
+    ax.set_ylabel("RMS of X_i")
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(f"per-stream RMS over depth: {tag}", fontsize=9)
+    _save(fig, out_dir, f"{prefix}stream_rms.png", figs,
+          "RMS of each residual stream after every layer (embedding first): growth or decay of the signal per stream.")
+
+    cos = m["depth"]["cosine"]
+    keys = sorted(cos, key=int)
+    fig = _heatmap_grid(plt, [cos[k] for k in keys], [m["depth"]["labels"][int(k)] for k in keys],
+                        f"cosine similarity between streams: {tag}", vmin=-1.0, vmax=1.0, cmap="coolwarm")
+    _save(fig, out_dir, f"{prefix}stream_cosine.png", figs,
+          "Mean over tokens of cos(X_i, X_j) at a few depths: all-ones blocks mean the streams have collapsed.")
+
+    # 3. xHC specifics
+    if m["routing"]:
+        R = m["routing"]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * len(R) + 1.8), gridspec_kw={"width_ratios": [3, 2]})
+        im = axes[0].imshow(np.array([r["load"] for r in R]), aspect="auto", vmin=0, vmax=1, cmap="viridis")
+        names = [f"{'window' if 'window' in r else 'sublayer'} {r.get('window', r['index'])}" for r in R]
+        axes[0].set_yticks(range(len(R)))
+        axes[0].set_yticklabels(names, fontsize=7)
+        axes[0].set_xlabel("stream")
+        axes[0].set_title(f"router load (fraction of tokens writing each stream; m={run['m']} fixed)", fontsize=8)
+        fig.colorbar(im, ax=axes[0])
+        ys = range(len(R))
+        axes[1].barh(ys, [r["fixed_share"] for r in R], label="fixed share of route weight")
+        axes[1].barh(ys, [r["routed_share"] for r in R], left=[r["fixed_share"] for r in R], label="routed share")
+        ent = [r["entropy_normalised"] for r in R]
+        if any(e is not None for e in ent):
+            axes[1].plot([e if e is not None else np.nan for e in ent], list(ys), "ko-", label="routed entropy / log(N−m)")
+        axes[1].set_yticks(list(ys))
+        axes[1].set_yticklabels(names, fontsize=7)
+        axes[1].set_xlim(0, 1.05)
+        axes[1].invert_yaxis()
+        axes[1].legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+        fig.suptitle(tag, fontsize=9)
+        _save(fig, out_dir, f"{prefix}router.png", figs,
+              "xHC router: load per stream per routing decision (sublayer, or window for Flash), fixed vs routed share, routed entropy.")
+    conv = [r for r in subs if r.get("conv_kernels")]
+    if conv:
+        scales = len(conv[0]["conv_kernels"])
+        fig, axes = plt.subplots(1, scales, figsize=(3.6 * scales, 3.2), squeeze=False)
+        for j in range(scales):
+            ax = axes[0, j]
+            for r in conv:
+                kj = r["conv_kernels"][j]
+                ax.plot(range(kj["size"]), kj["rms"], marker=".", label=_sub_title(r))
+            ax.set_xlabel("tap i (lag: multiplies y[t − i])")
+            ax.set_title(f"κ = {conv[0]['conv_kernels'][j]['size']}: RMS over channels", fontsize=8)
+        axes[0, 0].legend(fontsize=6)
+        fig.suptitle(f"temporal convolution kernels: {tag}", fontsize=9)
+        _save(fig, out_dir, f"{prefix}temporal_kernels.png", figs,
+              "xHC temporal convolution kernels per scale: RMS over channels of each tap, one line per MLP sublayer.")
+        K = len(conv[0]["gs_rms_before"])
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(conv) * K / 2), 3.4))
+        width = 0.8 / (2 * K)
+        for q in range(K):
+            name = "y" if q == 0 else f"g{q}"
+            xs = np.arange(len(conv))
+            ax.bar(xs + (2 * q) * width, [r["gs_rms_before"][q] for r in conv], width, label=f"{name} before")
+            ax.bar(xs + (2 * q + 1) * width, [r["gs_rms_after"][q] for r in conv], width, label=f"{name} after",
+                   hatch="//", alpha=0.7)
+        ax.set_xticks(np.arange(len(conv)) + 0.4 - width / 2)
+        ax.set_xticklabels([_sub_title(r) for r in conv], fontsize=7)
+        ax.set_ylabel("RMS")
+        ax.legend(fontsize=6, ncol=K)
+        ax.set_title(f"write-back components before / after Gram–Schmidt: {tag}", fontsize=9)
+        _save(fig, out_dir, f"{prefix}gram_schmidt.png", figs,
+              "RMS of the write-back components [y, g_1 … g_r] before and after Gram–Schmidt, per MLP sublayer.")
+    return figs
+
+
+def figures_steps(run: dict, out_dir: str) -> list:
+    """Small multiples over the kept checkpoints of one run (``--steps``)."""
+    plt = _plt()
+    figs: list = []
+    ins = run["inspections"]
+    rows, cols = _grid(len(ins), 4)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, m in zip(axes.flat, ins):
+        ax.axis("on")
+        x = [r["index"] for r in m["sublayers"]]
+        ax.plot(x, [r["dist_identity"] for r in m["sublayers"]], "o-", label="‖H̄ − I‖_F")
+        ax.plot(x, [r["dist_permutation"] for r in m["sublayers"]], "^-", label="‖H̄ − P*‖_F")
+        ax.plot(x, m["gain"]["forward"], "s--", label="forward gain")
+        ax.set_title(f"step {m['step']}", fontsize=8)
+        ax.set_xlabel("sublayer ℓ", fontsize=7)
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(f"over training: {run['label']} ({run['variant']})", fontsize=9)
+    _save(fig, out_dir, "steps_mixing.png", figs,
+          "One panel per kept checkpoint: distance of H_res from I and from the permutations, and the forward gain, per sublayer.")
+    import numpy as np
+
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, m in zip(axes.flat, ins):
+        ax.axis("on")
+        rms = np.array(m["depth"]["stream_rms"])
+        for j in range(rms.shape[1]):
+            ax.plot(range(rms.shape[0]), rms[:, j], lw=1)
+        ax.set_title(f"step {m['step']}", fontsize=8)
+        ax.set_xlabel("depth (layers)", fontsize=7)
+    fig.suptitle(f"per-stream RMS over depth, over training: {run['label']}", fontsize=9)
+    _save(fig, out_dir, "steps_stream_rms.png", figs,
+          "One panel per kept checkpoint: the RMS of every stream over depth.")
+    return figs
+
+
+def figures_curves(runs: List[dict], out_dir: str) -> list:
+    """Loss curves beside the logged HC health scalars (metrics.jsonl) of every run that has them."""
+    runs = [r for r in runs if r.get("curves")]
+    if not runs:
+        return []
+    plt = _plt()
+    figs: list = []
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4))
+    for r in runs:
+        c = r["curves"]
+        if c["train"]["step"]:
+            axes[0].plot(c["train"]["step"], c["train"]["loss"], label=f"{r['label']} train")
+        if c["eval"]["step"]:
+            axes[0].plot(c["eval"]["step"], c["eval"]["loss"], "o--", label=f"{r['label']} validation")
+        for key, ax in (("h_res_identity_distance", axes[1]), ("amax_gain_fwd", axes[2]), ("amax_gain_bwd", axes[2])):
+            if key in c["hc"]:
+                ax.plot(c["hc"][key]["step"], c["hc"][key]["value"], ".-", label=f"{r['label']} {key}")
+    axes[0].set_title("loss", fontsize=9)
+    axes[1].set_title("‖H_res − I‖_F (logged, mean over sublayers)", fontsize=9)
+    axes[2].set_title("composite Amax gain (logged)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=6)
+    _save(fig, out_dir, "training_curves.png", figs,
+          "From metrics.jsonl: the loss curves beside the HC health scalars logged during training.")
+    return figs
+
+
+def figures_compare(runs: List[dict], out_dir: str) -> list:
+    """Several SOURCEs on the same axes (their last inspected checkpoint)."""
+    runs = [r for r in runs if r.get("hc") and r["inspections"]]
+    if len(runs) < 2:
+        return []
+    plt = _plt()
+    figs: list = []
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.6))
+    for r in runs:
+        m = r["inspections"][-1]
+        x = [s["index"] for s in m["sublayers"]]
+        lab = f"{r['label']} ({r['variant']})"
+        axes[0].plot(x, [s["dist_identity"] for s in m["sublayers"]], "o-", label=lab)
+        axes[1].plot(x, m["gain"]["forward"], "o-", label=lab)
+        axes[2].plot(x, m["gain"]["backward"], "o-", label=lab)
+        rms = m["depth"]["stream_rms"]
+        axes[3].plot(range(len(rms)), [max(v) / max(min(v), 1e-30) for v in rms], "o-", label=lab)
+    for ax, t in zip(axes, ("‖H̄_res − I‖_F per sublayer", "forward Amax gain over depth", "backward Amax gain over depth",
+                            "max / min stream RMS over depth (layers)")):
+        ax.set_title(t, fontsize=9)
+        ax.legend(fontsize=6)
+    _save(fig, out_dir, "compare.png", figs,
+          "The SOURCEs side by side: distance from the identity, forward and backward gain, and the spread of stream RMS.")
+    return figs
+
+
+# ================================================================================================
+# Report
+# ================================================================================================
+def _fmt(v) -> str:
+    return "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
+def write_report(result: dict, out_dir: str) -> str:
+    lines = ["# xhc-inspect report", ""]
+    for r in result["runs"]:
+        lines += [f"## {r['label']}", "", f"- source: `{r['source']['path']}` ({r['source']['kind']})",
+                  f"- preset: `{r.get('preset')}`, variant `{r.get('variant')}`" +
+                  (f", N={r['n']}" if r.get("hc") else "") + (f", k={r['k']}, m={r['m']}" if "k" in r else "")]
+        if r.get("message"):
+            lines += [f"- {r['message']}"]
+        for m in r["inspections"]:
+            lines += [f"- step {_fmt(m.get('step'))}: {m['tokens']['count']} tokens from {m['tokens']['from']}; "
+                      f"last-sublayer forward / backward gain {_fmt(m['gain']['forward'][-1])} / "
+                      f"{_fmt(m['gain']['backward'][-1])}; max ‖H̄ − I‖_F "
+                      f"{_fmt(max(s['dist_identity'] for s in m['sublayers']))}"]
+        lines.append("")
+        for fgr in r.get("figures", []):
+            lines += [f"![{fgr['caption']}]({fgr['file']})", "", f"*{fgr['caption']}*", ""]
+    for fgr in result.get("figures", []):
+        lines += [f"![{fgr['caption']}]({fgr['file']})", "", f"*{fgr['caption']}*", ""]
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+# ================================================================================================
+# Estimate (meta device)
+# ================================================================================================
+def estimate(preset_name: str, tokens: int = DEFAULT_TOKENS) -> dict:
+    """What inspecting ``preset_name`` holds at most, from a meta-device model: the largest streamed group
+    (fp32 as loaded, plus its HF-named copy) and the activations of ``tokens`` tokens."""
+    from models.hf.export import convert as C
+    from models.hf.export import mapping as M
+    from models.zoo import ZooError, load_preset
+
+    try:
+        preset = load_preset(preset_name)
+    except ZooError as e:
+        raise InspectError(f"--estimate {preset_name}: {e}") from None
+    vocab = -(-preset.vocab_size // 128) * 128
+    groups: Dict[str, int] = {}
+    with C.single_rank():
+        model = C.build_single_rank_model(preset, vocab, preset.seq_length)
+        for name, entry in model.sharded_state_dict().items():
+            data = getattr(entry, "data", None)
+            if hasattr(data, "numel"):
+                g = M.group_of(name)
+                groups[g] = groups.get(g, 0) + data.numel()
+    layers = {g: v for g, v in groups.items() if g.startswith("layer.")}
+    worst = max(layers, key=layers.get)
+    hc, C_ = preset.hc, int(preset.backbone["hidden_size"])
+    n = hc.n if hc.enabled else 1
+    # the state X and a few same-size temporaries (read/write, the recorded states), fp32
+    act = tokens * n * C_ * 4 * 8 + tokens * n * n * 8 * 4 * 2 * int(preset.backbone["num_layers"])
+    emb = groups.get("embedding", 0) * 4
+    peak = max(2 * layers[worst] * 4, emb) + act
+    return {"preset": preset_name, "parameters": sum(groups.values()), "groups": len(groups), "largest_layer": worst,
+            "largest_layer_fp32_bytes": layers[worst] * 4, "embedding_fp32_bytes": emb, "activation_bytes": act,
+            "peak_bytes": peak, "full_model_fp32_bytes": sum(groups.values()) * 4, "tokens": tokens}
+
+
+# ================================================================================================
+# Command line
+# ================================================================================================
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="xhc-inspect", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("::")[1])
+    p.add_argument("source", nargs="?", help="run directory, checkpoint directory or Hugging Face folder")
+    p.add_argument("--compare", nargs="+", default=[], metavar="SOURCE", help="more SOURCEs drawn on the same axes")
+    p.add_argument("--output", "-o", help="folder for the figures, report.md and inspect.json")
+    p.add_argument("--step", type=int, help="a run's checkpoint at this step (default: the newest)")
+    p.add_argument("--steps", help="'all' or a list N,M,...: every named kept checkpoint of a run (small multiples)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens for the dynamic measures (default {DEFAULT_TOKENS})")
+    p.add_argument("--text", help="a text file to take the tokens from (default: the run's validation data)")
+    p.add_argument("--no-figures", action="store_true", help="write inspect.json and report.md only")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--estimate", metavar="PRESET", help="print the memory bound for inspecting PRESET (meta device) and exit")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
+    """Inspect ``args.source`` (+ ``--compare``) and write the output folder; returns inspect.json's content."""
+    import torch
+
+    if args.tokens < 1:
+        raise InspectError(f"--tokens {args.tokens}: must be at least 1")
+    steps = _parse_steps(args.steps)
+    if args.step is not None and steps is not None:
+        raise InspectError("--step and --steps: give one of them")
+    if args.output is None:
+        raise InspectError("--output DIR is required")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise InspectError(f"--output {args.output}: exists and is not a directory")
+    targets = [resolve(args.source, args.step, steps)] + [resolve(c) for c in args.compare]
+    labels = [t.label for t in targets]
+    for i, t in enumerate(targets):  # unique labels (file name prefixes)
+        if labels.count(t.label) > 1:
+            t.label = f"{t.label}-{i}"
+    os.makedirs(args.output, exist_ok=True)
+    t0 = time.perf_counter()
+    runs = [inspect_target(t, args.tokens, args.text, log, progress=not args.quiet) for t in targets]
+    import resource
+
+    result = {"schema": SCHEMA, "tool": "xhc-inspect", "runs": runs, "figures": [],
+              "seconds": round(time.perf_counter() - t0, 3),
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "torch_threads": torch.get_num_threads()}
+    if not args.no_figures:
+        multi = len(runs) > 1
+        for r in runs:
+            r["figures"] = []
+            if not r.get("hc"):
+                continue
+            if len(r["inspections"]) > 1:
+                r["figures"] += figures_steps(r, args.output)
+            m = r["inspections"][-1]
+            r["figures"] += figures_one(r, m, args.output, prefix=f"{r['label']}_" if multi else "")
+        result["figures"] = figures_curves(runs, args.output) + figures_compare(runs, args.output)
+    with open(os.path.join(args.output, "inspect.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    write_report(result, args.output)
+    return result
+
+
+def main(argv=None) -> int:
+    with cpu_entry_point():
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(f"[xhc-inspect] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        if args.estimate:
+            est = estimate(args.estimate, args.tokens)
+            print(f"[xhc-inspect] {est['preset']}: {est['parameters'] / 1e9:.2f}B parameters in {est['groups']} groups; "
+                  f"largest layer {est['largest_layer']} = {est['largest_layer_fp32_bytes'] / 1e9:.2f} GB fp32, "
+                  f"embedding {est['embedding_fp32_bytes'] / 1e9:.2f} GB; activations for {est['tokens']} tokens "
+                  f"{est['activation_bytes'] / 1e6:.1f} MB; inspect peak tensor memory ≈ {est['peak_bytes'] / 1e9:.2f} GB "
+                  f"vs {est['full_model_fp32_bytes'] / 1e9:.1f} GB for the whole model")
+            return 0
+        if not args.source:
+            raise InspectError("SOURCE is required (a run directory, a checkpoint directory or a Hugging Face folder)")
+        result = run(args, log)
+        for r in result["runs"]:
+            if r.get("message"):
+                print(f"[xhc-inspect] {r['message']}")
+        print(f"[xhc-inspect] wrote {args.output}/report.md, inspect.json and "
+              f"{sum(len(r.get('figures', [])) for r in result['runs']) + len(result['figures'])} figures in "
+              f"{result['seconds']:.1f}s (peak RSS {result['peak_rss_bytes'] / 1e6:.0f} MB)")
+    except InspectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
