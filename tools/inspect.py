@@ -502,14 +502,14 @@ class Recorder:
         if H_tok is None:
             H_mean, H_std, d_tok = eye, torch.zeros(n, n, dtype=torch.float64), 0.0
         else:
-            Ht = H_tok.detach().double().reshape(-1, n, n)
+            Ht = H_tok.detach().double().cpu().reshape(-1, n, n)
             H_mean, H_std = Ht.mean(0), Ht.std(0, unbiased=False)
             d_tok = float((Ht - eye).pow(2).sum((-1, -2)).sqrt().mean())
         rec = {"index": index, "layer": layer, "kind": kind, "H_mean": H_mean.tolist(), "H_spread": H_std.tolist(),
                "dist_identity_token_mean": d_tok}
         rec.update(mixing_measures(H_mean.numpy()))
-        rec["h_pre"] = [float(v) for v in h_pre_tok.detach().double().reshape(-1, n).mean(0)]
-        rec["h_post"] = [float(v) for v in h_post_tok.detach().double().reshape(-1, n).mean(0)]
+        rec["h_pre"] = [float(v) for v in h_pre_tok.detach().double().cpu().reshape(-1, n).mean(0)]
+        rec["h_post"] = [float(v) for v in h_post_tok.detach().double().cpu().reshape(-1, n).mean(0)]
         rec.update(static)
         rec.update(extra)
         self.subs.append(rec)
@@ -564,7 +564,7 @@ class Recorder:
         import torch
 
         w = (p * H_post[..., 0]).double()
-        return torch.zeros(*I.shape[:-1], self.n, dtype=torch.float64).scatter(-1, I, w)
+        return torch.zeros(*I.shape[:-1], self.n, dtype=torch.float64, device=I.device).scatter(-1, I, w)
 
     def _components(self, temporal, y, seq) -> dict:
         """RMS of the write-back components before and after Gram–Schmidt (``[K]`` each)."""
@@ -619,7 +619,8 @@ class Recorder:
                 u, ctx = mod.read(X)
                 y = f(u)
                 H = mod.effective_mixing(ctx) if ctx.H_res is not None else None
-                pre = ctx.h_pre if self.hc.dense_read else torch.zeros(*X.shape[:-2], n, dtype=ctx.h_pre.dtype).scatter(
+                pre = ctx.h_pre if self.hc.dense_read else torch.zeros(*X.shape[:-2], n, dtype=ctx.h_pre.dtype,
+                                                                        device=X.device).scatter(
                     -1, ctx.I, ctx.h_pre)
                 self._routing(idx, [idx], ctx.I, ctx.p)
                 self._sub(idx, i, "attention" if idx % 2 == 0 else "mlp", H, pre,
@@ -706,8 +707,9 @@ class Recorder:
         }
 
 
-def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, log: Callable[[str], None]) -> dict:
-    """Run the tokens through the streamed layers, one at a time, and return the measures."""
+def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, log: Callable[[str], None],
+                   device: str = "cpu") -> dict:
+    """Run the tokens through the streamed layers, one at a time, on ``device``, and return the measures."""
     import torch
     from transformers.masking_utils import create_causal_mask
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
@@ -721,7 +723,7 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
     rec = Recorder(info.hc)
     X = emb = mask = pos_emb = None
     b, s = tokens.shape
-    position_ids = torch.arange(s).unsqueeze(0)
+    position_ids = torch.arange(s, device=device).unsqueeze(0)
     peak_group = 0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -730,17 +732,17 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
             peak_group = max(peak_group, nbytes)
             if g == "embedding":
                 W = tensors["model.embed_tokens.weight"]
-                emb = W[tokens].float()  # [b, s, C]
+                emb = W[tokens].float().to(device)  # [b, s, C]
                 del W, tensors
                 mask = create_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=None, cache=None,
                                           position_ids=position_ids)
-                pos_emb = Glm4MoeRotaryEmbedding(config=cfg)(emb, position_ids)
+                pos_emb = Glm4MoeRotaryEmbedding(config=cfg).to(device)(emb, position_ids)
                 X = expand_streams(emb.transpose(0, 1), info.hc.n)  # [s, b, N, C]
                 continue
             i = int(g.split(".")[1])
             if X is None:
                 raise InspectError("the source has no embedding (model.embed_tokens.weight)")
-            layer = build_layer(info, i, tensors)
+            layer = build_layer(info, i, tensors).to(device)
             del tensors
             kw = dict(attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
                       position_embeddings=pos_emb)
@@ -789,7 +791,7 @@ def read_curves(run_dir: Optional[str]) -> dict:
 # One SOURCE
 # ================================================================================================
 def inspect_target(target: Target, tokens_count: int, text: Optional[str], log: Callable[[str], None],
-                   progress: bool = True) -> dict:
+                   progress: bool = True, device: str = "cpu") -> dict:
     """Everything ``inspect.json`` holds for one SOURCE (one entry of ``runs``)."""
     run = {"label": target.label, "source": {"path": target.path, "kind": target.kind}, "inspections": [],
            "curves": read_curves(target.run_dir) if target.kind == "run" else {}}
@@ -817,7 +819,7 @@ def inspect_target(target: Target, tokens_count: int, text: Optional[str], log: 
             f"{tokens.numel()} tokens from {where_tokens}")
         groups = (stream_hf_layers(target.path, info) if target.kind == "hf"
                   else stream_checkpoint_layers(src, preset, info, progress))
-        m = inspect_stream(groups, info, tokens, log if progress else (lambda _m: None))
+        m = inspect_stream(groups, info, tokens, log if progress else (lambda _m: None), device)
         m.update({"step": step if step is not None else info.step, "checkpoint": where,
                   "tokens": {"count": int(tokens.numel()), "shape": list(tokens.shape), "from": where_tokens},
                   "seconds": round(time.perf_counter() - t0, 3)})
@@ -842,10 +844,26 @@ def _grid(count: int, cols: int = 8):
     return (count + c - 1) // c, c
 
 
+DPI = 80
+
+
 def _save(fig, out_dir: str, name: str, figures: list, caption: str) -> None:
+    """Write ``fig`` as an 8-bit palette PNG (a quarter of the size of RGBA, same look for line plots and
+    heatmaps) and list it with its caption."""
+    import io
+
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     _plt().close(fig)
+    try:
+        from PIL import Image
+
+        buf.seek(0)
+        Image.open(buf).convert("RGB").quantize(colors=256).save(path, optimize=True)
+    except ImportError:  # pragma: no cover (pillow comes with matplotlib)
+        with open(path, "wb") as f:
+            f.write(buf.getvalue())
     figures.append({"file": name, "caption": caption})
 
 
@@ -1148,8 +1166,15 @@ def write_report(result: dict, out_dir: str) -> str:
 # Estimate (meta device)
 # ================================================================================================
 def estimate(preset_name: str, tokens: int = DEFAULT_TOKENS) -> dict:
-    """What inspecting ``preset_name`` holds at most, from a meta-device model: the largest streamed group
-    (fp32 as loaded, plus its HF-named copy) and the activations of ``tokens`` tokens."""
+    """What inspecting ``preset_name`` holds at most, from a meta-device model (nothing allocated).
+
+    Tensors: the largest streamed group twice (fp32 as ``dist_checkpointing`` loads it, plus the
+    Hugging Face-named copy the layer is built on; the embedding group is held alone, before any
+    layer), plus the activations of ``tokens`` tokens: the state X (T·N·C fp32) with up to 8 buffers of
+    its size alive inside one sublayer (read, write, the gathered active streams, the K write-back
+    components before and after Gram–Schmidt), and one sublayer's per-token mixing matrices in float64
+    (T·N·N, with 3 buffers of that size).  The process adds the libraries (about 0.6 GB on CPU).
+    """
     from models.hf.export import convert as C
     from models.hf.export import mapping as M
     from models.zoo import ZooError, load_preset
@@ -1169,10 +1194,9 @@ def estimate(preset_name: str, tokens: int = DEFAULT_TOKENS) -> dict:
                 groups[g] = groups.get(g, 0) + data.numel()
     layers = {g: v for g, v in groups.items() if g.startswith("layer.")}
     worst = max(layers, key=layers.get)
-    hc, C_ = preset.hc, int(preset.backbone["hidden_size"])
+    hc, width = preset.hc, int(preset.backbone["hidden_size"])
     n = hc.n if hc.enabled else 1
-    # the state X and a few same-size temporaries (read/write, the recorded states), fp32
-    act = tokens * n * C_ * 4 * 8 + tokens * n * n * 8 * 4 * 2 * int(preset.backbone["num_layers"])
+    act = tokens * n * width * 4 * 8 + tokens * n * n * 8 * 3
     emb = groups.get("embedding", 0) * 4
     peak = max(2 * layers[worst] * 4, emb) + act
     return {"preset": preset_name, "parameters": sum(groups.values()), "groups": len(groups), "largest_layer": worst,
@@ -1193,6 +1217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", help="'all' or a list N,M,...: every named kept checkpoint of a run (small multiples)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens for the dynamic measures (default {DEFAULT_TOKENS})")
     p.add_argument("--text", help="a text file to take the tokens from (default: the run's validation data)")
+    p.add_argument("--device", default="cpu", help="where the layers run: cpu (default) or cuda")
     p.add_argument("--no-figures", action="store_true", help="write inspect.json and report.md only")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--estimate", metavar="PRESET", help="print the memory bound for inspecting PRESET (meta device) and exit")
@@ -1205,6 +1230,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
     if args.tokens < 1:
         raise InspectError(f"--tokens {args.tokens}: must be at least 1")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        raise InspectError(f"--device {args.device}: not available here (use cpu{', cuda' if torch.cuda.is_available() else ''})")
     steps = _parse_steps(args.steps)
     if args.step is not None and steps is not None:
         raise InspectError("--step and --steps: give one of them")
@@ -1219,7 +1246,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
             t.label = f"{t.label}-{i}"
     os.makedirs(args.output, exist_ok=True)
     t0 = time.perf_counter()
-    runs = [inspect_target(t, args.tokens, args.text, log, progress=not args.quiet) for t in targets]
+    runs = [inspect_target(t, args.tokens, args.text, log, progress=not args.quiet, device=args.device)
+            for t in targets]
     import resource
 
     result = {"schema": SCHEMA, "tool": "xhc-inspect", "runs": runs, "figures": [],
