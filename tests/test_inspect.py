@@ -453,8 +453,8 @@ def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
     for name in ("steps_mixing.png", "steps_stream_rms.png", "training_curves.png", "compare.png"):
         assert name in files
     for prefix in ("run_", "mhc-hf_"):
-        for name in ("mixing_mean.png", "mixing_distances.png", "read_write.png", "gain.png", "stream_rms.png",
-                     "stream_cosine.png"):
+        for name in ("mixing_mean.png", "mixing_composite.png", "mixing_static.png", "mixing_distances.png",
+                     "read_write.png", "gain.png", "stream_rms.png", "stream_cosine.png"):
             assert prefix + name in files
     for name in ("router.png", "temporal_kernels.png", "gram_schmidt.png", "mixing_spread.png"):
         assert "run_" + name in files
@@ -469,5 +469,6 @@ def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
     P = np.eye(8)
     for s, f, b in zip(m["sublayers"], m["gain"]["forward"], m["gain"]["backward"]):
         P = np.array(s["H_mean"]) @ P
+        assert np.allclose(s["H_composite"], P, rtol=0, atol=1e-12)  # what mixing_composite.png draws
         assert f == pytest.approx(np.abs(P).sum(1).max(), rel=1e-12)
         assert b == pytest.approx(np.abs(P).sum(0).max(), rel=1e-12)

@@ -693,6 +693,13 @@ class Recorder:
         subs = sorted(self.subs, key=lambda r: r["index"])
         fwd, bwd = composite_gains([r["H_mean"] for r in subs])
         single = [composite_gains([r["H_mean"]]) for r in subs]
+        import numpy as np
+
+        P = None
+        for r in subs:  # the composite mapping H_ℓ ⋯ H_1 itself (float64), drawn beside the per-sublayer H_res
+            H = np.asarray(r["H_mean"], dtype=np.float64)
+            P = H if P is None else H @ P
+            r["H_composite"] = P.tolist()
         for r, f, b, s in zip(subs, fwd, bwd, single):
             r["gain_fwd"], r["gain_bwd"] = f, b
             r["gain_single_fwd"], r["gain_single_bwd"] = s[0][0], s[1][0]
@@ -905,6 +912,10 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
                         vmin=0.0, vmax=1.0)
     _save(fig, out_dir, f"{prefix}mixing_mean.png", figs,
           "H_res of every sublayer, mean over the sampled tokens (xHC: the N×N mixing with identity on unwritten streams).")
+    fig = _heatmap_grid(plt, [r["H_composite"] for r in subs], titles,
+                        f"composite mapping H_ℓ ⋯ H_1 up to each sublayer: {tag}", vmin=0.0, vmax=1.0)
+    _save(fig, out_dir, f"{prefix}mixing_composite.png", figs,
+          "The product of the token-mean H_res from the first sublayer up to each sublayer: what depth does to the streams.")
     if run.get("dynamic"):
         fig = _heatmap_grid(plt, [r["H_spread"] for r in subs], titles, f"H_res spread (std over tokens): {tag}",
                             vmin=0.0)
@@ -928,7 +939,7 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
     axes[1].set_xlabel("sublayer ℓ")
     axes[1].set_title("distance from the doubly stochastic set (H̄)")
     axes[1].legend(fontsize=7)
-    fig.suptitle(tag, fontsize=9)
+    fig.suptitle(tag, fontsize=9, y=1.03)
     _save(fig, out_dir, f"{prefix}mixing_distances.png", figs,
           "Per sublayer: distance of the mean H_res from the identity and from its nearest permutation; row/column-sum errors.")
 
@@ -941,7 +952,7 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
         ax.set_xlabel("stream")
         ax.set_title(name, fontsize=9)
         fig.colorbar(im, ax=ax)
-    fig.suptitle(tag, fontsize=9)
+    fig.suptitle(tag, fontsize=9, y=1.03)
     _save(fig, out_dir, f"{prefix}read_write.png", figs,
           "Token-mean read weights h_pre and write weights h_post (xHC: p_j·H_post[j, y] on the written streams), sublayer × stream.")
 
@@ -1000,7 +1011,7 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
         axes[1].set_xlim(0, 1.05)
         axes[1].invert_yaxis()
         axes[1].legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-        fig.suptitle(tag, fontsize=9)
+        fig.suptitle(tag, fontsize=9, y=1.03)
         _save(fig, out_dir, f"{prefix}router.png", figs,
               "xHC router: load per stream per routing decision (sublayer, or window for Flash), fixed vs routed share, routed entropy.")
     conv = [r for r in subs if r.get("conv_kernels")]
