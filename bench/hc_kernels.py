@@ -549,8 +549,18 @@ def main(argv=None) -> int:
                    help="byte columns as the per-token slope between --tokens and twice as many tokens "
                         "(removes per-call terms such as reading the weights, which small token counts "
                         "inflate; used for the Triton interpreter, where every token costs seconds); no times")
+    p.add_argument("--recommend", action="store_true",
+                   help="measure eager vs compile for CPU tensors run eagerly (forward only and forward + "
+                        "backward, a few widths) and print which is faster (bench/kernel_choice.py): the "
+                        "measurement behind `kernels: auto` on CPU; --hidden/--tokens/--reps/--threads apply")
     args = p.parse_args(argv)
 
+    if args.recommend:
+        from bench.kernel_choice import recommend
+
+        hidden_r = [int(h) for h in str(args.hidden).split(",") if h] if args.hidden != "1024,2048" else [64, 256, 1024]
+        recommend(hidden_r, [args.tokens] if args.tokens else [16, 256], args.reps, args.threads)
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu")
     if args.threads:

@@ -28,11 +28,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# HCConfig.kernels='auto' on CPU times a probe to choose between the fused ops and the eager
-# reference (xhc.kernels.autoselect).  Tests (and the training runs they start in subprocesses)
-# must not depend on which one a loaded machine measured faster: fix it.  The probe itself is
-# tested in tests/test_hc_kernels_auto.py.
-os.environ.setdefault("XHC_HC_KERNELS_AUTO", "compile")
+# No product behaviour is fixed here for the whole session: `kernels: auto` is a fixed rule (no
+# probe), and a test that needs a particular backend says so in its own config.  (TRITON_INTERPRET
+# above only decides how Triton builds itself; `auto` never reads it.)
 
 # torch.compile reads TORCHDYNAMO_DISABLE at every call: a test (or a module it imports) that
 # leaves it set makes every later compile test silently run eagerly, and pass for the wrong
@@ -66,9 +64,21 @@ def run_torchrun():
     return _run
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_gloo: a CPU/gloo-path test; where CUDA is visible it runs in a child "
-                                       "process with CUDA hidden (see tests/conftest.py)")
+# Tiers (pytest.ini, CONTRIBUTING.md): a test is marked by what it does.  The fixtures tell for two
+# kinds (torchrun workers, torch.compile), and every heavy marker implies `slow`, so the fast tier
+# is `-m "not slow"`.
+_FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor"}
+_HEAVY = ("dist", "inductor", "interp", "install", "train", "journey")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for fixture, mark in _FIXTURE_MARKS.items():
+            if fixture in names:
+                item.add_marker(mark)
+        if any(item.get_closest_marker(m) for m in _HEAVY) and not item.get_closest_marker("slow"):
+            item.add_marker("slow")
 
 
 def _route_to_child() -> bool:

@@ -187,11 +187,11 @@ class Trainer:
         self.seq = cfg.batch.seq_length or self.preset.seq_length
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.log = _p if self.is_main else (lambda *_a, **_k: None)
-        if not self.cuda and self.preset.hc.enabled and self.preset.hc.kernels == "auto":
-            from xhc.kernels import autoselect
+        if self.preset.hc.enabled:
+            from xhc.kernels import resolve_backend
 
-            # every rank takes rank 0's measurement (replicated HC parameters must see the same maths)
-            self.log(f"[xhc] {autoselect.decide(broadcast=True).describe()}")
+            self.log(f"[xhc] HC kernels: {self.preset.hc.kernels} -> {resolve_backend(self.preset.hc, self.device)}"
+                     + (" (fixed rule: triton on CUDA, compile elsewhere)" if self.preset.hc.kernels == "auto" else ""))
         if self.preset.hc.enabled and self.preset.hc.kernels == "liger":
             from xhc.kernels import liger
 

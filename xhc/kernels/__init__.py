@@ -9,8 +9,9 @@ Backends (``HCConfig.kernels``):
            (zero graph breaks); eager-callable too
 ``triton`` the Triton kernels of :mod:`xhc.kernels.triton_ops` (CUDA tensors; the interpreter,
            ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
-``auto``   ``triton`` on CUDA when Triton imports; ``compile`` under ``torch.compile``; on CPU run
-           eagerly the faster of ``compile`` and ``eager`` (measured once, :mod:`.autoselect`)
+``auto``   ``triton`` on CUDA when Triton imports; ``compile`` everywhere else (CPU tensors, and
+           under ``torch.compile``).  A fixed rule: no measurement, no state, the same answer in
+           every process (docs/kernels.md, "auto")
 ``liger``  ``variant: mhc`` only: Liger-Kernel's fused coefficient op (:mod:`.liger`) where its
            maths equals ours; the ops here then resolve as for ``triton`` (``compile`` under
            ``torch.compile``, where Liger's op is not used either)
@@ -90,20 +91,41 @@ def triton_available() -> bool:
     return _TRITON_OK
 
 
+_RETIRED_ENV_CHECKED = False
+
+
+def _warn_retired_env() -> None:
+    """``XHC_HC_KERNELS_AUTO`` steered a timing probe that no longer exists: say so once."""
+    global _RETIRED_ENV_CHECKED
+    _RETIRED_ENV_CHECKED = True
+    if os.environ.get("XHC_HC_KERNELS_AUTO"):
+        import warnings
+
+        warnings.warn("XHC_HC_KERNELS_AUTO is no longer read: kernels 'auto' follows a fixed rule (compile on CPU, "
+                      "triton on CUDA); pin a backend with HCConfig.kernels / model.hc_kernels=eager|compile instead",
+                      UserWarning, stacklevel=3)
+
+
 def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.device, str, None] = None) -> str:
     """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
 
     ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
-    ``auto`` -> ``triton`` for CUDA devices when Triton imports; while ``torch.compile`` traces,
-    ``compile`` (inductor then writes the kernels); for CPU tensors run eagerly, whichever of
-    ``compile`` (the fused torch ops) and ``eager`` a one-time probe measured faster
-    (:mod:`xhc.kernels.autoselect`; ``XHC_HC_KERNELS_AUTO`` fixes it); else ``compile``.  An explicit
-    ``triton`` on a CPU device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set
-    (the Triton interpreter runs the kernels on CPU tensors).  ``liger`` resolves as ``triton`` (only
-    the mHC coefficients come from Liger-Kernel, :mod:`xhc.kernels.liger`), and as ``compile`` while
-    ``torch.compile`` traces.
+    A pure function of (the string, the device type, whether Triton imports, ``TRITON_INTERPRET``,
+    whether ``torch.compile`` is tracing): nothing is measured, so the same config on the same kind
+    of device with the same packages always runs the same maths.
+
+    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile`` (the fused torch ops:
+    on CPU they were faster than the eager reference in most of the shapes we measured, forward-only
+    and forward + backward, and they are what a compiled model traces; docs/kernels.md gives the
+    measurements, ``python -m bench.hc_kernels --recommend`` repeats them on your machine).  ``eager`` and ``compile`` are returned as given.  An explicit ``triton`` on a CPU
+    device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set (the Triton interpreter runs
+    the kernels on CPU tensors).  ``liger`` resolves as ``triton`` (only the mHC coefficients come from
+    Liger-Kernel, :mod:`xhc.kernels.liger`).  While ``torch.compile`` traces, ``auto`` and ``liger``
+    give ``compile`` (inductor then writes the kernels from the fused torch ops).
     """
     kernels = getattr(cfg_or_kernels, "kernels", cfg_or_kernels)
+    if kernels == "auto" and not _RETIRED_ENV_CHECKED:
+        _warn_retired_env()
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"HCConfig.kernels={kernels!r} is invalid: allowed values are {', '.join(KERNEL_CHOICES)}")
     if kernels == "liger":  # under torch.compile Liger's op is not used either (xhc/kernels/liger.py)
@@ -117,10 +139,6 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
         return "triton"
     if kernels == "triton" and _interpreting() and triton_available():
         return "triton"
-    if kernels == "auto" and dev.type == "cpu":
-        from xhc.kernels import autoselect
-
-        return autoselect.cpu_backend()
     return "compile"
 
 

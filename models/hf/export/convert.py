@@ -273,12 +273,33 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
     )
 
 
+# The exported model runs the HC maths on the ``eager`` backend (the readable reference functions,
+# plain PyTorch): inference needs no hand-written backward, no Triton and no Liger-Kernel, so these
+# modules are not shipped.  An import of one of them in the shipped code becomes a placeholder that
+# raises (with the reason) if it is ever used; it never is with ``hc.kernels: eager``.
+EXPORT_KERNELS = "eager"
+NOT_SHIPPED = ("xhc.kernels.triton_ops", "xhc.kernels.liger")
+NOT_SHIPPED_FILE = "xhc_not_shipped.py"
+_NOT_SHIPPED_SRC = '''"""Placeholder for the xhc modules an exported folder does not ship (it runs the eager HC path)."""
+
+
+class NotShipped:
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"{self._module}.{name}: this exported folder runs the hyper-connection maths on the "
+                           "eager backend only (config.json hc.kernels = 'eager'); the fused backends ship with "
+                           "the xhc package (pip install xhc), not with exported models")
+'''
+
+
 def export_remote_code(out_dir: str) -> List[str]:
     """Copy the remote code and the xhc modules it uses into ``out_dir``, flat, with relative imports.
 
     ``xhc.a`` becomes ``a.py`` and ``xhc.a.b`` (a module of the package ``xhc/a/``) becomes
     ``a_b.py``: transformers' remote-code loader resolves ``from .name import`` against files in
-    the same folder only.
+    the same folder only.  The modules in :data:`NOT_SHIPPED` (GPU kernels) are left out.
     """
     sources = [(os.path.join(REMOTE_DIR, n), n) for n in ("configuration_xhc_moe.py", "modeling_xhc_moe.py")]
     sources += [(xhc_module_file(mod), flat_module_name(mod) + ".py")
@@ -293,7 +314,9 @@ def export_remote_code(out_dir: str) -> List[str]:
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             f.write(text)
         written.append(name)
-    return written
+    with open(os.path.join(out_dir, NOT_SHIPPED_FILE), "w", encoding="utf-8") as f:
+        f.write(_NOT_SHIPPED_SRC)
+    return written + [NOT_SHIPPED_FILE]
 
 
 _FROM_XHC = re.compile(r"^(\s*)from xhc((?:\.\w+)*) import (.+)$", re.M)
@@ -342,7 +365,7 @@ def xhc_modules_needed(files: List[str]) -> List[str]:
     while todo:
         with open(todo.pop(), encoding="utf-8") as f:
             for mod in _imports_of(f.read()):
-                if mod not in seen and xhc_module_file(mod):
+                if mod not in seen and mod not in NOT_SHIPPED and xhc_module_file(mod):
                     seen.add(mod)
                     todo.append(xhc_module_file(mod))
     return sorted(seen)
@@ -359,6 +382,10 @@ def relative_imports(text: str) -> str:
             # a module import also names one attribute of the module in that form.
             lines = []
             for n, alias in pairs:
+                if f"xhc{pkg}.{n}" in NOT_SHIPPED:
+                    lines.append(f"{indent}from .{NOT_SHIPPED_FILE[:-3]} import NotShipped as _NotShipped  # noqa: E402")
+                    lines.append(f"{indent}{alias} = _NotShipped({'xhc' + pkg + '.' + n!r})")
+                    continue
                 flat = flat_module_name(f"xhc{pkg}.{n}")
                 lines.append(f"{indent}from .{flat} import __name__ as _{flat}_name  # noqa: F401 (listed for transformers)")
                 lines.append(f"{indent}from . import {flat} as {alias}")
@@ -497,7 +524,7 @@ def to_hf(src: Source, out_dir: str, dtype: str = "bf16", max_shard_size="5GB", 
         info = _training_info(src)
         write_hf_metadata(tmp, preset, kwargs, native, dtype, info, src)
         files += export_remote_code(tmp) if not native else []
-        files += export_tokenizer(src, tmp, log)
+        files += export_tokenizer(src, tmp, log, model_max_length=seq)
         write_model_card(tmp, preset, native, info, n_params, n_hc, dtype, src)
     secs = time.perf_counter() - t0
     return ExportReport(out_dir, native, "Glm4MoeForCausalLM" if native else "XHCMoeForCausalLM (remote code)",
@@ -575,7 +602,8 @@ def write_hf_metadata(out_dir: str, preset, kwargs: dict, native: bool, dtype: s
         spec = importlib.util.spec_from_file_location("_xhc_cfg", os.path.join(REMOTE_DIR, "configuration_xhc_moe.py"))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        cfg = mod.XHCMoeConfig(hc=preset.hc.to_dict(), **kwargs, eos_token_id=eos)
+        # the exported model's HC maths runs on the eager reference functions (EXPORT_KERNELS)
+        cfg = mod.XHCMoeConfig(hc=dict(preset.hc.to_dict(), kernels=EXPORT_KERNELS), **kwargs, eos_token_id=eos)
         cfg.auto_map = {"AutoConfig": "configuration_xhc_moe.XHCMoeConfig",
                         "AutoModel": "modeling_xhc_moe.XHCMoeModel",
                         "AutoModelForCausalLM": "modeling_xhc_moe.XHCMoeForCausalLM"}
@@ -617,9 +645,13 @@ def _eos_id(src: Source) -> Optional[int]:
     return int(t.eod)
 
 
-def export_tokenizer(src: Source, out_dir: str, log) -> List[str]:
+def export_tokenizer(src: Source, out_dir: str, log, model_max_length: Optional[int] = None) -> List[str]:
     """Our SentencePiece model (``tokenizer.model``) and the same tokenizer for ``transformers``
-    (``tokenizer.json`` + ``tokenizer_config.json``), encoding exactly as training did."""
+    (``tokenizer.json`` + ``tokenizer_config.json``), encoding exactly as training did.
+
+    ``tokenizer_config.json`` names its class, so ``AutoTokenizer.from_pretrained`` never needs the
+    model's remote code (no ``trust_remote_code`` question), and carries ``model_max_length``, the
+    trained sequence length."""
     path = _tokenizer_path(src)
     if path is None:
         log("[xhc-convert] note: the run has no tokenizer (mock data / raw ids): the folder has none")
@@ -627,12 +659,27 @@ def export_tokenizer(src: Source, out_dir: str, log) -> List[str]:
     if os.path.isdir(path):  # an HF tokenizer folder: copy it through transformers
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(path, local_files_only=True).save_pretrained(out_dir)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if model_max_length:
+            tok.model_max_length = int(model_max_length)
+        tok.save_pretrained(out_dir)
+        _name_tokenizer_class(out_dir, type(tok).__name__)
         return ["tokenizer.json"]
-    return sentencepiece_to_hf(path, out_dir)
+    return sentencepiece_to_hf(path, out_dir, model_max_length)
 
 
-def sentencepiece_to_hf(model_path: str, out_dir: str) -> List[str]:
+def _name_tokenizer_class(out_dir: str, cls: str) -> None:
+    """Write ``tokenizer_class`` into ``tokenizer_config.json`` (AutoTokenizer then does not read
+    config.json, whose ``auto_map`` would ask for ``trust_remote_code``)."""
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        conf = json.load(f)
+    conf["tokenizer_class"] = cls
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(conf, f, indent=2, ensure_ascii=False)
+
+
+def sentencepiece_to_hf(model_path: str, out_dir: str, model_max_length: Optional[int] = None) -> List[str]:
     """``tokenizer.model`` + a ``transformers`` fast tokenizer of the same SentencePiece model
     (no BOS/EOS added on encode, as training tokenises)."""
     import sentencepiece as spm
@@ -651,9 +698,12 @@ def sentencepiece_to_hf(model_path: str, out_dir: str) -> List[str]:
         i = fn()
         if i >= 0:
             specials[attr] = sp.id_to_piece(i)
+    if model_max_length:
+        specials["model_max_length"] = int(model_max_length)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
     tok.add_bos_token = False
     tok.save_pretrained(out_dir)
+    _name_tokenizer_class(out_dir, "PreTrainedTokenizerFast")
     return ["tokenizer.model", "tokenizer.json"]
 
 
@@ -687,8 +737,65 @@ def write_model_card(out_dir: str, preset, native: bool, info: dict, n_params: i
         "", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f"model = {load}", "tokenizer = AutoTokenizer.from_pretrained(path)", "```", "",
     ]
+    if not native:
+        lines += ["## Hyper-connection implementation", "",
+                  "The remote code runs the hyper-connection maths with xhc's `eager` backend: the readable "
+                  "reference functions, plain PyTorch, forward only (no Triton, no custom autograd; "
+                  "`config.json` → `hc.kernels: eager`). Training used the same equations through fused ops, "
+                  "so logits agree to fp32 round-off.", ""]
+        lines += hc_speed_lines(preset)
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines))
+
+
+def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
+    """Model-card lines: the measured time of one layer's hyper-connection read + write on the eager
+    path this folder runs, beside the fused ops of the xhc package, forward only, on this machine's CPU.
+    Built from a private generator inside ``fork_rng`` (the caller's RNG is untouched)."""
+    import statistics
+
+    from xhc.flash import XHCFlashLayer
+    from xhc.hyper_connection import HyperConnection
+    from xhc.xhc import XHCSublayer
+
+    C, hc = int(preset.backbone["hidden_size"]), preset.hc
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(tokens, 1, hc.n, C, generator=g)
+    y = torch.randn(tokens, 1, C, generator=g)
+    ms = {}
+    for backend in ("eager", "compile"):
+        cfg = dataclasses.replace(hc, kernels=backend)
+        with torch.random.fork_rng(devices=[]):
+            if hc.variant in ("xhc_flash", "xhc_flash4"):
+                mod = XHCFlashLayer(cfg, C, layer_index=1)
+            elif hc.is_xhc:
+                mod = XHCSublayer(cfg, C, is_mlp=True, layer_index=1)
+            else:
+                mod = HyperConnection(cfg, C, layer_index=1)
+
+        def run(mod=mod):
+            with torch.inference_mode():
+                if isinstance(mod, XHCFlashLayer):
+                    st = mod.begin(X)
+                    st = mod.attn_write(st, y + 0.0 * mod.attn_read(st), None)
+                    mod.mlp_write(st, y + 0.0 * mod.mlp_read(st), None)
+                else:
+                    u, ctx = mod.read(X)
+                    mod.write(X, y + 0.0 * u, ctx)
+
+        run()  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(1e3 * (time.perf_counter() - t0))
+        ms[backend] = statistics.median(times)
+    what = "one layer (attention + MLP window)" if hc.variant in ("xhc_flash", "xhc_flash4") else "one sublayer"
+    return [f"Speed, measured at export on this machine's CPU ({torch.get_num_threads()} threads), {what}'s "
+            f"read + write for {tokens} tokens at C = {C}, N = {hc.n}, forward only, median of {reps}:", "",
+            "| path | ms |", "|---|---|",
+            f"| eager (this folder) | {ms['eager']:.2f} |",
+            f"| fused ops (`kernels: compile`, the xhc package) | {ms['compile']:.2f} |", ""]
 
 
 # ================================================================================================
