@@ -57,6 +57,7 @@ setup(
             "xhc-finetune=training.finetune:main",
             "xhc-convert=tools.convert_checkpoint:main",
             "xhc-sweep=tools.sweep:main",
+            "xhc-inspect=tools.inspect:main",
         ]
     },
 )

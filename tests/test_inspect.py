@@ -418,7 +418,7 @@ def _png_has_content(path):
 
 @pytest.mark.slow
 @pytest.mark.train
-def test_trained_model_three_ways_same_numbers(trained, tmp_path):
+def test_trained_model_three_ways_same_numbers(trained, tmp_path, capsys):
     res = {k: _inspect(trained[k], tmp_path / k, "--no-figures") for k in ("run", "checkpoint", "hf")}
     ins = [res[k]["runs"][0]["inspections"] for k in ("run", "checkpoint", "hf")]
     assert [len(i) for i in ins] == [1, 1, 1] and ins[0][0]["step"] == 4 and ins[2][0]["step"] == 4
@@ -427,6 +427,11 @@ def test_trained_model_three_ways_same_numbers(trained, tmp_path):
     # a trained model, not the initial one: xHC's read starts exactly uniform, h_pre = 1/N (W_pre = 0,
     # b_pre = −ln(N − 1)), and 4 AdamW steps move it
     assert max(abs(h - 1 / 8) for s in ins[0][0]["sublayers"] for h in s["h_pre"]) > 1e-6
+    # --text needs a tokenizer; this mock-data run has none: one line naming the file
+    text = tmp_path / "notes.txt"
+    text.write_text("def main():\n    return 0\n")
+    msg = _error_line(capsys, [trained["run"], "--text", str(text), "--output", str(tmp_path / "t"), "--quiet"])
+    assert str(text) in msg and "tokenizer" in msg
 
 
 @pytest.mark.slow
