@@ -71,6 +71,14 @@ _FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor"}
 _HEAVY = ("dist", "inductor", "interp", "install", "train", "journey")
 
 
+def pytest_addoption(parser):
+    g = parser.getgroup("xhc")
+    g.addoption("--fast-first", action="store_true",
+                help="run the fast tier (not slow) first and stop before the slow tests if any fast test failed")
+    g.addoption("--strict-skips", action="store_true",
+                help="fail the session when a test skips that tests/skip_allowlist.txt does not list")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -79,6 +87,70 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if any(item.get_closest_marker(m) for m in _HEAVY) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
+    if config.getoption("--fast-first"):  # stable: file order within each tier
+        items[:] = [i for i in items if not i.get_closest_marker("slow")] + \
+                   [i for i in items if i.get_closest_marker("slow")]
+
+
+_fast_failed = []
+_skipped: dict = {}  # nodeid -> reason
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("--fast-first") and item.get_closest_marker("slow") and _fast_failed:
+        pytest.exit(f"the fast tier failed ({len(_fast_failed)} test(s), e.g. {_fast_failed[0]}): "
+                    "not starting the slow tests", returncode=1)
+
+
+def _record(report):
+    if report.failed and "slow" not in report.keywords:
+        _fast_failed.append(report.nodeid)
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped[report.nodeid] = reason
+
+
+def _allowlist():
+    import fnmatch  # noqa: F401
+
+    path = os.path.join(os.path.dirname(__file__), "skip_allowlist.txt")
+    rules = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line:
+                pattern, _, reason = line.partition("  ")
+                rules.append((pattern.strip(), reason.strip()))
+    return rules
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _skipped:
+        return
+    import fnmatch
+
+    rules = _allowlist()
+    tr = terminalreporter
+    tr.write_sep("-", f"{len(_skipped)} skipped test(s)")
+    unexpected = []
+    for nodeid, reason in sorted(_skipped.items()):
+        ok = any(fnmatch.fnmatch(nodeid, pat) for pat, _ in rules)
+        tr.write_line(f"{'allowed   ' if ok else 'NOT ALLOWED'} {nodeid}: {reason}")
+        if not ok:
+            unexpected.append(nodeid)
+    if unexpected and config.getoption("--strict-skips"):
+        tr.write_line(f"[xhc] {len(unexpected)} skip(s) not on tests/skip_allowlist.txt: add the test with its "
+                      "reason there, or make it run", red=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("--strict-skips") and _skipped:
+        import fnmatch
+
+        rules = _allowlist()
+        if any(not any(fnmatch.fnmatch(n, p) for p, _ in rules) for n in _skipped) and session.exitstatus == 0:
+            session.exitstatus = 1
 
 
 def _route_to_child() -> bool:
@@ -148,6 +220,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
+    _record(report)
     path = os.environ.get(_CHILD_REPORT)
     if not path:
         return

@@ -305,3 +305,20 @@ def test_compatibility_ignores_how_the_maths_runs_but_not_what_it_is():
     other = dataclasses.asdict(HCConfig(variant="xhc", n=16, k=8, kernels="compile"))
     with pytest.raises(CheckpointError, match=r"model\.hc\.k: saved 4, now 8"):
         check_compatible("ck", {"hc": saved}, {"hc": other})
+
+
+def test_file_preset_compares_by_real_path(tmp_path, monkeypatch):
+    """A run that recorded ``/abs/runs/X/preset.yaml:xhc`` resumes under the documented relative
+    ``runs/X/preset.yaml:xhc`` (the journey docs/conversion.md "Back to Megatron" found this)."""
+    from training.checkpoint import CheckpointError, check_compatible
+
+    (tmp_path / "runs" / "X").mkdir(parents=True)
+    (tmp_path / "runs" / "X" / "preset.yaml").write_text("name: x\n")
+    (tmp_path / "runs" / "Y").mkdir(parents=True)
+    (tmp_path / "runs" / "Y" / "preset.yaml").write_text("name: y\n")
+    monkeypatch.chdir(tmp_path)
+    saved = {"preset": f"{tmp_path}/runs/X/preset.yaml:xhc"}
+    check_compatible("ck", saved, {"preset": "runs/X/preset.yaml:xhc"})  # the same file: no error
+    for other in ("runs/Y/preset.yaml:xhc", "runs/X/preset.yaml:mhc", "tiny-moe:xhc"):
+        with pytest.raises(CheckpointError, match="holds model.preset="):
+            check_compatible("ck", saved, {"preset": other})

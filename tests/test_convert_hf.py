@@ -167,6 +167,19 @@ def test_generate_with_caches_equals_full_sequence_argmax(exported, variant):
     assert got.tolist() == seq.tolist()
 
 
+def test_fresh_process_no_grad_and_generate_every_variant(exported, tmp_path):
+    """The crash users met: in a fresh process with no pinning variable, the first HC call is a
+    ``no_grad`` forward (what ``generate`` and lm-eval do).  Every variant: a ``no_grad`` forward, an
+    ``inference_mode`` forward, then greedy cached ``generate`` equal to the argmax loop over full
+    forwards (tests/journey.py, GENERATE_CHECK)."""
+    from tests.journey import Workspace, generate_check
+
+    res = generate_check(Workspace(tmp_path / "ws"), [exported[v]["hf"] for v in VARIANTS])
+    assert len(res) == len(VARIANTS)
+    for path, r in res.items():
+        assert r["generate"] == r["argmax_loop"], path
+
+
 def test_cached_decode_logits_equal_full_forward(exported):
     """Token-by-token decoding of xHC reproduces the full-sequence logits at every position."""
     model = _hf(exported["xhc"]["hf"])

@@ -96,8 +96,8 @@ def test_resume(ws):
     assert "done: step 8/8" in first and "done: step 12/12" in second
     assert "resum" in second.lower()
     rows = _metrics(ws.root / "runs" / "my-run")
-    events = [r for r in rows if r.get("kind") == "event" or r.get("event")]
-    assert any("resume" in json.dumps(e) for e in events), "the resume is marked in metrics.jsonl"
+    resumes = [r for r in rows if r.get("kind") == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] == 8, "the resume is marked in metrics.jsonl"
     steps = [r["step"] for r in rows if r.get("kind") == "train"]
     assert max(steps) == 12 and 9 in steps
 

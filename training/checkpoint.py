@@ -265,6 +265,15 @@ RUNTIME_HC_FIELDS = frozenset({"kernels", "sinkhorn_recompute"})
 """HCConfig fields that choose how the maths runs, not what it is: a run may resume with other values."""
 
 
+def _preset_key(preset: str) -> str:
+    """A preset name as compared between runs: a file preset (``path/preset.yaml:variant``) by the
+    file's real path, so a relative path names the same preset as the absolute one a run recorded."""
+    path, sep, variant = str(preset).rpartition(":")
+    if sep and path.endswith((".yaml", ".yml")) and os.path.isfile(path):
+        return f"{os.path.realpath(path)}:{variant}"
+    return str(preset)
+
+
 def check_compatible(directory: str, body: dict, expected: dict, load_optimizer: bool = True,
                      load_rng: bool = True, sharded_optimizer: bool = False) -> None:
     """Raise a one-line :class:`CheckpointError` when ``directory`` (manifest ``body``) cannot resume this run.
@@ -276,7 +285,7 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
     where = f"checkpoint {directory}"
     fresh = "start a fresh run (another run.dir, or checkpoint.load=none)"
     saved, now = body.get("preset"), expected.get("preset")
-    if saved is not None and now is not None and saved != now:
+    if saved is not None and now is not None and _preset_key(saved) != _preset_key(now):
         raise CheckpointError(f"{where} holds model.preset={saved}, this run is model.preset={now}: resume with "
                               f"model.preset={saved}, or {fresh}; weights do not convert between presets")
     shc, nhc = body.get("hc"), expected.get("hc")
