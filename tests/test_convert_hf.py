@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore")]
 
 VARIANTS = ["vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4"]
 VOCAB, SEQ = 256, 48

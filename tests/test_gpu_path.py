@@ -30,6 +30,8 @@ from tests.test_optim import SEQ, TINY, VOCAB, megatron_scalars_on_cpu, parallel
 from training.optim import OptimizerConfig, build_optimizer
 from training.pretrain import Trainer, float16_module_keep_hc_fp32, params_synced
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for the CUDA-only checks")
 
 

@@ -30,6 +30,8 @@ from tests.megatron_utils import (  # noqa: E402
 )
 from xhc.config import HCConfig  # noqa: E402
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 cpu_only = pytest.mark.cpu_gloo  # on a CUDA machine: a child pytest with CUDA hidden (tests/conftest.py)
 
 XHC = dict(n=4, k=2, m=1)

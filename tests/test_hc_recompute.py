@@ -24,6 +24,8 @@ from models.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 from tests.megatron_utils import build_tiny_hc_gpt, lm_loss, tiny_batch, tiny_moe_config  # noqa: E402
 from xhc.config import HCConfig  # noqa: E402
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 XHC = dict(n=4, k=2, m=1)
 
 

@@ -20,6 +20,8 @@ from models.norms import LayerNorm, Norm, RMSNorm, substitute_norms  # noqa: E40
 from models.parallel import destroy_parallel, initialize_parallel, update_router_expert_bias  # noqa: E402
 from tests.megatron_utils import VOCAB, build_tiny_gpt, lm_loss, tiny_batch, tiny_moe_config  # noqa: E402
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 # Tests that run Megatron models through models.cpu_compat; on a CUDA machine they run in a child
 # pytest with CUDA hidden (the cpu_gloo marker, tests/conftest.py).
 cpu_only = pytest.mark.cpu_gloo

@@ -37,6 +37,8 @@ from training.optim import (
 from training.schedule import ScheduleConfig, build_scheduler
 from xhc.config import HCConfig
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 SMALL = {"num_layers": 2}
 TINY = {"num_layers": 2, "hidden_size": 32, "kv_channels": 8, "ffn_hidden_size": 64, "moe_ffn_hidden_size": 16,
         "moe_shared_expert_intermediate_size": 16}

@@ -14,6 +14,8 @@ import pytest
 
 from training.pretrain import Trainer, main
 
+pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
+
 BASE = ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=64", "batch.seq_length=16",
         "batch.micro_batch_size=2", "batch.global_batch_size=4", "schedule.warmup_steps=2",
         "logging.tensorboard=false", "logging.interval=1", "logging.hc_health_interval=2"]
