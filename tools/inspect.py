@@ -1288,11 +1288,17 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    args = parse_args(argv)
     import warnings
 
-    warnings.filterwarnings("ignore", message="Apex is not installed")
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    with warnings.catch_warnings():  # library deprecation notices would bury the progress lines
+        warnings.filterwarnings("ignore", module=r"megatron(\..*)?$")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\..*)?$")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        return _run_main(argv)
+
+
+def _run_main(argv=None) -> int:
+    args = parse_args(argv)
 
     def log(msg: str) -> None:
         if not args.quiet:
