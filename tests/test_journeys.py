@@ -153,6 +153,16 @@ def test_finetune_and_diagnose(ws):
     ft, diag = run_block(ws, "finetune")
     assert re.search(r"validation loss\s*[:=]?\s*\d", ft, re.I), ft[-3000:]
     assert "Traceback" not in diag and re.search(r"pass|ok", diag, re.I), diag[-2000:]
+    # the finetuned adapter on its backbone, in a fresh process: no_grad first, generate == argmax loop
+    script = (
+        "from training.finetune import FinetuneConfig, build_backbone\n"
+        "from models.hf import load_adapter\n"
+        + _check_body()
+        + "\ncfg = FinetuneConfig.load('configs/finetune/tiny_cpu.yaml', ['data.path=my_chats.jsonl'])\n"
+        "m = load_adapter(build_backbone(cfg.model, cfg.train.seed), cfg.train.out_dir + '/adapter').eval()\n"
+        "r = check(m, m.config.vocab_size)\nassert r['generate'] == r['argmax_loop'], r\nprint('FINETUNED-OK')\n"
+    )
+    assert "FINETUNED-OK" in ws.python(script).stdout
 
 
 def test_sweep_print_run_fit(ws):
