@@ -483,3 +483,32 @@ def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
         assert np.allclose(s["H_composite"], P, rtol=0, atol=1e-12)  # what mixing_composite.png draws
         assert f == pytest.approx(np.abs(P).sum(1).max(), rel=1e-12)
         assert b == pytest.approx(np.abs(P).sum(0).max(), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_text_file_tokens_through_the_folders_tokenizer(zoo, tmp_path):
+    """``--text``: the file is encoded with the exported folder's tokenizer (here a word-level
+    tokenizer.json written into a copy of the xHC folder) and the first --tokens ids are used."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = tmp_path / "xhc-hf"
+    shutil.copytree(zoo["xhc"]["hf"], hf)
+    words = ["[UNK]", "alpha", "beta", "gamma", "delta"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(hf / "tokenizer.json"))
+    text = tmp_path / "notes.txt"
+    text.write_text(" ".join(words[1 + i % 4] for i in range(60)))
+    res = _inspect(str(hf), tmp_path / "out", "--text", str(text), "--no-figures")
+    m = res["runs"][0]["inspections"][0]
+    assert m["tokens"] == {"count": 48, "shape": [1, 48], "from": f"--text {text}"}
+    # ids 1..4 only: the embedding rows of four words, so the entry state has four distinct tokens
+    from safetensors import safe_open
+
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        E = f.get_tensor("model.embed_tokens.weight").double()
+    ids = torch.tensor([1 + i % 4 for i in range(48)])
+    want = float(E[ids].pow(2).mean().sqrt())
+    assert m["depth"]["stream_rms"][0] == pytest.approx([want] * 8, rel=1e-6)

@@ -237,7 +237,8 @@ def model_info_hf(target: Target) -> ModelInfo:
         hf_config = _remote_config_class().from_json_file(os.path.join(target.path, "config.json"))
         hf_config.hc = hc.to_dict()
     step = (meta.get("training") or {}).get("step")
-    tok = target.path if os.path.isfile(os.path.join(target.path, "tokenizer.json")) else None
+    tok = target.path if any(os.path.isfile(os.path.join(target.path, f)) for f in ("tokenizer.model", "tokenizer.json")) \
+        else None
     return ModelInfo(hc, hf_config, int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]),
                      int(cfg.get("max_position_embeddings") or 128), meta.get("preset") or "hf", step, tok)
 
@@ -353,10 +354,17 @@ def _text_tokens(path: str, info: ModelInfo, count: int) -> Tuple[List[int], str
         raise InspectError(f"--text {path}: the source has no tokenizer to encode it with (mock data or raw ids)")
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    if os.path.isdir(info.tokenizer):
-        from transformers import AutoTokenizer
+    if os.path.isdir(info.tokenizer):  # an exported folder: the tokenizer training used, else tokenizer.json
+        spm = os.path.join(info.tokenizer, "tokenizer.model")
+        if os.path.isfile(spm):
+            from training.data import Tokenizer
 
-        ids = AutoTokenizer.from_pretrained(info.tokenizer, local_files_only=True)(text)["input_ids"]
+            ids = Tokenizer.from_file(spm).tokenize(text)
+        else:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            ids = HFTokenizer.from_file(os.path.join(info.tokenizer, "tokenizer.json")).encode(
+                text, add_special_tokens=False).ids
     else:
         from training.data import Tokenizer
 
