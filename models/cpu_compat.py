@@ -2,7 +2,8 @@
 
 Megatron-Core assumes CUDA in a handful of places that are not about GPU kernels at all: it
 allocates small buffers on ``torch.cuda.current_device()``, keeps its dropout RNG streams in the
-CUDA generator, and (0.16.x only) leaves a Transformer-Engine symbol unbound when TE is absent.
+CUDA generator, and (0.16.x only) leaves a Transformer-Engine symbol unbound when TE is absent
+(on CPU and GPU alike: :func:`bind_te_less_moe_names`, applied on import, patch 3 below).
 :func:`enable_cpu_mode` redirects exactly those calls.  It is
 
 - **a no-op when CUDA is available** (it returns ``False`` and touches nothing), so the GPU path
@@ -33,7 +34,12 @@ The patches:
 3. ``megatron.core.transformer.moe.moe_utils``: in 0.16.x the TE imports sit in one
    ``try/except ImportError`` and, without TE, ``te_general_gemm`` (and the ``fused_*`` router /
    permute kernels) are never bound, so the router's gating GEMM raises ``NameError``.  They are
-   bound to ``None`` (0.17+ do exactly this themselves).
+   bound to ``None`` (0.17+ do exactly this themselves).  The condition is "Transformer Engine
+   absent" (``moe_utils.HAVE_TE`` false), not "CUDA absent": a CUDA machine without TE (the
+   project's GPU check image) hits the same ``NameError``.  So this one is not part of
+   :func:`enable_cpu_mode`'s CPU-only patches: :func:`bind_te_less_moe_names` runs when this
+   module is imported (``models.parallel`` imports it, so every trainer and check does), on CPU
+   and GPU alike, and is not undone by :func:`disable_cpu_mode`.
 4. ``transformer.utils.get_default_causal_mask`` / ``get_sliding_window_causal_mask`` (also
    imported by name into ``fusions.fused_softmax``) build the causal mask with ``device="cuda"``
    when the caller passes ``attention_mask=None``; CPU copies replace both names.
@@ -63,6 +69,8 @@ from megatron.core.tensor_parallel import random as _mrandom
 
 __all__ = [
     "CpuRNGStatesTracker",
+    "TE_ONLY_MOE_NAMES",
+    "bind_te_less_moe_names",
     "cpu_mode_enabled",
     "cpu_safe_overrides",
     "disable_cpu_mode",
@@ -172,6 +180,37 @@ def _patch_streams() -> None:
         _patch(torch.cuda, "current_stream", cpu_stream)
 
 
+# The names 0.16.x's moe_utils imports from Megatron's TE extension in one try/except ImportError.
+TE_ONLY_MOE_NAMES = (
+    "te_general_gemm",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_and_pad_with_probs",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+)
+
+
+def bind_te_less_moe_names(moe_utils: Any = None) -> List[str]:
+    """Patch 3: where Megatron's ``moe_utils`` found no Transformer Engine (``HAVE_TE`` false),
+    bind the TE-only names it left unbound to ``None``, as 0.17+ do themselves; Megatron then
+    takes its torch paths (``if te_general_gemm is not None``, ``if not HAVE_TE or fused_x is
+    None``).  Independent of CUDA; a no-op where TE imported or every name is bound (0.17+).
+    Returns the names it bound.  ``moe_utils``: the module (default: Megatron's)."""
+    if moe_utils is None:
+        moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if getattr(moe_utils, "HAVE_TE", False):
+        return []
+    bound = [name for name in TE_ONLY_MOE_NAMES if not hasattr(moe_utils, name)]
+    for name in bound:
+        setattr(moe_utils, name, None)
+    return bound
+
+
 def cpu_mode_enabled() -> bool:
     """True while :func:`enable_cpu_mode`'s patches are installed."""
     return _ENABLED
@@ -210,22 +249,9 @@ def enable_cpu_mode() -> bool:
         # A CUDA tracker made before CPU mode cannot fork on CPU; replace it with an empty one.
         _patch(_mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
 
-    # 3. 0.16.x: TE-only names left unbound in moe_utils when TE is missing.
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    for name in (
-        "te_general_gemm",
-        "fused_compute_score_for_moe_aux_loss",
-        "fused_moe_aux_loss",
-        "fused_permute",
-        "fused_permute_and_pad_with_probs",
-        "fused_permute_with_probs",
-        "fused_sort_chunks_by_index",
-        "fused_sort_chunks_by_index_with_probs",
-        "fused_topk_with_score_function",
-        "fused_unpermute",
-    ):
-        if not hasattr(moe_utils, name):
-            _patch(moe_utils, name, None)
+    # 3. 0.16.x: TE-only names left unbound in moe_utils when TE is missing (also done at import,
+    #    on CPU and GPU alike: bind_te_less_moe_names).
+    bind_te_less_moe_names()
 
     # 4. The default causal / sliding-window masks (used by the unfused softmax when no
     #    attention_mask is passed) are built with device="cuda" (0.16.1-0.19.0).  fused_softmax
@@ -306,3 +332,7 @@ def cpu_safe_overrides() -> Dict[str, Any]:
 
     fields = getattr(TransformerConfig, "__dataclass_fields__", {})
     return {k: v for k, v in overrides.items() if k in fields}
+
+
+# Patch 3 on every path, CPU or GPU, as soon as the trainer's modules are imported.
+bind_te_less_moe_names()
