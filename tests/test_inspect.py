@@ -336,6 +336,7 @@ def _assert_same(a, b, path="", tol=SAME_TOL):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_source_kind_for_every_variant(zoo, variant, tmp_path, capsys):
     z = zoo[variant]
@@ -381,6 +382,7 @@ def test_every_source_kind_for_every_variant(zoo, variant, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 def test_vanilla_is_reported_in_one_clear_line(zoo, tmp_path, capsys):
     rc = _inspect_main()([zoo["vanilla"]["run"], "--output", str(tmp_path / "v"), "--quiet"])
     out = capsys.readouterr().out.strip().splitlines()
@@ -422,6 +424,7 @@ def _png_has_content(path):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 @pytest.mark.train
 def test_trained_model_three_ways_same_numbers(trained, tmp_path, capsys):
     res = {k: _inspect(trained[k], tmp_path / k, "--no-figures") for k in ("run", "checkpoint", "hf")}
@@ -441,6 +444,7 @@ def test_trained_model_three_ways_same_numbers(trained, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 @pytest.mark.train
 def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
     out = tmp_path / "all"
@@ -486,6 +490,7 @@ def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 def test_text_file_tokens_through_the_folders_tokenizer(zoo, tmp_path):
     """``--text``: the file is encoded with the exported folder's tokenizer (here a word-level
     tokenizer.json written into a copy of the xHC folder) and the first --tokens ids are used."""
@@ -515,6 +520,7 @@ def test_text_file_tokens_through_the_folders_tokenizer(zoo, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 @pytest.mark.parametrize("variant", ["hc", "mhc", "xhc", "xhc-flash", "xhc-flash4"])
 def test_layer_driver_matches_the_exported_models_forward(zoo, variant, tmp_path):
     """The per-stream RMS that xhc-inspect records after each layer equals the state of the exported
