@@ -899,6 +899,18 @@ def _heatmap_grid(plt, mats: List, titles: List[str], suptitle: str, vmin=None, 
     return fig
 
 
+def _tame(ax) -> None:
+    """No offset notation ("1e-8 + 1") on an axis whose values are all but equal: show ±1 % around them."""
+    import numpy as np
+
+    ys = np.concatenate([np.asarray(l.get_ydata(), dtype=float) for l in ax.lines] or [np.zeros(0)])
+    ys = ys[np.isfinite(ys)]
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    if ys.size and ys.max() - ys.min() < 1e-3 * max(abs(ys).max(), 1e-12):
+        c = float(ys.mean())
+        ax.set_ylim(c - 0.01 * max(abs(c), 1e-12), c + 0.01 * max(abs(c), 1e-12))
+
+
 def _sub_title(r: dict) -> str:
     return f"L{r['layer'] + 1} {'attn' if r['kind'] == 'attention' else 'mlp'}" + (
         f" {r['window_sublayer']}" if "window_sublayer" in r else "")
@@ -974,6 +986,8 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
     if max(m["gain"]["forward"] + m["gain"]["backward"]) > 10:
         ax.set_yscale("log")
     ax.legend(fontsize=7)
+    if ax.get_yscale() == "linear":
+        _tame(ax)
     ax.set_title(f"composite Amax gain over depth: {tag}", fontsize=9)
     _save(fig, out_dir, f"{prefix}gain.png", figs,
           "Composite forward and backward Amax gain of H_ℓ⋯H_1 over depth ([mHC] Fig. 3); 1 for doubly stochastic products.")
@@ -1145,6 +1159,7 @@ def figures_compare(runs: List[dict], out_dir: str) -> list:
                             "max / min stream RMS over depth (layers)")):
         ax.set_title(t, fontsize=9)
         ax.legend(fontsize=6)
+        _tame(ax)
     _save(fig, out_dir, "compare.png", figs,
           "The SOURCEs side by side: distance from the identity, forward and backward gain, and the spread of stream RMS.")
     return figs
