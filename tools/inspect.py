@@ -243,6 +243,49 @@ def model_info_hf(target: Target) -> ModelInfo:
                      int(cfg.get("max_position_embeddings") or 128), meta.get("preset") or "hf", step, tok)
 
 
+def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
+    """``(group, {megatron name: tensor})`` for the embedding, each layer and the head, loading one group
+    at a time with ``dist_checkpointing`` (which reshards any saved layout).
+
+    Like ``models.hf.export.convert.stream_checkpoint``, except that the storage is given to *copies*
+    of the sharded-state-dict entries: the meta model's entries stay on ``meta``, so a loaded group is
+    freed as soon as the caller drops it (materialising the entries themselves keeps every group
+    alive through the model's sharded state dict, and memory grows by one layer per layer).
+    """
+    import copy
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from models.hf.export import mapping as M
+
+    groups: Dict[str, dict] = {}
+    for name, entry in model.sharded_state_dict().items():
+        groups.setdefault(M.group_of(name), {})[name] = entry
+    for g in M.sort_groups(groups):
+        part = {}
+        for name, entry in groups[g].items():
+            if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+                e = copy.copy(entry)
+                e.data = _empty_cpu(entry.data)
+                part[name] = e
+        try:
+            loaded = dist_checkpointing.load(part, checkpoint)
+        except Exception as e:
+            raise InspectError(f"{checkpoint}: cannot read {g} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}); is it a checkpoint of this preset?") from None
+        out = {k: v for k, v in loaded.items() if hasattr(v, "dtype")}
+        del part, loaded
+        yield g, out
+        del out
+
+
+def _empty_cpu(t):
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
 def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> Iterator[Tuple[str, Dict]]:
     """``(group, {hf name: tensor})``: the embedding, then each decoder layer, read one group at a time
     from the checkpoint by ``dist_checkpointing`` (``models.hf.export.convert.stream_checkpoint``)."""
@@ -253,7 +296,7 @@ def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> It
     with C.single_rank():
         model = C.build_single_rank_model(preset, info.vocab_size, info.seq_length)
         try:
-            for g, tensors in C.stream_checkpoint(model, src.checkpoint, progress=False):
+            for g, tensors in _stream_groups(model, src.checkpoint):
                 if g == "head":
                     break  # the final norm and LM head are not needed
                 yield g, M.megatron_to_hf(tensors, arch, fused_experts=True)
@@ -722,6 +765,16 @@ class Recorder:
         }
 
 
+def _rss_mb() -> float:
+    """This process's resident memory now, in MB (psutil; 0 when unavailable)."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 1e6
+    except Exception:  # pragma: no cover
+        return 0.0
+
+
 def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, log: Callable[[str], None],
                    device: str = "cpu") -> dict:
     """Run the tokens through the streamed layers, one at a time, on ``device``, and return the measures."""
@@ -764,7 +817,8 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
             X = rec.run_layer(i, layer.self_attention_hyper_connection, layer.mlp_hyper_connection,
                               lambda u, _l=layer: _l._attn(u, **kw), layer._mlp, X, None, i == info.num_layers - 1)
             del layer
-            log(f"layer {i + 1}/{info.num_layers} ({nbytes / 1e6:.1f} MB) {time.perf_counter() - t0:.1f}s")
+            log(f"layer {i + 1}/{info.num_layers} ({nbytes / 1e6:.1f} MB of tensors) {time.perf_counter() - t0:.1f}s, "
+                f"RSS {_rss_mb():.0f} MB")
     if len(rec.depth_labels) != info.num_layers + 1:
         raise InspectError(f"the source holds {len(rec.depth_labels) - 1} of {info.num_layers} layers")
     out = rec.result()
