@@ -548,3 +548,29 @@ def test_layer_driver_matches_the_exported_models_forward(zoo, variant, tmp_path
         assert m["depth"]["stream_rms"][i + 1] == pytest.approx(want, rel=1e-4)
         checked += 1
     assert checked >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_checkpoint_stream_holds_one_group_at_a_time(zoo):
+    """Streaming from a checkpoint keeps nothing of a group once the next one is read, and the model
+    it reads through stays on the meta device."""
+    import gc
+    import weakref
+
+    from models.hf.export import convert as C
+    from tools.inspect import _stream_groups, model_info_checkpoint, resolve
+
+    target = resolve(zoo["xhc"]["run"])
+    info, src, preset = model_info_checkpoint(target, target.checkpoints[0][1], target.checkpoints[0][0])
+    refs, seen = [], []
+    with C.single_rank():
+        model = C.build_single_rank_model(preset, info.vocab_size, info.seq_length)
+        for g, tensors in _stream_groups(model, src.checkpoint):
+            gc.collect()
+            assert all(r() is None for r in refs), f"a tensor of the group before {g} is still alive"
+            refs = [weakref.ref(t) for t in tensors.values()]
+            seen.append(g)
+            del tensors
+        assert all(p.is_meta for p in model.parameters())
+    assert seen == ["embedding", "layer.0", "layer.1", "layer.2", "layer.3", "head"]
