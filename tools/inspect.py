@@ -1370,7 +1370,7 @@ def _main(argv=None) -> int:
     with warnings.catch_warnings():  # library deprecation notices would bury the progress lines
         warnings.filterwarnings("ignore", module=r"megatron(\..*)?$")
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed(\..*)?$")
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(torch|transformers)(\..*)?$")
         return _run_main(argv)
 
 
