@@ -1,217 +1,338 @@
 #!/usr/bin/env bash
-# The GPU path, proven on a GPU in under 8 minutes (docs/gpu.md).  One PASS / FAIL / SKIP line
-# per check, with its numbers, and a summary; the full output goes to a log file.
+# The GPU path, checked on one lent GPU in one device-tool command (docs/gpu.md).  One PASS / FAIL /
+# SKIP line per check, printed as soon as it is measured; a JSON per step and a summary rewritten
+# after every step, so a kill keeps what was measured.
 #
-#   bash bench/gpu_check.sh                  # one GPU: steps 1-6
-#   bash bench/gpu_check.sh --nproc 2        # two GPUs: TP, PP, VPP, EP, CP, DP layouts + the
-#                                            #   overlap_param_gather save check
-#   bash bench/gpu_check.sh --dry-run        # print the plan (the commands), run nothing
+#   bash bench/gpu_check.sh                  # one GPU: steps 0-5 (docs/gpu.md has the time plan)
+#   bash bench/gpu_check.sh --dry-run        # print the plan (limits, commands), run nothing
 #   bash bench/gpu_check.sh --cpu-smoke      # the Python checks shrunk, on CPU (no GPU needed)
+#   bash bench/gpu_check.sh --nproc 2        # two GPUs (TP, PP, VPP, EP, CP, DP); refused at once
+#                                            #   where fewer are visible (no device time spent)
 #
-# Options: --log FILE (default runs/gpu_check-<time>.log), --python PY (an interpreter that
-# has torch; default: $XHC_PYTHON, then ./runs/.venv-gpu, then python3), --wheels DIR (offline
-# wheels for what that interpreter lacks: megatron-core, pyyaml, ...), --budget SECONDS
-# (default 470: later steps are skipped once the budget is spent).
+# Options: --out DIR (results; default $OUT when set, else runs/gpu_check-<time>), --python PY
+# (an interpreter with torch; default $XHC_PYTHON, then python3), --wheels DIR (carried wheels
+# for what PY lacks, default .whl; made by tools/device_wheels.sh), --budget SECONDS (default 540:
+# the step limits below sum to it; steps past it are skipped), --steps LIST (comma-separated step
+# names, default all).
 #
-# Python: if the interpreter imports torch but not megatron.core, a venv runs/.venv-gpu is made
-# with --system-site-packages (it reuses the CUDA torch), the missing requirements are
-# installed (from --wheels when given) and this repository with `pip install -e . --no-deps`.
+# Results (in DIR; at most 8 files, the device tool returns 8): gpu_check.log (everything),
+# summary.json (rewritten after every step), step-<i>-<name>.json (one per step: written as
+# "pending" at the start, "running" while it runs, then its rows, exit status and time).
+# Exit status: 0 when no check failed, 1 when any did, 2 for bad options or --nproc 2 refused.
 set -u -o pipefail
+export PYTHONUNBUFFERED=1
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 NPROC=1
 DRY=0
 SMOKE=0
-LOG=""
+RESULTS="${OUT:-}"
 PY="${XHC_PYTHON:-}"
-WHEELS=""
-BUDGET=470
+WHEELS=".whl"
+BUDGET=540
+ONLY=""
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --nproc) NPROC="$2"; shift 2 ;;
+    --nproc) NPROC="${2:-}"; shift 2 || shift ;;
     --dry-run) DRY=1; shift ;;
     --cpu-smoke) SMOKE=1; shift ;;
-    --log) LOG="$2"; shift 2 ;;
-    --python) PY="$2"; shift 2 ;;
-    --wheels) WHEELS="$2"; shift 2 ;;
-    --budget) BUDGET="$2"; shift 2 ;;
+    --out) RESULTS="${2:-}"; shift 2 || shift ;;
+    --python) PY="${2:-}"; shift 2 || shift ;;
+    --wheels) WHEELS="${2:-}"; shift 2 || shift ;;
+    --budget) BUDGET="${2:-}"; shift 2 || shift ;;
+    --steps) ONLY="${2:-}"; shift 2 || shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-case "$NPROC" in 1|2) ;; *) echo "error: --nproc must be 1 or 2, got $NPROC" >&2; exit 2 ;; esac
+case "$NPROC" in 1|2) ;; *) echo "error: --nproc must be 1 or 2, got '$NPROC'" >&2; exit 2 ;; esac
+case "$BUDGET" in ''|*[!0-9]*) echo "error: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
 
+# ---- the plan: name, time limit (s), command (limits sum to the default budget, 540 s) -----------
 STAMP=$(date +%Y%m%d-%H%M%S)
-[ -n "$LOG" ] || LOG="runs/gpu_check-$STAMP.log"
-mkdir -p "$(dirname "$LOG")"
-WORK="runs/gpu_check-$STAMP"
-DEVICE=cuda
-CHECK_ARGS=(--workdir "$WORK")
-if [ "$SMOKE" = 1 ]; then DEVICE=cpu; CHECK_ARGS+=(--device cpu --smoke); fi
-
-# ---- the plan: name, time limit (s), command ---------------------------------------------------
-PLAN_NAMES=()
-PLAN_LIMITS=()
-PLAN_CMDS=()
-plan() { PLAN_NAMES+=("$1"); PLAN_LIMITS+=("$2"); PLAN_CMDS+=("$3"); }
-CHK="\$PY -m bench.gpu_checks ${CHECK_ARGS[*]}"
+WORK="$ROOT/runs/gpu_check-$STAMP"
+[ -n "$RESULTS" ] || RESULTS="$WORK"
+CHK="\$PY -m bench.gpu_checks --workdir $WORK/checks"
+[ "$SMOKE" = 1 ] && CHK="$CHK --device cpu --smoke"
+NAMES=(); LIMITS=(); CMDS=()
+plan() { NAMES+=("$1"); LIMITS+=("$2"); CMDS+=("$3"); }
 if [ "$NPROC" = 1 ]; then
-  plan "1+4+5 train/eval, pipeline boundary, spec parity" 120 "$CHK train_eval pipeline spec"
-  plan "2 variants (selective recompute)" 80 "$CHK variants"
-  plan "3 checkpoint round trips" 110 "$CHK resume"
+  plan env 30 "(environment, below)"
   if [ "$SMOKE" = 1 ]; then
-    plan "6a kernel tests (CUDA)" 5 "echo 'SKIP kernel tests: CPU smoke run'"
-    plan "6b HC kernel benchmark" 5 "echo 'SKIP HC kernel benchmark: CPU smoke run'"
+    plan kernels 75 "echo 'SKIP kernel tests: CPU smoke run (they run under TRITON_INTERPRET=1 in the test suite)'"
   else
-    plan "6a kernel tests (CUDA)" 60 "if [ -f tests/test_hc_kernels.py ]; then \$PY -m pytest -q -x -p no:cacheprovider tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend' && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda, tests/test_liger_mhc.py -k liger_backend' || echo 'FAIL kernel tests: see the log'; else echo 'SKIP (not present) kernel tests: tests/test_hc_kernels.py'; fi"
-    plan "6b HC kernel benchmark" 40 "if [ -f bench/hc_kernels.py ]; then \$PY -m bench.hc_kernels --device cuda --dtype bf16 --hidden 2048 --tokens 8192 && echo 'PASS HC kernel benchmark: numbers above' || echo 'FAIL HC kernel benchmark: see the log'; else echo 'SKIP (not present) HC kernel benchmark: bench/hc_kernels.py'; fi"
+    plan kernels 75 "\$PY -m pytest -q -p no:cacheprovider -o addopts= --timeout 60 tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend' && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda, tests/test_liger_mhc.py -k liger_backend' || echo 'FAIL kernel tests: see the pytest lines above'"
   fi
-  plan "6c throughput, shrunk paper preset" 90 "$CHK throughput"
+  plan train 150 "$CHK --json \$STEP_JSON train_eval pipeline spec variants"
+  plan resume 70 "$CHK --json \$STEP_JSON resume"
+  plan throughput 90 "$CHK --json \$STEP_JSON throughput"
+  plan bench 125 "$CHK --json \$STEP_JSON bench"
 else
-  LAUNCH="\$TORCHRUN --standalone --nproc_per_node 2"
-  plan "2-GPU layouts + overlap_param_gather save" 420 "$LAUNCH -m bench.gpu_checks ${CHECK_ARGS[*]} multi"
+  plan env 30 "(environment, below)"
+  plan multi 510 "\$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.gpu_checks --workdir $WORK/checks --json \$STEP_JSON multi"
 fi
+if [ -n "$ONLY" ]; then
+  for s in ${ONLY//,/ }; do
+    printf '%s\n' "${NAMES[@]}" | grep -qx "$s" || { echo "error: --steps: unknown step '$s'; steps are: ${NAMES[*]}" >&2; exit 2; }
+  done
+fi
+selected() { [ -z "$ONLY" ] || [ "$1" = env ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 if [ "$DRY" = 1 ]; then
-  echo "bench/gpu_check.sh plan (--nproc $NPROC, device $DEVICE, budget ${BUDGET}s, log $LOG):"
-  echo "  0. environment: python with torch + megatron.core (venv runs/.venv-gpu if needed), GPU name, versions"
-  for i in "${!PLAN_NAMES[@]}"; do
-    echo "  step ${PLAN_NAMES[$i]} (limit ${PLAN_LIMITS[$i]}s): ${PLAN_CMDS[$i]}"
+  total=0; for l in "${LIMITS[@]}"; do total=$((total + l)); done
+  echo "bench/gpu_check.sh plan (--nproc $NPROC, $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo 'cuda'), budget ${BUDGET}s, step limits sum ${total}s, results $RESULTS):"
+  for i in "${!NAMES[@]}"; do
+    selected "${NAMES[$i]}" || continue
+    echo "  step $i ${NAMES[$i]} (limit ${LIMITS[$i]}s): ${CMDS[$i]}"
   done
+  echo "  then, if step train failed on the triton backend: step train again with --hc-kernels compile (limit: what is left, at most 150s)"
   exit 0
 fi
 
+# ---- --nproc 2 where fewer GPUs are visible: refuse before anything else --------------------------
+if [ "$NPROC" = 2 ] && [ "$SMOKE" = 0 ]; then
+  NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  if [ "${NGPU:-0}" -lt 2 ]; then
+    echo "error: --nproc 2 needs 2 GPUs, nvidia-smi lists ${NGPU:-0}; run bash bench/gpu_check.sh (one GPU) instead" >&2
+    exit 2
+  fi
+fi
+
+mkdir -p "$RESULTS" "$WORK"
+LOG="$RESULTS/gpu_check.log"
+SUMMARY_JSON="$RESULTS/summary.json"
+SYSPY=$(command -v python3 || command -v python)
 exec > >(tee -a "$LOG") 2>&1
 T0=$(date +%s)
-echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) nproc=$NPROC device=$DEVICE log=$LOG"
+
+# JSON helpers (stdlib only, atomic rewrite): jset FILE key=value ... keeps the other keys (rows).
+jset() {
+  "$SYSPY" - "$@" <<'PY'
+import json, os, sys
+path = sys.argv[1]
+try:
+    with open(path) as f:
+        d = json.load(f)
+except (OSError, ValueError):
+    d = {}
+for kv in sys.argv[2:]:
+    k, v = kv.split("=", 1)
+    try:
+        d[k] = json.loads(v)
+    except ValueError:
+        d[k] = v
+tmp = path + ".tmp"
+with open(tmp, "w") as f:
+    json.dump(d, f, indent=1)
+os.replace(tmp, path)
+PY
+}
+step_json() { echo "$RESULTS/step-$1-$2.json"; }
+SUMMARY=()
+write_summary() {  # $1: state (running / done / killed)
+  local nfail=0 l
+  for l in "${SUMMARY[@]}"; do case "$l" in FAIL*) nfail=$((nfail + 1)) ;; esac; done
+  printf '%s\n' "${SUMMARY[@]}" | "$SYSPY" -c '
+import json, os, sys
+lines = [l for l in sys.stdin.read().splitlines() if l]
+d = {"state": sys.argv[2], "elapsed_s": int(sys.argv[3]), "budget_s": int(sys.argv[4]), "failed": int(sys.argv[5]),
+     "current_step": sys.argv[6], "lines": lines}
+tmp = sys.argv[1] + ".tmp"
+json.dump(d, open(tmp, "w"), indent=1)
+os.replace(tmp, sys.argv[1])' "$SUMMARY_JSON" "$1" "$(( $(date +%s) - T0 ))" "$BUDGET" "$nfail" "${CURRENT:-}"
+}
+
+echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) nproc=$NPROC $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo cuda) budget=${BUDGET}s results=$RESULTS"
 if command -v git >/dev/null 2>&1 && git rev-parse --git-dir >/dev/null 2>&1; then
   echo "[gpu_check] commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ local changes)')"
 fi
-SUMMARY=()
+CURRENT=""
+for i in "${!NAMES[@]}"; do  # every step's JSON exists from the start: a kill leaves "pending" ones
+  if selected "${NAMES[$i]}"; then
+    jset "$(step_json "$i" "${NAMES[$i]}")" step="${NAMES[$i]}" index="$i" limit_s="${LIMITS[$i]}" status=pending \
+      command="${CMDS[$i]}" rows='[]'
+  fi
+done
+write_summary running
 
-# ---- 0. environment ------------------------------------------------------------------------------
+# ---- step 0: environment ------------------------------------------------------------------------
 has() { "$1" -c "import $2" >/dev/null 2>&1; }
-pick_python() {
-  for cand in "$PY" "$ROOT/runs/.venv-gpu/bin/python" python3 python; do
+env_step() {
+  local js; js=$(step_json 0 env)
+  CURRENT=env; jset "$js" status=running started_s="$(( $(date +%s) - T0 ))"; write_summary running
+  echo ""; echo "=== step 0 env (limit ${LIMITS[0]}s)"
+  local cand found=""
+  for cand in "$PY" python3 python; do
     [ -n "$cand" ] || continue
-    command -v "$cand" >/dev/null 2>&1 || [ -x "$cand" ] || continue
-    if has "$cand" torch; then PY="$cand"; return 0; fi
-  done
-  return 1
-}
-env_fail() { echo "FAIL environment: $1"; SUMMARY+=("FAIL environment: $1"); }
-if ! pick_python; then
-  env_fail "no python with torch found (set --python or XHC_PYTHON)"
-else
-  [ -d runs/.gpu-deps ] && export PYTHONPATH="$ROOT/runs/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"  # an earlier install
-  if ! has "$PY" "megatron.core" || ! has "$PY" yaml; then
-    # A venv on top of the interpreter's packages (its CUDA torch stays the one used); where
-    # venv is unavailable, a --target folder on PYTHONPATH.  megatron-core without its
-    # dependencies, so that pip never replaces torch.
-    PIPOPT=(-q --disable-pip-version-check)
-    [ -n "$WHEELS" ] && PIPOPT+=(--no-index --find-links "$WHEELS")
-    mkdir -p runs
-    [ -x runs/.venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages runs/.venv-gpu >/dev/null 2>&1
-    if [ -x runs/.venv-gpu/bin/python ] && has runs/.venv-gpu/bin/python torch; then
-      echo "[gpu_check] $PY lacks megatron.core / yaml: installing into runs/.venv-gpu (system site packages)"
-      PY="$ROOT/runs/.venv-gpu/bin/python"
-      DEST=()
-    else  # no venv module, or $PY is itself a venv (a venv on top of it does not see its torch)
-      rm -rf runs/.venv-gpu
-      echo "[gpu_check] $PY lacks megatron.core / yaml: installing into runs/.gpu-deps (on PYTHONPATH)"
-      DEST=(--target "$ROOT/runs/.gpu-deps")
-      export PYTHONPATH="$ROOT/runs/.gpu-deps${PYTHONPATH:+:$PYTHONPATH}"
+    if command -v "$cand" >/dev/null 2>&1 || [ -x "$cand" ]; then
+      if has "$cand" torch; then found="$cand"; break; fi
     fi
-    "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" --no-deps "megatron-core>=0.16.1" \
-      && "$PY" -m pip install "${PIPOPT[@]}" "${DEST[@]}" pyyaml packaging tqdm \
-      || echo "[gpu_check] installing the requirements failed (offline? pass --wheels DIR with megatron-core and pyyaml)"
-  fi
-  if ! "$PY" -c "import training.pretrain" >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-      || echo "[gpu_check] pip install -e . --no-deps failed; running from the source tree (PYTHONPATH)"
-  fi
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  INFO=$("$PY" - "$DEVICE" <<'PY' 2>&1
-import sys
-import torch
-want = sys.argv[1]
+  done
+  if [ -z "$found" ]; then
+    ENV_LINE="FAIL environment: no python with torch (tried ${PY:-} python3 python); pass --python PY"
+  else
+    PY="$found"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    local missing=()
+    has "$PY" megatron.core || missing+=("megatron-core>=0.16.1,<0.20")
+    if ! has "$PY" liger_kernel && ls "$WHEELS"/liger_kernel-*.whl >/dev/null 2>&1; then missing+=("liger-kernel"); fi
+    has "$PY" yaml || missing+=("pyyaml")
+    if [ "${#missing[@]}" -gt 0 ]; then
+      # No registry on the lent machine: the carried wheels (tools/device_wheels.sh), --no-deps so
+      # that pip never touches the image's torch / triton, into a folder on PYTHONPATH (python3 there
+      # is itself a venv: a venv on top of it would not see its torch).
+      local site="$WORK/site"
+      if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "[gpu_check] $PY lacks ${missing[*]}: installing from $WHEELS (--no-index) into $site"
+        timeout --kill-after=5 60 "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" --no-deps \
+          --no-compile --no-cache-dir --target "$site" "${missing[@]}" \
+          || echo "[gpu_check] pip install --no-index from $WHEELS failed for: ${missing[*]}"
+        export PYTHONPATH="$ROOT:$site${PYTHONPATH#$ROOT}"
+      else
+        echo "[gpu_check] $PY lacks ${missing[*]} and $WHEELS holds no wheels: run tools/device_wheels.sh here first and carry $WHEELS"
+      fi
+    fi
+    ENV_LINE=$(timeout --kill-after=5 "$(( ${LIMITS[0]} * 2 ))" "$PY" - "$SMOKE" "$js" <<'PY' 2>&1 | tail -1
+import json, os, sys
+smoke, path = sys.argv[1] == "1", sys.argv[2]
+info = {"python": sys.version.split()[0], "executable": sys.executable}
+problems = []
 try:
-    import megatron.core as mc
-    mcv = getattr(mc, "__version__", "?")
-except Exception as e:  # reported, the checks will fail loudly
-    mcv = f"MISSING ({type(e).__name__})"
+    import torch
+    info.update(torch=torch.__version__, torch_path=os.path.dirname(torch.__file__), cuda=torch.version.cuda, gpus=torch.cuda.device_count(),
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+    if not smoke and not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+except Exception as e:
+    problems.append(f"torch: {type(e).__name__}: {e}")
+from importlib import metadata
+for mod, key, dist in (("megatron.core", "megatron_core", "megatron-core"), ("triton", "triton", "triton"),
+                       ("transformers", "transformers", "transformers"), ("liger_kernel", "liger_kernel", "liger-kernel"),
+                       ("transformer_engine", "transformer_engine", "transformer-engine"), ("yaml", "pyyaml", "pyyaml")):
+    try:
+        m = __import__(mod, fromlist=["_"])
+        try:
+            info[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[key] = getattr(m, "__version__", "?")
+        info[key + "_path"] = os.path.dirname(getattr(m, "__file__", "") or "")
+    except Exception as e:
+        info[key] = f"missing ({type(e).__name__})"
+if str(info["megatron_core"]).startswith("missing"):
+    problems.append("megatron-core not importable (carry its wheel: tools/device_wheels.sh)")
 try:
-    import transformer_engine
-    te = transformer_engine.__version__
-except Exception:
-    te = "not installed"
-gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-n = torch.cuda.device_count()
-ok = (want == "cpu" or torch.cuda.is_available()) and not mcv.startswith("MISSING")
-print(f"{'PASS' if ok else 'FAIL'} environment: python {sys.version.split()[0]}, torch {torch.__version__} "
-      f"(CUDA {torch.version.cuda}), {n} GPU(s): {gpu}; megatron-core {mcv}; transformer-engine {te}")
+    from models import cpu_compat  # noqa: F401  (binds 0.16.x's TE-only names when TE is absent)
+    from xhc.kernels import resolve_backend
+    # on CPU auto measures eager against compile at first use (xhc.kernels.autoselect): not here
+    info["hc_kernels_auto"] = resolve_backend("auto", "cuda") if not smoke else "eager or compile (CPU: measured at first use)"
+except Exception as e:
+    problems.append(f"xhc: {type(e).__name__}: {e}")
+with open(path) as f:
+    d = json.load(f)
+d["environment"] = info
+with open(path, "w") as f:
+    json.dump(d, f, indent=1)
+text = (f"python {info['python']}, torch {info.get('torch')} (CUDA {info.get('cuda')}), {info.get('gpus')} GPU(s): "
+        f"{info.get('gpu')}; triton {info['triton']}; megatron-core {info['megatron_core']}; transformers "
+        f"{info['transformers']}; liger-kernel {info['liger_kernel']}; transformer-engine "
+        f"{info['transformer_engine']}; HC kernels (auto) -> {info.get('hc_kernels_auto')}")
+print(("FAIL environment: " + "; ".join(problems) + " | " if problems else "PASS environment: ") + text)
 PY
 )
-  echo "$INFO"
-  VERDICT=$(echo "$INFO" | grep -E '^(PASS|FAIL) environment' | tail -1)
-  [ -n "$VERDICT" ] || VERDICT="FAIL environment: $PY: $(echo "$INFO" | tail -1)"
-  SUMMARY+=("$VERDICT")
-  TORCHRUN=("$PY" -m torch.distributed.run)
-  if [ "$NPROC" = 2 ] && [ "$SMOKE" = 0 ]; then
-    NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-    [ "$NGPU" -ge 2 ] || env_fail "--nproc 2 needs 2 GPUs, found $NGPU"
+    case "$ENV_LINE" in PASS*|FAIL*) ;; *) ENV_LINE="FAIL environment: $PY: $ENV_LINE" ;; esac
   fi
-fi
-
-# ---- the steps ---------------------------------------------------------------------------------
-run_step() {
-  local name="$1" limit="$2" cmd="$3" out rc now left
-  now=$(date +%s)
-  left=$((BUDGET - (now - T0)))
-  if [ "$left" -lt 15 ]; then
-    echo "SKIP step $name: time budget spent"; SUMMARY+=("SKIP step $name: time budget spent"); return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo ""
-  echo "=== step $name (limit ${limit}s)"
-  cmd=${cmd//\$PY/$PY}
-  cmd=${cmd//\$TORCHRUN/${TORCHRUN[*]}}
-  out=$(mktemp)
-  timeout --signal=TERM --kill-after=10 "$limit" bash -c "$cmd" 2>&1 | tee "$out"
-  rc=${PIPESTATUS[0]}
-  local lines
-  lines=$(grep -E '^(PASS|FAIL|SKIP) ' "$out")
-  if [ -n "$lines" ]; then
-    while IFS= read -r l; do SUMMARY+=("$l"); done <<< "$lines"
-  fi
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    SUMMARY+=("FAIL step $name: timed out after ${limit}s")
-  elif [ "$rc" != 0 ] && ! grep -qE '^FAIL ' "$out"; then
-    SUMMARY+=("FAIL step $name: exit code $rc (see $LOG)")
-  fi
-  echo "[gpu_check] step $name: exit $rc after $(( $(date +%s) - now ))s"
-  rm -f "$out"
+  echo "$ENV_LINE"
+  SUMMARY+=("$ENV_LINE")
+  local st=PASS; case "$ENV_LINE" in FAIL*) st=FAIL ;; esac
+  local row
+  row=$("$SYSPY" -c 'import json, sys; head, _, text = sys.argv[1].partition(": "); st, _, name = head.partition(" ")
+print(json.dumps([{"status": st, "name": name, "text": text}]))' "$ENV_LINE")
+  jset "$js" status="$st" elapsed_s="$(( $(date +%s) - T0 ))" rows="$row"
+  write_summary running
 }
 
-if printf '%s\n' "${SUMMARY[@]}" | grep -q '^FAIL environment'; then
-  echo "[gpu_check] environment not usable: steps not run"
-else
-  for i in "${!PLAN_NAMES[@]}"; do
-    run_step "${PLAN_NAMES[$i]}" "${PLAN_LIMITS[$i]}" "${PLAN_CMDS[$i]}"
-  done
-fi
+# ---- steps 1-5 ------------------------------------------------------------------------------------
+run_step() {  # index name limit command [label]
+  local i="$1" name="$2" limit="$3" cmd="$4" label="${5:-$2}" js out rc now left t1 lines
+  js=$(step_json "$i" "$name")
+  now=$(date +%s)
+  left=$((BUDGET - (now - T0)))
+  if [ "$left" -lt 10 ]; then
+    SUMMARY+=("SKIP step $label: time budget spent (${BUDGET}s)"); echo "${SUMMARY[-1]}"
+    jset "$js" status=skipped reason="time budget spent"; write_summary running; return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo ""; echo "=== step $i $label (limit ${limit}s)"
+  CURRENT=$label; jset "$js" status=running started_s="$((now - T0))" limit_s="$limit"; write_summary running
+  cmd=${cmd//\$PY/$PY}
+  cmd=${cmd//\$STEP_JSON/$js}
+  out="$WORK/step-$i-$label.out"
+  STEP_JSON="$js" timeout --signal=TERM --kill-after=5 "$limit" bash -c "$cmd" > >(tee "$out") 2>&1
+  rc=$?
+  sleep 0.2  # let tee flush
+  t1=$(( $(date +%s) - now ))
+  lines=$(grep -E '^(PASS|FAIL|SKIP) ' "$out" || true)
+  if [ -n "$lines" ]; then while IFS= read -r l; do SUMMARY+=("$l"); done <<< "$lines"; fi
+  local status=PASS
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    SUMMARY+=("FAIL step $label: timed out after ${limit}s (the rows above were measured before)"); status=TIMEOUT
+  elif [ "$rc" != 0 ]; then
+    grep -qE '^FAIL ' "$out" || SUMMARY+=("FAIL step $label: exit code $rc (see gpu_check.log)")
+    status=FAIL
+  elif grep -qE '^FAIL ' "$out"; then status=FAIL
+  fi
+  STEP_STATUS=$status
+  jset "$js" status="$status" exit_code="$rc" elapsed_s="$t1" attempt_label="$label"
+  echo "[gpu_check] step $i $label: $status (exit $rc) after ${t1}s"
+  write_summary running
+}
 
-# ---- summary -----------------------------------------------------------------------------------
-echo ""
-echo "=== summary ($(( $(date +%s) - T0 ))s, log $LOG)"
+env_step
+WARM_PID=""
+if [ "$SMOKE" = 0 ] && selected bench && [[ "$ENV_LINE" == PASS* ]]; then
+  # Every step shares one Triton and one inductor cache; the benchmark's rows are compiled once in
+  # the background while steps 1-4 run, so that step 5 times warm-cache code (its "first call").
+  export TRITON_CACHE_DIR="$WORK/cache/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/cache/inductor"
+  nice -n 5 "$PY" -m bench.gpu_checks --workdir "$WORK/warm" --warm bench > "$WORK/warm.out" 2>&1 &
+  WARM_PID=$!
+  echo "[gpu_check] benchmark warm-up started in the background (pid $WARM_PID, output $WORK/warm.out)"
+fi
+case "$ENV_LINE" in
+  FAIL*) echo "[gpu_check] environment not usable: steps not run"
+         for i in "${!NAMES[@]}"; do [ "$i" = 0 ] && continue; selected "${NAMES[$i]}" && jset "$(step_json "$i" "${NAMES[$i]}")" status=skipped reason="environment failed"; done ;;
+  *)
+    for i in "${!NAMES[@]}"; do
+      [ "$i" = 0 ] && continue
+      selected "${NAMES[$i]}" || continue
+      if [ "${NAMES[$i]}" = bench ] && [ -n "$WARM_PID" ]; then
+        if kill -0 "$WARM_PID" 2>/dev/null; then echo "[gpu_check] benchmark warm-up still running: its rows compile in step 5"
+        else echo "[gpu_check] benchmark warm-up done: $(grep -c '^\[warm\]' "$WORK/warm.out") rows compiled"; fi
+      fi
+      run_step "$i" "${NAMES[$i]}" "${LIMITS[$i]}" "${CMDS[$i]}"
+      if [ "${NAMES[$i]}" = train ] && [ "$STEP_STATUS" != PASS ] && [ "$SMOKE" = 0 ]; then
+        # The training checks failed on the triton backend (auto on CUDA): once more on compile, which
+        # says whether the Triton kernels or something else failed.  Its time comes off the later steps.
+        echo "[gpu_check] step train failed with HC kernels auto (triton): running it again with --hc-kernels compile"
+        SUMMARY+=("FAIL train on triton: the training checks failed with HC kernels auto (triton); rerun on compile below")
+        jset "$(step_json "$i" train)" status_triton="$STEP_STATUS"
+        run_step "$i" "${NAMES[$i]}" "${LIMITS[$i]}" "${CMDS[$i]/--json/--hc-kernels compile --json}" "train-compile"
+      fi
+    done ;;
+esac
+CURRENT=""
+if [ -n "$WARM_PID" ] && kill -0 "$WARM_PID" 2>/dev/null; then kill "$WARM_PID" 2>/dev/null; fi
+
+# ---- summary ------------------------------------------------------------------------------------
 NFAIL=0
-for l in "${SUMMARY[@]}"; do
-  echo "$l"
-  case "$l" in FAIL*) NFAIL=$((NFAIL + 1)) ;; esac
-done
+for l in "${SUMMARY[@]}"; do case "$l" in FAIL*) NFAIL=$((NFAIL + 1)) ;; esac; done
+echo ""
+echo "=== summary ($(( $(date +%s) - T0 ))s of ${BUDGET}s, results in $RESULTS)"
+printf '%s\n' "${SUMMARY[@]}"
 if [ "$NFAIL" = 0 ]; then echo "[gpu_check] ALL PASSED (SKIP lines are not failures)"; else echo "[gpu_check] $NFAIL FAILED"; fi
-rm -rf "$WORK"
+write_summary done
+# the run's scratch (installed wheels, caches, checkpoints); the results stay
+if [ "$RESULTS" != "$WORK" ]; then rm -rf "$WORK"; else rm -rf "$WORK/site" "$WORK/checks" "$WORK/cache" "$WORK/warm"; fi
 [ "$NFAIL" = 0 ]

@@ -6,11 +6,18 @@ Run::
     python -m bench.gpu_checks variants
     python -m bench.gpu_checks resume
     python -m bench.gpu_checks throughput
+    python -m bench.gpu_checks bench                           # HC units: eager vs triton vs compile
     torchrun --nproc_per_node 2 -m bench.gpu_checks multi      # two GPUs (TP, PP, VPP, EP, CP, DP)
     python -m bench.gpu_checks --smoke --device cpu train_eval # the same code, shrunk, on CPU
+    python -m bench.gpu_checks --json step.json --hc-kernels compile variants
+
+``--json FILE``: every line is also appended to ``rows`` of that JSON file the moment it is
+printed (bench/gpu_check.sh's step files), so a kill keeps what was measured.  ``--hc-kernels``:
+the HC kernel backend of every model (default: the models' ``auto``, i.e. ``triton`` on CUDA).
 
 Every check prints one line ``PASS <name>: <numbers>``, ``FAIL <name>: <why>`` or ``SKIP <name>:
-<why>`` (rank 0 only) and carries on with the next; the exit status is 1 if any check failed.
+<why>`` (rank 0 only) as soon as it is measured, each variant and optimiser in its own ``try``, and
+carries on with the next; the exit status is 1 if any check failed.
 Pass criteria are relative to the quantity each check guards against (one update, the
 bf16-vs-fp32 difference), never to a timing.  Each check drives the real trainer
 (:class:`training.pretrain.Trainer`) or the zoo models; on a GPU that is bf16 with fp32 HC
@@ -43,19 +50,52 @@ THROUGHPUT_VARIANTS = ("vanilla", "mhc", "xhc-flash4")
 class Ctx:
     """Settings shared by the checks."""
 
-    def __init__(self, device: str, smoke: bool, workdir: str):
+    def __init__(self, device: str, smoke: bool, workdir: str, json_path: Optional[str] = None,
+                 hc_kernels: Optional[str] = None, warm: bool = False):
         self.cuda = device == "cuda"
         self.smoke = smoke
         self.workdir = workdir
+        self.json_path = json_path
+        self.hc_kernels = hc_kernels
+        self.warm = warm  # bench: compile every row once (fills the caches), measure nothing
         self.results: List[str] = []
         rank = int(os.environ.get("RANK", "0"))
         self.main = rank == 0
+        self.t0 = time.perf_counter()
 
-    def report(self, status: str, name: str, text: str) -> None:
+    @property
+    def backend(self) -> str:
+        return self.hc_kernels or "auto"
+
+    def report(self, status: str, name: str, text: str, data: Optional[dict] = None) -> None:
         line = f"{status} {name}: {text}"
         self.results.append(line)
         if self.main:
             print(line, flush=True)
+            row = {"status": status, "name": name, "text": text, "hc_kernels": self.backend,
+                   "t_s": round(time.perf_counter() - self.t0, 1)}
+            if data:
+                row["data"] = data
+            self.update_json(row=row)
+
+    def update_json(self, row: Optional[dict] = None, **keys) -> None:
+        """Append ``row`` to ``rows`` / set ``keys`` in the --json file (read, change, atomic rewrite)."""
+        if not (self.json_path and self.main):
+            return
+        import json
+
+        try:
+            with open(self.json_path) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            d = {}
+        if row is not None:
+            d.setdefault("rows", []).append(row)
+        d.update(keys)
+        tmp = self.json_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f, indent=1)
+        os.replace(tmp, self.json_path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,6 +114,7 @@ def overrides_for(ctx: Ctx, tag: str, preset: str = "tiny-moe:xhc", steps: int =
         "logging.interval=1000", "checkpoint.interval=0", "checkpoint.save_final=false",
         "checkpoint.save_on_signal=false", "checkpoint.checksum=none", "schedule.warmup_steps=1",
         "schedule.decay_fraction=0.5",
+        *([f"model.hc_kernels={ctx.hc_kernels}"] if ctx.hc_kernels else []),
         *extra]
 
 
@@ -198,9 +239,13 @@ def check_train_eval(ctx: Ctx) -> None:
         if eval_loss is None or not math.isfinite(eval_loss):
             problems.append(f"eval loss {eval_loss}")
         hc_state = "HC fp32 == fp32 init" if ctx.cuda else "HC fp32 (CPU: no bf16 wrap)"
+        from xhc.kernels import resolve_backend
+
+        hc_backend = resolve_backend(ctx.backend, "cuda" if ctx.cuda else "cpu")
         text = (f"losses {', '.join(f'{x:.4f}' for x in losses)}, eval {eval_loss:.4f}; {hc_state} "
                 f"({len(hc_now)} tensors); {'bf16' if config.bf16 else 'fp32'}, spec {'TE' if te else 'local'}, "
-                f"dispatcher {dispatcher}; token counts untouched by eval ({len(before)} routers); "
+                f"dispatcher {dispatcher}, HC kernels {ctx.backend} -> {hc_backend}; token counts untouched by eval "
+                f"({len(before)} routers); "
                 f"peak memory {peak_gib(ctx)}")
         if ctx.cuda and not te:
             text += " [TE not installed: local spec]"
@@ -238,59 +283,68 @@ def check_variants(ctx: Ctx) -> None:
 # ------------------------------------------------------------------------------------------------
 def check_resume(ctx: Ctx) -> None:
     for opt in ("adamw", "muon"):
-        extra = [f"optimizer.name={opt}", "optimizer.lr=1e-2"]
-        ck = os.path.join(ctx.workdir, f"ckpt-{opt}")
-        # uninterrupted: 3 steps
-        tr = make_trainer(ctx, overrides_for(ctx, f"straight-{opt}", extra=extra))
-        w0 = weights(tr)
-        run_steps(tr, 3)
-        w_straight = weights(tr)
-        close(tr)
-        # 2 steps, save
-        tr = make_trainer(ctx, overrides_for(ctx, f"first-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
-        run_steps(tr, 2)
-        w2 = weights(tr)
-        state2 = {f"{i}": {k: v.detach().clone() for k, v in tr._unwrap(c).state_dict().items() if torch.is_tensor(v)}
-                  for i, c in enumerate(tr.chunks)}
-        consumed = tr.consumed_samples
-        tr.save_checkpoint("gpu-check")
-        close(tr)
-        update = l2_diff(w_straight, w2)  # the size of one update: what a wrong resume would be off by
-        # resume (model, optimizer, scheduler, RNG), 1 step
-        tr = make_trainer(ctx, overrides_for(ctx, f"resumed-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
-        resumed_at = tr.step
-        run_steps(tr, 1)
-        err = l2_diff(weights(tr), w_straight)
-        close(tr)
-        ok = resumed_at == 2 and err <= 0.05 * update
-        ctx.report("PASS" if ok else "FAIL", f"resume {opt}",
-                   f"resumed at step {resumed_at}; ||3 steps - (2 + save + load + 1)|| = {err:.3g} "
-                   f"(one update: {update:.3g}; limit 5%)")
-        # load_optimizer=false: 1 step after loading == a fresh optimiser on the loaded weights
-        tr = make_trainer(ctx, overrides_for(ctx, f"noopt-{opt}", extra=extra + [
-            f"checkpoint.dir={ck}", "checkpoint.load_optimizer=false"]))
-        run_steps(tr, 1)
-        w_noopt = weights(tr)
-        close(tr)
-        def load_saved(chunks):  # before the bf16 wrap, DDP and the optimiser: built on these weights
-            for i, c in enumerate(chunks):
-                c.load_state_dict(state2[f"{i}"], strict=False)
+        try:
+            _resume_one(ctx, opt)
+        except Exception as e:  # one optimiser failing must not hide the other
+            if ctx.main:
+                traceback.print_exc()
+            ctx.report("FAIL", f"resume {opt}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
-        tr = make_trainer(ctx, overrides_for(ctx, f"fresh-{opt}", extra=extra), load_saved if ctx.cuda else None)
-        if not ctx.cuda:
-            for i, c in enumerate(tr.chunks):
-                tr._unwrap(c).load_state_dict(state2[f"{i}"], strict=False)
-            tr.setup_optimizer()
-        tr.step, tr.consumed_samples = 2, consumed
-        run_steps(tr, 1)
-        w_fresh = weights(tr)
-        close(tr)
-        err = l2_diff(w_noopt, w_fresh)
-        travel = l2_diff(w2, w0)  # what stale main copies would add (back to the initial weights)
-        ok = err <= 0.05 * travel
-        ctx.report("PASS" if ok else "FAIL", f"resume {opt} load_optimizer=false",
-                   f"||resumed - fresh optimiser on loaded weights|| = {err:.3g} "
-                   f"(stale main copies would be off by ~{travel:.3g}; limit 5%)")
+
+def _resume_one(ctx: Ctx, opt: str) -> None:
+    extra = [f"optimizer.name={opt}", "optimizer.lr=1e-2"]
+    ck = os.path.join(ctx.workdir, f"ckpt-{opt}")
+    # uninterrupted: 3 steps
+    tr = make_trainer(ctx, overrides_for(ctx, f"straight-{opt}", extra=extra))
+    w0 = weights(tr)
+    run_steps(tr, 3)
+    w_straight = weights(tr)
+    close(tr)
+    # 2 steps, save
+    tr = make_trainer(ctx, overrides_for(ctx, f"first-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
+    run_steps(tr, 2)
+    w2 = weights(tr)
+    state2 = {f"{i}": {k: v.detach().clone() for k, v in tr._unwrap(c).state_dict().items() if torch.is_tensor(v)}
+              for i, c in enumerate(tr.chunks)}
+    consumed = tr.consumed_samples
+    tr.save_checkpoint("gpu-check")
+    close(tr)
+    update = l2_diff(w_straight, w2)  # the size of one update: what a wrong resume would be off by
+    # resume (model, optimizer, scheduler, RNG), 1 step
+    tr = make_trainer(ctx, overrides_for(ctx, f"resumed-{opt}", extra=extra + [f"checkpoint.dir={ck}"]))
+    resumed_at = tr.step
+    run_steps(tr, 1)
+    err = l2_diff(weights(tr), w_straight)
+    close(tr)
+    ok = resumed_at == 2 and err <= 0.05 * update
+    ctx.report("PASS" if ok else "FAIL", f"resume {opt}",
+               f"resumed at step {resumed_at}; ||3 steps - (2 + save + load + 1)|| = {err:.3g} "
+               f"(one update: {update:.3g}; limit 5%)")
+    # load_optimizer=false: 1 step after loading == a fresh optimiser on the loaded weights
+    tr = make_trainer(ctx, overrides_for(ctx, f"noopt-{opt}", extra=extra + [
+        f"checkpoint.dir={ck}", "checkpoint.load_optimizer=false"]))
+    run_steps(tr, 1)
+    w_noopt = weights(tr)
+    close(tr)
+    def load_saved(chunks):  # before the bf16 wrap, DDP and the optimiser: built on these weights
+        for i, c in enumerate(chunks):
+            c.load_state_dict(state2[f"{i}"], strict=False)
+
+    tr = make_trainer(ctx, overrides_for(ctx, f"fresh-{opt}", extra=extra), load_saved if ctx.cuda else None)
+    if not ctx.cuda:
+        for i, c in enumerate(tr.chunks):
+            tr._unwrap(c).load_state_dict(state2[f"{i}"], strict=False)
+        tr.setup_optimizer()
+    tr.step, tr.consumed_samples = 2, consumed
+    run_steps(tr, 1)
+    w_fresh = weights(tr)
+    close(tr)
+    err = l2_diff(w_noopt, w_fresh)
+    travel = l2_diff(w2, w0)  # what stale main copies would add (back to the initial weights)
+    ok = err <= 0.05 * travel
+    ctx.report("PASS" if ok else "FAIL", f"resume {opt} load_optimizer=false",
+               f"||resumed - fresh optimiser on loaded weights|| = {err:.3g} "
+               f"(stale main copies would be off by ~{travel:.3g}; limit 5%)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,7 +374,7 @@ def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, sta
     bf16 = ctx.cuda if bf16 is None else bf16
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    preset = load_preset(name)
+    preset = load_preset(name, hc_overrides={"kernels": ctx.hc_kernels} if ctx.hc_kernels else None)
     dtype = torch.bfloat16 if bf16 else torch.float32
     parallel = {}
     if stage is not None:
@@ -451,33 +505,122 @@ def check_spec(ctx: Ctx) -> None:
 def check_throughput(ctx: Ctx) -> None:
     steps = 4 if ctx.smoke else 20
     preset = "tiny-moe" if ctx.smoke else "moe-2p5b"
-    rows = []
-    for v in THROUGHPUT_VARIANTS:
-        extra = ["model.recompute=selective"]
-        over = overrides_for(ctx, f"tput-{v}", f"{preset}:{v}", steps, extra)
-        if not ctx.smoke:  # 4 of 15 layers, 8k tokens per micro-batch, 2 micro-batches
-            over += ["model.backbone.num_layers=4", "batch.seq_length=2048", "batch.micro_batch_size=4",
-                     "batch.global_batch_size=8", "tokenizer.vocab_size=32768"]
-            from models.specs import HAVE_TE
-
-            if HAVE_TE:  # as configs/pretrain/*: grouped expert GEMMs, fused wgrad accumulation
-                over += ["model.backbone.moe_grouped_gemm=true", "model.backbone.gradient_accumulation_fusion=true"]
-        tr = make_trainer(ctx, over)
-        try:
-            recs = run_steps(tr, steps)
-        finally:
-            close(tr)
-        timed = recs[max(1, steps // 4):]  # after warm-up
-        tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
-        mfu = sorted(r["mfu"] for r in timed)[len(timed) // 2]
-        finite = all(math.isfinite(r["loss"]) for r in recs)
-        rows.append((v, tps, mfu, finite, recs[-1]["loss"]))
-    base = rows[0][1]
-    ok = all(r[3] for r in rows)
-    table = "; ".join(f"{v}: {tps:,.0f} tok/s ({tps / base:.3f}x), MFU {mfu:.1%}, loss {loss:.3f}"
-                      for v, tps, mfu, _, loss in rows)
     label = f"{preset}{'' if ctx.smoke else ' (4 layers, seq 2048)'} {steps} steps"
-    ctx.report("PASS" if ok else "FAIL", "throughput", f"{label}: {table}")
+    rows = {}
+    for v in THROUGHPUT_VARIANTS:  # each in its own try, its line printed as soon as it is measured
+        tr = None
+        try:
+            extra = ["model.recompute=selective"]
+            over = overrides_for(ctx, f"tput-{v}", f"{preset}:{v}", steps, extra)
+            if not ctx.smoke:  # 4 of 15 layers, 8k tokens per micro-batch, 2 micro-batches
+                over += ["model.backbone.num_layers=4", "batch.seq_length=2048", "batch.micro_batch_size=4",
+                         "batch.global_batch_size=8", "tokenizer.vocab_size=32768"]
+                from models.specs import HAVE_TE
+
+                if HAVE_TE:  # as configs/pretrain/*: grouped expert GEMMs, fused wgrad accumulation
+                    over += ["model.backbone.moe_grouped_gemm=true", "model.backbone.gradient_accumulation_fusion=true"]
+            t0 = time.perf_counter()
+            tr = make_trainer(ctx, over)
+            recs = run_steps(tr, steps)
+            timed = recs[max(1, steps // 4):]  # after warm-up (the first steps compile the Triton kernels)
+            tps = sorted(r["tokens_per_s"] for r in timed)[len(timed) // 2]
+            mfu = sorted(r["mfu"] for r in timed)[len(timed) // 2]
+            finite = all(math.isfinite(r["loss"]) for r in recs)
+            rows[v] = tps
+            ratio = f" ({tps / rows['vanilla']:.3f}x vanilla)" if "vanilla" in rows and v != "vanilla" else ""
+            ctx.report("PASS" if finite else "FAIL", f"throughput {v}",
+                       f"{label}: {tps:,.0f} tok/s{ratio}, MFU {mfu:.1%}, loss {recs[-1]['loss']:.3f}"
+                       f"{'' if finite else ' (NON-FINITE loss)'}; {time.perf_counter() - t0:.0f}s with set-up",
+                       data={"tokens_per_s": tps, "mfu": mfu, "loss": recs[-1]["loss"]})
+        except Exception as e:
+            if ctx.main:
+                traceback.print_exc()
+            ctx.report("FAIL", f"throughput {v}", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            if tr is not None:
+                close(tr)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. HC units side by side: eager vs triton vs compile (warm caches; one line per row)
+# ------------------------------------------------------------------------------------------------
+BENCH_VARIANTS = ("vanilla", "mhc", "xhc-mlp", "flash4")
+
+
+def bench_backends(ctx: Ctx) -> List[str]:
+    if not ctx.cuda:
+        return ["eager"]  # CPU smoke: the mechanism; compile and triton are timed on the GPU only
+    return ["eager", "triton", "compile"]
+
+
+def check_bench(ctx: Ctx) -> None:
+    """Forward + backward of one HC unit (bench.hc_kernels.build_unit: mHC N=4 sublayer, xHC MLP
+    sublayer, Flash-4sub two-layer window) per backend, ms per sublayer, median of ``reps`` after an
+    untimed first call (Triton JIT / inductor compile, served by the caches the warm-up filled)."""
+    from bench.hc_kernels import _backward, _grads_like, _inputs, build_unit
+    from xhc.kernels import compile_options
+
+    C, tokens, dtype, reps = (2048, 8192, torch.bfloat16, 10) if ctx.cuda else (64, 64, torch.float32, 2)
+    device = "cuda" if ctx.cuda else "cpu"
+    sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
+    base = None
+    table = []
+    for v in BENCH_VARIANTS:
+        for b in (["eager"] if v == "vanilla" else bench_backends(ctx)):
+            name = f"bench {v} {b}"
+            try:
+                unit = build_unit(v, C, b, device, dtype)
+                X, ys = _inputs(unit, C, tokens, device, dtype, 0)
+                step = unit.step
+                if b == "compile":
+                    torch._dynamo.reset()
+                    step = torch.compile(unit.step, fullgraph=True, options=compile_options())
+                params = [p for m in unit.modules for p in m.parameters()]
+
+                def once(grads=None):
+                    outs = step(X, ys)
+                    grads = grads if grads is not None else _grads_like(outs, 0)
+                    _backward(outs, grads)
+                    for t in [X, *ys, *params]:
+                        t.grad = None
+                    return grads
+
+                sync()
+                t0 = time.perf_counter()
+                grads = once()
+                sync()
+                first = time.perf_counter() - t0
+                if ctx.warm:
+                    print(f"[warm] {name}: first call {first:.1f}s", flush=True)
+                    continue
+                times = []
+                for _ in range(reps):
+                    sync()
+                    t0 = time.perf_counter()
+                    once(grads)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                ms = 1e3 * sorted(times)[len(times) // 2] / unit.sublayers
+                if v == "vanilla":
+                    base = ms
+                ratio = f", {ms / base:.2f}x vanilla" if base else ""
+                table.append((v, b, ms, first))
+                ctx.report("PASS", name, f"{ms:.3f} ms per sublayer fwd+bwd{ratio}; first call {first:.2f}s "
+                           f"(JIT/compile); median of {reps}, C={C}, {tokens} tokens, "
+                           f"{str(dtype).replace('torch.', '')}",
+                           data={"variant": v, "backend": b, "ms_per_sublayer": ms, "vs_vanilla": ms / base if base else None,
+                                 "first_call_s": first, "C": C, "tokens": tokens})
+            except Exception as e:  # one row failing must not hide the others
+                if ctx.main:
+                    traceback.print_exc()
+                ctx.report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if table and not ctx.warm:
+        lines = [f"{'variant':<9} {'backend':<8} {'ms/sublayer':>12} {'vs vanilla':>10} {'first call s':>12}"]
+        lines += [f"{v:<9} {b:<8} {ms:>12.3f} {(ms / base if base else float('nan')):>10.2f} {first:>12.2f}"
+                  for v, b, ms, first in table]
+        if ctx.main:
+            print("\n".join(lines), flush=True)
+        ctx.update_json(table="\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -579,7 +722,8 @@ def check_overlap_param_gather_save(ctx: Ctx) -> None:
 
 
 CHECKS = {"train_eval": check_train_eval, "variants": check_variants, "resume": check_resume,
-          "pipeline": check_pipeline, "spec": check_spec, "throughput": check_throughput, "multi": check_multi}
+          "pipeline": check_pipeline, "spec": check_spec, "throughput": check_throughput, "multi": check_multi,
+          "bench": check_bench}
 
 
 def main(argv=None) -> int:
@@ -588,6 +732,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="shrunk sizes (the CPU smoke run of bench/gpu_check.sh)")
     p.add_argument("--workdir", default=None, help="run and checkpoint directories (default: a temp dir, removed)")
+    p.add_argument("--json", default=None, help="append every PASS/FAIL/SKIP line to `rows` of this JSON file")
+    p.add_argument("--hc-kernels", default=None, choices=("auto", "eager", "compile", "triton", "liger"),
+                   help="HC kernel backend of every model (default: the models' auto)")
+    p.add_argument("--warm", action="store_true", help="bench: only the first call of every row (fills the "
+                   "Triton and inductor caches for a later run), nothing measured")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL setup: --device cuda but torch.cuda.is_available() is False", flush=True)
@@ -595,7 +744,7 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
     workdir = args.workdir or tempfile.mkdtemp(prefix="xhc-gpu-check-")
-    ctx = Ctx(args.device, args.smoke, workdir)
+    ctx = Ctx(args.device, args.smoke, workdir, json_path=args.json, hc_kernels=args.hc_kernels, warm=args.warm)
     try:
         for name in args.checks:
             t0 = time.perf_counter()
@@ -607,6 +756,7 @@ def main(argv=None) -> int:
                 ctx.report("FAIL", name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             if ctx.main:
                 print(f"[gpu_checks] {name} took {time.perf_counter() - t0:.1f}s", flush=True)
+                ctx.update_json(**{f"{name}_s": round(time.perf_counter() - t0, 1)})
     finally:
         from models.parallel import destroy_parallel
 
