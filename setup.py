@@ -23,8 +23,10 @@ setup(
     package_data={"configs": ["models/*.yaml", "pretrain/*.yaml", "finetune/*.yaml", "sweeps/*.yaml",
                               "lm_eval/*.yaml"],
                   "tools": ["*.sh"]},
+    # Minimums: the oldest versions tested, those of the GPU check image (torch 2.11, triton 3.6,
+    # transformers 5.17: tools/device_env_check.sh, tests/test_triton_aot.py; docs/gpu.md).
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.11",
         MEGATRON,
         "datasets>=3.0",
         "sentencepiece>=0.2.0",
@@ -40,16 +42,16 @@ setup(
     extras_require={
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
         "te": ["transformer-engine[pytorch]>=2.0"],
-        "hf": ["transformers>=5.0", "safetensors>=0.4", "peft>=0.17"],
-        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=5.0", "safetensors>=0.4", "peft>=0.17",
+        "hf": ["transformers>=5.17", "safetensors>=0.4", "peft>=0.17"],
+        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=5.17", "safetensors>=0.4", "peft>=0.17",
                  "lm-eval>=0.4.13"],
         "wandb": ["wandb>=0.17"],
         # tools.evaluate / tests: lm-eval-harness on exported Hugging Face folders (CPU torch stays).
-        "eval": ["lm-eval>=0.4.13", "transformers>=5.0", "safetensors>=0.4"],
+        "eval": ["lm-eval>=0.4.13", "transformers>=5.17", "safetensors>=0.4"],
         "plot": ["matplotlib>=3.8"],
         # Triton kernels for the HC ops (docs/kernels.md); optional: without it the torch paths run.
         # Liger-Kernel: its fused mHC coefficient op, backend `kernels: liger` (xhc/kernels/liger.py).
-        "kernels": ["triton>=3.2", "liger-kernel>=0.8.5"],
+        "kernels": ["triton>=3.6", "liger-kernel>=0.8.5"],
     },
     entry_points={
         "console_scripts": [
