@@ -28,6 +28,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests run tiny tensors: a second intra-op thread costs more (OpenMP hand-offs) than it saves,
+# so this process computes on one (the fast tier ran in 112 s instead of 190 s here).  Subprocesses
+# the tests start (training runs, torchrun workers, journeys) keep their own defaults.
+torch.set_num_threads(1)
+
 # No product behaviour is fixed here for the whole session: `kernels: auto` is a fixed rule (no
 # probe), and a test that needs a particular backend says so in its own config.  (TRITON_INTERPRET
 # above only decides how Triton builds itself; `auto` never reads it.)
@@ -67,7 +72,10 @@ def run_torchrun():
 # Tiers (pytest.ini, CONTRIBUTING.md): a test is marked by what it does.  The fixtures tell for two
 # kinds (torchrun workers, torch.compile), and every heavy marker implies `slow`, so the fast tier
 # is `-m "not slow"`.
-_FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor"}
+_FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor",
+                  # module-scoped fixtures that train, export or install once for a whole module
+                  "exported": "train", "exported_with_tokenizer": "train", "trained_run": "train",
+                  "installed": "install", "dist2": "dist", "dist4": "dist"}
 _HEAVY = ("dist", "inductor", "interp", "install", "train", "journey")
 
 

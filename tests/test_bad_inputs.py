@@ -295,6 +295,7 @@ def test_the_battery_has_at_least_25_cases():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_changes_nothing(assets, tmp_path, name):
     case = tmp_path / "case"
     case.mkdir()

@@ -70,6 +70,7 @@ def test_saved_counter_counts_each_storage_once_and_skips_excluded():
     del z
 
 
+@pytest.mark.inductor
 def test_inductor_count_of_a_compiled_add():
     pytest.importorskip("torch._inductor")
     torch._dynamo.reset()

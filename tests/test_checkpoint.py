@@ -75,6 +75,7 @@ def _save(root, step, model, opt, sched, keep_last=3, checksum="all", trainer=No
 
 
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_round_trip_restores_everything_exactly(parallel, tmp_path):
     model, opt, sched = _setup(seed=1)
     want_params = _params(model)
@@ -123,6 +124,7 @@ def test_layout_manifest_and_latest(parallel, tmp_path):
     assert body["step"] == 3 and body["world_size"] == 1
 
 
+@pytest.mark.slow
 def test_keep_last_k(parallel, tmp_path):
     model, opt, sched = _setup(seed=1)
     for step in (1, 2, 3, 4):
@@ -260,6 +262,7 @@ def test_crashed_save_leaves_previous_checkpoint_and_is_cleaned_up(parallel, tmp
 # ------------------------------------------------------------------------------------------------
 # SIGTERM: the run saves at the next step boundary and exits cleanly
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

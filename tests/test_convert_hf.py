@@ -117,6 +117,7 @@ def exported(tmp_path_factory, megatron):
 
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_logit_parity_perturbed(exported, variant):
     e = exported[variant]
     model = _hf(e["hf"])
@@ -140,6 +141,7 @@ def test_vanilla_is_native_without_remote_code(exported):
 
 
 @pytest.mark.parametrize("variant", ["mhc", "xhc", "xhc-flash4"])
+@pytest.mark.slow
 def test_generate_with_caches_equals_full_sequence_argmax(exported, variant):
     """Greedy generate() (KV cache + xHC temporal decode cache) == argmax over full re-forwards."""
     model = _hf(exported[variant]["hf"])
@@ -198,6 +200,7 @@ def test_cached_decode_logits_equal_full_forward(exported):
     assert err <= PARITY_TOL, err
 
 
+@pytest.mark.slow
 def test_isolation_without_xhc_models_training(exported, tmp_path):
     """The folder loads and runs where importing xhc, models and training is blocked."""
     ref = {}
@@ -234,6 +237,7 @@ def test_isolation_without_xhc_models_training(exported, tmp_path):
 
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["mhc", "xhc"])
+@pytest.mark.slow
 def test_upcycling_keeps_vanilla_logits(exported, variant, tmp_path):
     """from-hf --to-variant: the hyper-connection model computes the vanilla model (≤ 1e-5)."""
     from models.hf.export import convert as C
@@ -307,6 +311,7 @@ def parallel_sources(tmp_path_factory, run_torchrun, megatron):
 
 
 @pytest.mark.parametrize("mode", ["tp_sp", "ep", "pp", "vpp"])
+@pytest.mark.slow
 def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
     """Checkpoints saved by 2 ranks under TP=2+SP, EP=2, PP=2, PP=2+VPP=2 export on one process with parity."""
     from models.hf.export import convert as C
@@ -347,6 +352,7 @@ def _cli(*argv):
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
+@pytest.mark.slow
 def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     import shutil
 
@@ -447,6 +453,7 @@ def _trained_parity(run, tmp_path, label: str) -> None:
     assert err <= PARITY_TOL, f"trained {label}: max |Δlogit| = {err:.3g}"
 
 
+@pytest.mark.slow
 def test_parity_after_training(trained_run, megatron, tmp_path):
     """After 200 real training steps the HC tensors are far from init and parity still holds."""
     _trained_parity(trained_run, tmp_path, "tiny-moe:xhc")
@@ -455,6 +462,7 @@ def test_parity_after_training(trained_run, megatron, tmp_path):
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "xhc"])  # xhc: test_parity_after_training
+@pytest.mark.slow
 def test_parity_after_training_every_variant(variant, megatron, tmp_path):
     """Every other variant, 200 real AdamW steps away from init: exported logits equal Megatron's."""
     from training.pretrain import main  # in-process: no interpreter start-up per variant
@@ -467,6 +475,7 @@ def test_parity_after_training_every_variant(variant, megatron, tmp_path):
     _trained_parity(tmp_path / "run", tmp_path, f"tiny-moe:{variant}")
 
 
+@pytest.mark.slow
 def test_from_hf_then_one_step_gives_the_original_next_loss(trained_run, tmp_path):
     """to-hf (step 200) -> from-hf -> one training step: the loss of step 201 equals the original run's."""
     code, err = _cli("to-hf", "--checkpoint", os.path.join(trained_run, "checkpoints", f"step_{TRAIN_STEPS:08d}"),
@@ -536,6 +545,7 @@ def test_tokenizer_encodes_like_training(exported_with_tokenizer):
     assert hf.eos_token_id == sp.eos_id()
 
 
+@pytest.mark.slow
 def test_lm_eval_end_to_end(exported_with_tokenizer):
     """lm-eval-harness (hf model, local task) on the exported folder, through tools.evaluate."""
     pytest.importorskip("lm_eval")
@@ -589,3 +599,23 @@ def test_streaming_reads_one_group_at_a_time(exported, monkeypatch, tmp_path):
     monkeypatch.setattr(dist_checkpointing, "load", spy)
     C.to_hf(C.resolve_source(run=exported["xhc-flash4"]["run"]), str(tmp_path / "hf"), dtype="fp32", progress=False)
     assert calls == [["embedding"]] + [[f"layer.{i}"] for i in range(4)] + [["head"]]
+
+
+def test_streaming_holds_one_group_at_a_time(exported):
+    """Once the caller drops a group's tensors, nothing keeps them alive: the next group's read
+    finds the previous one freed (the model's sharded entries must not hold the loaded storage)."""
+    import gc
+    import weakref
+
+    from models.hf.export import convert as C
+
+    src = C.resolve_source(run=exported["xhc"]["run"])
+    with C.single_rank():
+        model = C.build_single_rank_model(C.effective_preset(src), C.vocab_size_of(src.checkpoint), SEQ)
+        previous = []
+        for _g, tensors in C.stream_checkpoint(model, src.checkpoint, progress=False):
+            gc.collect()
+            assert all(r() is None for r in previous), "an earlier group's tensors are still alive"
+            previous = [weakref.ref(t) for t in tensors.values()]
+            del tensors
+        assert previous

@@ -420,6 +420,7 @@ def test_per_split_prefixes(work, tmp_path):
     assert len(valid) == len(train)
 
 
+@pytest.mark.slow
 def test_mock_data(tmp_path):
     tok = NullTokenizer(1000)
     cfg = DataConfig(mock=True, cache_dir=str(tmp_path / "c"))
@@ -528,6 +529,7 @@ def _dist_worker(rank, world, root, prefix, model):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_datasets_under_torch_distributed(work, splits, tmp_path):
     import torch.multiprocessing as mp
 

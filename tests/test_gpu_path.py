@@ -109,6 +109,7 @@ def params(model):
 # ------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("opt_name", ["muon", "adamw"])
+@pytest.mark.slow
 def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
                                                        opt_name):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,

@@ -126,6 +126,7 @@ def test_sinkhorn_op_saves_only_logits():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["row_last", "col_last"])
 @pytest.mark.parametrize("n", [4, 16])
+@pytest.mark.slow
 def test_sinkhorn_triton(device, order, n):
     ops = _triton_ops()
     g = torch.Generator().manual_seed(n)
@@ -205,6 +206,7 @@ def test_write_ops_match_reference(device, n):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("R,d", [(1, 24), (4, 24), (16, 0), (3, 40)])
+@pytest.mark.slow
 def test_linear_stats_matches_reference(device, R, d):
     """Triton ``linear_stats``: x·Wᵀ and the per-row Σx, Σx² from one pass, and its backward
     (dX from all three outputs, dW), float64, against torch."""
@@ -231,6 +233,7 @@ def test_linear_stats_matches_reference(device, R, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_linear_stats_fp32_and_bf16_read_the_state_as_it_is(device):
     """fp32 (dW through ``tl.dot`` in IEEE fp32) and a bf16 state (read in bf16, no fp32 copy made,
     accumulated in fp32) against float64 on the same values: fp32 rounding only, 1e-5 relative to
@@ -432,6 +435,7 @@ def test_module_compile_backend_equals_eager(kind, kw, n):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind, kw, n", list(_variant_cases()))
+@pytest.mark.slow
 def test_module_triton_backend_equals_eager(device, kind, kw, n):
     _triton_ops()
     cfg = _cfg(kw, n)
@@ -456,6 +460,7 @@ EXPLAIN_CASES = [pytest.param(kind, kw, id=vid) for vid, kw, kind in VARIANTS if
 
 
 @pytest.mark.parametrize("kind, kw", EXPLAIN_CASES)
+@pytest.mark.slow
 def test_zero_graph_breaks(kind, kw, dynamo_reset):
     import torch._dynamo
 
@@ -477,6 +482,7 @@ COMPILED_CASES.append(pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(
 
 
 @pytest.mark.parametrize("kind, kw, n", COMPILED_CASES)
+@pytest.mark.slow
 def test_compiled_fused_equals_eager(kind, kw, n, dynamo_reset):
     """The ``compile`` backend under ``torch.compile(fullgraph=True)`` (inductor): float64 forward
     and every gradient equal to eager, with document resets (the compiled path has its own
@@ -566,6 +572,7 @@ def test_gram_schmidt_coefficients_reproduce_mgs(eps):
     assert torch.equal(out[:, 0], V[:, 0])  # v_1 = y, bitwise
 
 
+@pytest.mark.slow
 def test_compiled_temporal_conv_equals_grouped_conv(dynamo_reset):
     """The compiled single-segment convolution (shifted multiply-adds) equals the grouped conv,
     with a halo and with document resets, forward and gradients, float64."""
@@ -607,6 +614,7 @@ def _conv_inputs(seed=3, s=7, b=2, Cc=5, kernel_sizes=(2, 4, 9)):
 
 @pytest.mark.parametrize("resets", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.slow
 def test_component_list_equals_temporal_forward(resets, compiled, dynamo_reset):
     """[y, g_1, …, g_r] one by one (each g_j its own sum of shifted taps when compiled) equal the
     stacked components of the reference conv, forward and gradients of y and of every kernel,
@@ -640,6 +648,7 @@ def test_gram_of_component_list_equals_row_gram():
 
 @pytest.mark.parametrize("with_I", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.slow
 def test_write_takes_components_one_by_one(with_I, compiled, dynamo_reset):
     """write(..., V=[v_1, …, v_K]) equals write(..., V=stack) and the reference, output and every
     gradient (X, X_a, H, P, each component), float64; N = 16 so that the compiled backward

@@ -36,10 +36,12 @@ def compiled_dist_run(run_torchrun):
 
 @cpu_only
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_two_rank_equivalence_with_fused_kernels(compiled_dist_run, mode):
     assert f"OK {mode}" in compiled_dist_run, f"mode {mode} did not pass:\n{compiled_dist_run[-6000:]}"
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_with_fused_kernels_and_hc_recompute(tmp_path):
     from tests.test_pretrain import BASE, DROPOUT, _by_step, _records
     from training.pretrain import main
@@ -57,6 +59,7 @@ def test_resume_is_bit_identical_with_fused_kernels_and_hc_recompute(tmp_path):
             assert ra[s][key] == rb[s][key], (s, key)
 
 
+@pytest.mark.slow
 def test_pretrain_compile_hc_equals_the_uncompiled_run(tmp_path, capsys):
     """``model.compile_hc=true``: the HC modules really run under torch.compile inside xhc-pretrain
     (dynamo captures graphs even though the CPU entry point switches dynamo off for Megatron), and
@@ -85,6 +88,7 @@ def test_pretrain_compile_hc_equals_the_uncompiled_run(tmp_path, capsys):
         assert rb[s]["grad_norm"] == pytest.approx(ra[s]["grad_norm"], rel=1e-4), s
 
 
+@pytest.mark.slow
 def test_pretrain_with_liger_coefficients_equals_the_eager_run(tmp_path, capsys):
     """``model.hc_kernels=liger`` (mHC, col_last Sinkhorn): xhc-pretrain takes Liger-Kernel's fused
     coefficient op (on CPU under the Triton interpreter, with our Triton read/write) and its losses

@@ -74,6 +74,7 @@ def _rel(a, b):
 # 1. Vanilla and disabled specs are stock Megatron, bit for bit
 # ------------------------------------------------------------------------------------------------
 @cpu_only
+@pytest.mark.slow
 def test_vanilla_and_disabled_specs_are_bitwise_stock(parallel):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -439,6 +440,7 @@ def hc_dist_run(run_torchrun):
 
 @cpu_only
 @pytest.mark.parametrize("mode", DIST_MODES)
+@pytest.mark.slow
 def test_two_rank_hc_equivalence(hc_dist_run, mode):
     """tp_sp: TP=2+SP == TP=1 (loss, every grad incl. HC/conv/router after the SP all-reduce) for
     mHC (softmax readout), xHC (conv halo across the rank boundary, Megatron reset mask, explicit
@@ -541,6 +543,7 @@ def _dense_config(**kw):
 
 @cpu_only
 @pytest.mark.parametrize("layers", ["moe", "dense"])
+@pytest.mark.slow
 def test_dist_checkpoint_round_trip_covers_every_hc_param(parallel, tmp_path, layers):
     """Save with ``dist_checkpointing`` and load into a differently initialised model: the saved
     checkpoint holds every ``is_hyper_connection`` tensor (router, pre/res/post maps, conv weights,

@@ -497,6 +497,7 @@ def test_gradient_checkpointing_matches():
     ("mistral", dict(variant="mhc_lite", dynamic=False)),
     ("qwen3", dict(variant="mhc")),
 ])
+@pytest.mark.slow
 def test_diagnostics_pass_for_paper_inits(family, kw):
     m = wrapped(family, **kw)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}

@@ -63,6 +63,7 @@ def _run(cmd, cwd, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_wheel_holds_every_config_and_imports_from_site_packages(installed):
     py, _bin, cwd, purelib = installed
     for kind in ("models", "pretrain", "finetune"):  # the same YAML files as the checkout
@@ -76,6 +77,7 @@ def test_wheel_holds_every_config_and_imports_from_site_packages(installed):
         assert Path(path).resolve().is_relative_to(purelib.resolve()), (mod, path)
 
 
+@pytest.mark.slow
 def test_every_preset_loads_from_any_directory(installed):
     py, _bin, cwd, _purelib = installed
     code = ("from models.zoo import list_presets, load_preset\n"
@@ -92,6 +94,7 @@ def test_every_preset_loads_from_any_directory(installed):
     assert int(r.stdout.split()[-1]) == len(list_presets()) > 0
 
 
+@pytest.mark.slow
 def test_entry_points_work_with_packaged_configs(installed):
     _py, bindir, cwd, _purelib = installed
     r = _run([bindir / "xhc-pretrain", "--print-config"], cwd)

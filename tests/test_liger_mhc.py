@@ -61,6 +61,7 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_liger_mhc_coefficients_against_ours():
     pytest.importorskip("liger_kernel")
     pytest.importorskip("triton")
@@ -110,6 +111,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_liger
 @quiet_interpreter
 @pytest.mark.parametrize("affine,clamp,iters", [(False, True, 20), (False, False, 3), (True, True, 3)])
+@pytest.mark.slow
 def test_liger_backend_equals_eager(affine, clamp, iters):
     """kernels: liger (Liger's fused coefficients + our Triton read/write) equals the float64 eager
     path in the forward and in every gradient, to fp32 rounding; Liger's op really ran."""
@@ -140,6 +142,7 @@ def test_liger_backend_equals_eager(affine, clamp, iters):
 
 @needs_liger
 @quiet_interpreter
+@pytest.mark.slow
 def test_liger_backend_bf16_state():
     """A bf16 state (fp32 parameters): Liger's path stays within bf16 rounding of the float64
     reference — tolerance 2e-2 of the largest value (bf16 keeps 8 bits; the state and u are bf16)."""

@@ -122,6 +122,7 @@ def test_recompute_replays_dropout_exactly(parallel):
 
 
 @cpu_only
+@pytest.mark.slow
 def test_dist_checkpoint_round_trip_single_process(parallel, tmp_path):
     from megatron.core import dist_checkpointing
 
@@ -158,6 +159,7 @@ def dist_run(run_torchrun):
 
 @cpu_only
 @pytest.mark.parametrize("mode", DIST_MODES)
+@pytest.mark.slow
 def test_two_rank_equivalence(dist_run, mode):
     """tp_sp: TP=2+SP == TP=1; ep: EP=2 (+DP=2) == EP=1 full batch; dp: DP=2 == full batch;
     ddp: Megatron DDP + finalize_model_grads == our finalize_grads (DP=2, TP=2+SP, EP=2);

@@ -611,6 +611,7 @@ def test_megatron_backend_matches_torch_backend(parallel, megatron_scalars_on_cp
 # Tensor and expert parallelism (2-rank torchrun)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.cpu_gloo
+@pytest.mark.slow
 def test_tp_and_ep_steps_equal_single_rank_steps(run_torchrun):
     """TP=2+SP (Muon gathers full matrices over TP and expert-TP) and EP=2: grad norms per step
     and the parameters after two AdamW / Muon steps equal the single-rank run; per-shard Muon

@@ -31,6 +31,7 @@ def _by_step(records):
     return {r["step"]: r for r in records}  # a resumed run appends: the last record of a step wins
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     steps = ["run.train_steps=8", "run.eval_interval=4", "run.eval_iters=1", "checkpoint.interval=0", *DROPOUT]
     a, b, c = (str(tmp_path / n) for n in "abc")
@@ -61,6 +62,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert rc[5]["loss"] != ra[5]["loss"]
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skips_the_step_and_aborts_after_the_limit(tmp_path, monkeypatch, capsys):
     original = Trainer.forward_backward
 
@@ -86,6 +88,7 @@ def test_nonfinite_loss_skips_the_step_and_aborts_after_the_limit(tmp_path, monk
     assert any("step 3: non-finite loss" in m for m in events)
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
     import torch
 
@@ -114,6 +117,7 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
     assert any(not torch.equal(params[1][k], params[2][k]) for k in params[1])  # step 1 did
 
 
+@pytest.mark.slow
 def test_outputs_health_and_loss_decrease(tmp_path, capsys):
     run = str(tmp_path / "run")
     assert main([*BASE, "run.train_steps=12", "run.eval_interval=6", "run.eval_iters=1", "optimizer.lr=1e-2",
@@ -145,6 +149,7 @@ def test_outputs_health_and_loss_decrease(tmp_path, capsys):
         assert "tiny-moe:xhc" in f.read()
 
 
+@pytest.mark.slow
 def test_vanilla_preset_trains_without_hc_metrics(tmp_path):
     run = str(tmp_path / "run")
     assert main([*BASE, "model.preset=tiny-moe:vanilla", "run.train_steps=2", "run.eval_iters=0", "schedule.kind=constant",

@@ -31,6 +31,7 @@ def results(run_torchrun, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode, dp", [("dp", 2), ("tp_sp", 1), ("ep", 2), ("pp", 1)])
+@pytest.mark.slow
 def test_layout_fits_the_mock_data(results, mode, dp):
     r = results[mode]
     assert r["dp"] == dp

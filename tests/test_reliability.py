@@ -135,6 +135,7 @@ def reference(tmp_path_factory):
 # SIGTERM to the process group, kill -9: single process
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_group_signal_mid_run_saves_once_exits_0_and_resumes_exactly(reference, tmp_path, sig):
     run = str(tmp_path / "run")
     proc = _launch(run)
@@ -158,6 +159,7 @@ def test_group_signal_mid_run_saves_once_exits_0_and_resumes_exactly(reference, 
     _assert_same_run(reference, run)
 
 
+@pytest.mark.slow
 def test_group_sigterm_during_a_save_finishes_that_save_and_exits_0(reference, tmp_path):
     run = str(tmp_path / "run")
     proc = _launch(run)
@@ -179,6 +181,7 @@ def test_group_sigterm_during_a_save_finishes_that_save_and_exits_0(reference, t
 
 
 @pytest.mark.parametrize("where", ["mid-step", "mid-save"])
+@pytest.mark.slow
 def test_kill_9_then_resume_is_bit_identical(reference, tmp_path, where):
     run = str(tmp_path / "run")
     proc = _launch(run)
@@ -212,6 +215,7 @@ def _rank_exits(out):
     return sorted([r, c] for r, c in re.findall(r"rank (\d+) exit (-?\d+)", out))
 
 
+@pytest.mark.slow
 def test_torchrun_sigterm_to_the_launcher_then_exact_resume(tmp_path):
     """SIGTERM to the torchrun parent: both ranks stop at the same step, one verified checkpoint,
     exit 0; the resumed 2-rank run equals an uninterrupted one.  (Heavy: three 2-rank runs.)"""
@@ -236,6 +240,7 @@ def test_torchrun_sigterm_to_the_launcher_then_exact_resume(tmp_path):
     _assert_same_run(reference, run)
 
 
+@pytest.mark.slow
 def test_torchrun_workers_save_and_exit_when_the_launcher_is_killed(tmp_path):
     """``kill -9`` of torchrun: the workers (armed with PR_SET_PDEATHSIG) save and exit 0 instead of
     training on as orphans; their 2-rank checkpoint on 1 rank is refused in one line."""
@@ -294,6 +299,7 @@ def _tree(root):
 
 
 @pytest.mark.parametrize("poison_step, caught_at", [(5, "loss of step 6"), (8, "checkpoint at step 8 not saved")])
+@pytest.mark.slow
 def test_nonfinite_parameters_are_never_saved(tmp_path, monkeypatch, capsys, poison_step, caught_at):
     run = str(tmp_path / "run")
     ckdir = os.path.join(run, "checkpoints")
@@ -313,6 +319,7 @@ def test_nonfinite_parameters_are_never_saved(tmp_path, monkeypatch, capsys, poi
     assert max(trained) == poison_step and all(math.isfinite(trained[s][0]) for s in trained)
 
 
+@pytest.mark.slow
 def test_good_checkpoints_survive_a_later_nonfinite_run(tmp_path, monkeypatch, capsys):
     """A good run, then a resumed run that breaks: the good checkpoints are byte-for-byte unchanged."""
     run = str(tmp_path / "run")
@@ -328,6 +335,7 @@ def test_good_checkpoints_survive_a_later_nonfinite_run(tmp_path, monkeypatch, c
     assert [s for s, _ in list_checkpoints(ckdir)] == [2, 4]
 
 
+@pytest.mark.slow
 def test_nonfinite_validation_is_a_nonzero_exit(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(Trainer, "evaluate", lambda self: float("nan"))
     run = str(tmp_path / "run")
@@ -337,6 +345,7 @@ def test_nonfinite_validation_is_a_nonzero_exit(tmp_path, monkeypatch, capsys):
     assert list_checkpoints(os.path.join(run, "checkpoints")) == []  # nothing saved after it
 
 
+@pytest.mark.slow
 def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_window(tmp_path, monkeypatch):
     run = str(tmp_path / "run")
     _poison_after(monkeypatch, 6)  # caught by the loss of step 7; the last good checkpoint is step 4
@@ -358,6 +367,7 @@ def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_window(tmp_path
 # ------------------------------------------------------------------------------------------------
 # lock, compatibility, corrupt latest
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, capsys):
     import socket
 
@@ -380,6 +390,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, capsys)
     assert not (run / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_preset_is_refused_in_one_line(tmp_path, capsys):
     run = str(tmp_path / "run")
     assert main([*BASE, "run.train_steps=5", "run.eval_iters=0", f"run.dir={run}"]) == 0
@@ -392,6 +403,7 @@ def test_checkpoint_of_another_preset_is_refused_in_one_line(tmp_path, capsys):
     assert _tree(run) == before  # not even config.yaml
 
 
+@pytest.mark.slow
 def test_corrupt_latest_falls_back_to_the_previous_good_checkpoint(reference, tmp_path, capsys):
     run = str(tmp_path / "run")
     ckdir = os.path.join(run, "checkpoints")

@@ -165,6 +165,7 @@ def _synthetic(seed, n=12, E=1.8, A=400.0, alpha=0.3, sigma=0.005):
     return C, L
 
 
+@pytest.mark.slow
 def test_bootstrap_interval_covers_the_truth():
     """Known (E, A, α) with 0.5% log-normal noise: over 20 seeds the 95% bootstrap interval of each
     parameter contains the truth in at least 14.  The count is deterministic (seeded); a method whose
@@ -192,6 +193,7 @@ def test_bootstrap_interval_covers_the_truth():
     assert np.median(estimates["E"]) == pytest.approx(truth["E"], rel=0.02)
 
 
+@pytest.mark.slow
 def test_shared_E_fit_recovers_each_variant():
     """Two variants with one irreducible loss: the joint fit recovers E and each (A, α) from exact points."""
     C = np.geomspace(1e11, 1e14, 4)

@@ -180,6 +180,7 @@ def test_read_metrics_keeps_the_last_occurrence_after_a_resume(tmp_path):
     assert [train[s]["loss"] for s in (1, 2, 3, 4, 5)] == [9.0, 8.0, 23.0, 24.0, 25.0]
 
 
+@pytest.mark.slow
 def test_collect_and_fit_handle_unfinished_and_crashed_arms(tmp_path, capsys):
     """Losses on known laws L = E + A·C^(−α) (shared E): the fit recovers the multiplier
     (A_b/A_x)^(1/α) of equal-α variants; unfinished and crashed arms are listed and excluded."""
@@ -244,6 +245,7 @@ def test_collect_and_fit_handle_unfinished_and_crashed_arms(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 # Kill and rerun
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_redoing_finished_arms(tmp_path):
     """Start `tools.sweep run` on 3 arms, SIGKILL the runner once the first arm has finished, rerun:
     the sweep completes and the finished arm's files are untouched."""

@@ -509,6 +509,7 @@ def _check_parity(results, case):
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES_2 if c["name"] != "sp_too_short"])
+@pytest.mark.slow
 def test_two_rank_parity(dist2, name):
     results, cases = dist2
     _check_parity(results[name], next(c for c in cases if c["name"] == name))
@@ -528,6 +529,7 @@ def test_sp_halo_too_short_error(dist2):
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES_4])
+@pytest.mark.slow
 def test_four_rank_parity(dist4, name):
     results, cases = dist4
     _check_parity(results[name], next(c for c in cases if c["name"] == name))

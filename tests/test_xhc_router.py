@@ -48,6 +48,7 @@ def test_route_matches_rule(N, k, m):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 3), min_size=2, max_size=12), st.data())
+@pytest.mark.slow
 def test_ties_go_to_the_lower_index(levels, data):
     """Scores with many exact ties (values from a 4-level set): selection follows (−score, index)."""
     N = len(levels)

@@ -113,6 +113,7 @@ def _counts(model, preset):
 
 
 @pytest.mark.parametrize("name", ["moe-2p5b:xhc", "moe-18b:mhc"])
+@pytest.mark.slow
 def test_paper_preset_builds_on_meta_and_matches_accounting(parallel, name):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 

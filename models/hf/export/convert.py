@@ -173,10 +173,15 @@ def vocab_size_of(checkpoint: str) -> int:
 
 
 def _materialise(entry):
-    """A sharded-state-dict entry with real (empty, CPU) storage, or None for non-tensor state."""
+    """A *copy* of a sharded-state-dict entry with real (empty, CPU) storage, or None for non-tensor
+    state.  The model's own entries stay on ``meta``: giving them the storage would keep every loaded
+    group alive through the model's sharded state dict (memory growing by one layer per layer)."""
+    import copy
+
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+        entry = copy.copy(entry)
         entry.data = torch.empty(entry.data.shape, dtype=entry.data.dtype, device="cpu")
         return entry
     return None
