@@ -427,8 +427,9 @@ def test_generate_with_kv_cache():
         # incremental decoding with the cache gives the full-sequence logits
         full = m(cached).logits
         out = m(cached[:, :-2], use_cache=True)
-        step = m(cached[:, -2:], past_key_values=out.past_key_values if hasattr(out, "past_key_values") else out.cache,
-                 use_cache=True).logits
+        # transformers >= 5.x names the cache `cache` (`past_key_values` is deprecated); older, `past_key_values`
+        kv = {"cache": out.cache} if getattr(out, "cache", None) is not None else {"past_key_values": out.past_key_values}
+        step = m(cached[:, -2:], use_cache=True, **kv).logits
     assert (step - full[:, -2:]).abs().max() < 1e-5
 
 
@@ -481,7 +482,11 @@ def test_gradient_checkpointing_matches():
     m(IDS, labels=IDS).loss.backward()
     g1 = {n: p.grad.clone() for n, p in adapter_named_parameters(m)}
     m.zero_grad(set_to_none=True)
-    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the newer name where transformers has it (gradient_checkpointing_enable is deprecated there)
+    if hasattr(m, "activation_checkpointing_enable"):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m(IDS, labels=IDS).loss.backward()
     for n, p in adapter_named_parameters(m):
         assert torch.allclose(p.grad, g1[n], atol=1e-7, rtol=1e-5), n

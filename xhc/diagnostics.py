@@ -116,7 +116,7 @@ def check_sublayer_identity(
     u, ctx = hc.read(X)
     out = hc.write(X, branch(u), ctx)
     ref = (x + branch(x)).unsqueeze(-2)
-    rel = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    rel = float(((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).detach())
     if strict and rel > rel_tol:
         raise DiagnosticError(f"wrapped sublayer differs from x + f(x) by {rel:.3g} (relative) > {rel_tol:g}")
     return rel
@@ -139,7 +139,7 @@ def check_stack_identity(
         u, ctx = hc.read(X)
         X = hc.write(X, f(u), ctx)
     out = reduce_streams(X, "mean" if reduction in ("mean", "sum") else reduction)
-    rel = float((out - h).abs().max() / h.abs().max().clamp_min(1e-30))
+    rel = float(((out - h).abs().max() / h.abs().max().clamp_min(1e-30)).detach())
     if strict and rel > rel_tol:
         raise DiagnosticError(f"wrapped stack differs from the residual stack by {rel:.3g} (relative) > {rel_tol:g}")
     return rel

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 
 import torch
 
@@ -135,12 +134,18 @@ def sinkhorn(
 # ----------------------------------------------------------------------------------------------
 # mHC-lite (docs/math.md §2.c): convex combination of all n! permutation matrices
 # ----------------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+_PERMUTATIONS: dict = {}  # n -> [n!, n, n] (a plain dict: torch.compile traces a lookup, not an lru_cache)
+
+
 def _permutation_matrices_cpu(n: int) -> torch.Tensor:
+    P = _PERMUTATIONS.get(n)
+    if P is not None:
+        return P
     perms = list(itertools.permutations(range(n)))  # lexicographic; r = 0 is the identity
     P = torch.zeros(len(perms), n, n)
     for r, pi in enumerate(perms):
         P[r, torch.arange(n), torch.tensor(pi)] = 1.0  # P_r[i, π_r(i)] = 1
+    _PERMUTATIONS[n] = P
     return P
 
 
