@@ -285,6 +285,16 @@ run_step() {  # index name limit command [label]
   elif grep -qE '^FAIL ' "$out"; then status=FAIL
   fi
   STEP_STATUS=$status
+  if [[ "$cmd" != *"--json"* ]]; then  # a step without the Python checks: its lines are its rows
+    jset "$js" rows="$(printf '%s\n' "$lines" | "$SYSPY" -c 'import json, sys
+rows = []
+for line in sys.stdin.read().splitlines():
+    if line:
+        head, _, text = line.partition(": ")
+        st, _, name = head.partition(" ")
+        rows.append({"status": st, "name": name, "text": text})
+print(json.dumps(rows))')"
+  fi
   jset "$js" status="$status" exit_code="$rc" elapsed_s="$t1" attempt_label="$label"
   echo "[gpu_check] step $i $label: $status (exit $rc) after ${t1}s"
   write_summary running
