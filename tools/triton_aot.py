@@ -1,0 +1,507 @@
+"""Compile the HC Triton kernels for NVIDIA GPUs ahead of time, on a machine without a GPU.
+
+The ``triton`` backend (:mod:`xhc.kernels.triton_ops`, and Liger-Kernel's mHC op where installed)
+is tested on CPU under the Triton interpreter, which never runs Triton's compiler.  A compiler-only
+error (a construct the interpreter accepts and the MLIR lowering rejects, a register or shared-memory
+overflow, a ptxas failure) would only show on the first GPU run, in every training check at once.
+This tool finds such errors here:
+
+1. **capture** (runs under ``TRITON_INTERPRET=1``): build the HC modules of every zoo preset
+   (``configs/models/*.yaml``, every variant, at its hidden size C) with ``kernels: triton``, and the
+   Liger mHC module (``kernels: liger``) where liger-kernel is installed; run forward + backward on
+   16 tokens with a bf16 state (the GPU training path: bf16 backbone, fp32 HC parameters) and an
+   fp32 state.  Every kernel launch is recorded: the kernel, its arguments' types and its integer
+   and constexpr values.  ``--extra n:C:dtype`` adds the HC ops (sinkhorn, read, write,
+   linear_stats) at the shapes of ``tests/test_hc_kernels.py`` (see :data:`TEST_SHAPES`).
+2. **compile**: for every distinct launch, Triton's own JIT path (its argument binder, its
+   specialisation of integers and pointers, ``ASTSource`` and ``triton.compile``) is driven with
+   ``warmup=True`` against a stand-in driver that reports ``GPUTarget("cuda", arch, 32)``, so the
+   result is what ``kernel[grid](...)`` would compile on that GPU: TTIR, TTGIR, LLVM IR, PTX and a
+   cubin from the bundled ptxas.  Nothing is launched; no GPU or CUDA driver is needed.
+
+Run::
+
+    python -m tools.triton_aot                       # capture + compile for sm_90 and sm_80
+    python -m tools.triton_aot --arch 90 --json runs/aot.json
+    python -m tools.triton_aot capture specs.json    # the two halves (compile may run under
+    python -m tools.triton_aot compile specs.json    #   another Triton: PYTHONPATH=<dir> python ...)
+
+Output: one line per (kernel specialisation, arch), ``OK`` or ``FAIL`` with the compiler's first
+error line, then ``SUMMARY triton <version>: <ok>/<total> compiled, <n> failed``.  Exit status 1
+if any compile failed (or nothing was captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 16  # a multiple of 16: the token count gets the divisibility specialisation real runs get
+# n:C:dtype of the kernel tests (tests/test_hc_kernels.py: float64 Sinkhorn, read, write and
+# linear_stats at n = 4, 16 and C = 37, 40, 11 (not multiples of 16); fp32 at C = 24, 48; bf16 states
+# at C = 48, 64): one of each kind (the kernels' code depends on C only through the block size and
+# whether C is a multiple of 16).
+TEST_SHAPES = ("4:40:float64", "16:37:float64", "16:11:float64", "16:24:float32", "16:48:bfloat16")
+# The module tests (tests/test_hc_kernels.py: S, B, C = 6, 2, 8, float64): every preset config at C = 8.
+TEST_MODULE_C = 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument encoding (JSON-safe)
+# ------------------------------------------------------------------------------------------------
+def _encode(v: Any) -> Any:
+    import torch
+
+    if v is None:
+        return None
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).replace("torch.", "")}
+    if isinstance(v, bool):
+        return {"bool": v}
+    if isinstance(v, int):
+        return {"int": v}
+    if isinstance(v, float):
+        return {"float": v}
+    if isinstance(v, str):
+        return {"str": v}
+    import triton.language as tl
+
+    if isinstance(v, tl.dtype):
+        return {"tl": str(v)}
+    if isinstance(v, tl.constexpr):
+        return _encode(v.value)
+    raise TypeError(f"triton_aot: cannot record a kernel argument of type {type(v).__name__}")
+
+
+def _decode(v: Any) -> Any:
+    import torch
+
+    if v is None:
+        return None
+    (kind, val), = v.items()
+    if kind == "tensor":
+        return torch.empty(64, dtype=getattr(torch, val))  # 256-byte aligned like a CUDA allocation
+    if kind in ("bool", "int", "float", "str"):
+        return val
+    if kind == "tl":
+        import triton.language as tl
+
+        for name in dir(tl):
+            obj = getattr(tl, name)
+            if isinstance(obj, tl.dtype) and str(obj) == val:
+                return obj
+        raise ValueError(f"triton_aot: unknown Triton dtype {val!r}")
+    raise ValueError(f"triton_aot: unknown argument kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. capture (under the interpreter)
+# ------------------------------------------------------------------------------------------------
+class Recorder:
+    """Records every interpreted kernel launch while active (a context manager).  ``execute``
+    False: the kernel is not run (its outputs keep whatever ``torch.empty`` gave them); the launch
+    arguments come from the Python wrappers, which do not depend on the values, and the
+    interpreter would take about a minute per preset sublayer at C = 2048."""
+
+    def __init__(self, execute: bool = False):
+        self.launches: List[dict] = []
+        self.context = ""
+        self.execute = execute
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._cls, self._orig = InterpretedFunction, InterpretedFunction.run
+        rec = self
+
+        def run(fn_self, *args, grid, warmup, **kwargs):
+            fn = fn_self.fn
+            rec.launches.append({
+                "module": fn.__module__, "name": fn.__qualname__, "context": rec.context,
+                "args": [_encode(a) for a in args],
+                "kwargs": {k: _encode(v) for k, v in kwargs.items()}})
+            if rec.execute:
+                return rec._orig(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
+            return None
+
+        InterpretedFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.run = self._orig
+        return False
+
+
+def _units(cfg, C: int):
+    """[(name, modules, step)] for one HC config: the modules a model of that variant builds."""
+    variant = cfg.variant
+    if variant == "xhc":
+        from xhc.xhc import XHCSublayer
+
+        out = []
+        for is_mlp in (False, True):
+            hc = XHCSublayer(cfg, C, is_mlp=is_mlp, layer_index=1)
+            out.append(("mlp" if is_mlp else "attention", [hc], _sublayer_step(hc)))
+        return out
+    if variant in ("xhc_flash", "xhc_flash4"):
+        from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
+
+        fl = XHCFlashLayer(cfg, C, layer_index=0)
+
+        def flash(X, ys, fl=fl):
+            st = fl.begin(X)
+            ua = fl.attn_read(st)
+            st = fl.attn_write(st, ys[0])
+            um = fl.mlp_read(st)
+            return ua, um, fl.mlp_write(st, ys[1])
+
+        out = [("flash layer", [fl], flash)]
+        if variant == "xhc_flash4":
+            first, second = Flash4FirstLayer(cfg, C, layer_index=0), Flash4SecondLayer(cfg, C, layer_index=1)
+
+            def window(X, ys):
+                st = first.begin(X)
+                us = [first.attn_read(st)]
+                st = first.attn_write(st, ys[0])
+                us.append(first.mlp_read(st))
+                st = first.mlp_write(st, ys[1])
+                us.append(second.attn_read(st))
+                st = second.attn_write(st, ys[2])
+                us.append(second.mlp_read(st))
+                return (*us, second.mlp_write(st, ys[3]))
+
+            out.append(("flash4 window", [first, second], window))
+        return out
+    from xhc.hyper_connection import HyperConnection
+
+    hc = HyperConnection(cfg, C, layer_index=1)
+    return [("sublayer", [hc], _sublayer_step(hc))]
+
+
+def _sublayer_step(hc):
+    def step(X, ys):
+        u, ctx = hc.read(X)
+        return u, hc.write(X, ys[0], ctx)
+
+    return step
+
+
+def _run_unit(step, modules, n: int, C: int, dtype, tokens: int = TOKENS) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    b = 2
+    s = tokens // b
+    X = torch.randn(s, b, n, C, generator=g).to(dtype).requires_grad_()
+    ys = [torch.randn(s, b, C, generator=g).to(dtype).requires_grad_() for _ in range(4)]
+    outs = step(X, ys)
+    outs = [o for o in (outs if isinstance(outs, (tuple, list)) else [outs]) if o.requires_grad]
+    torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+
+
+def preset_configs(patterns: Optional[List[str]] = None) -> List[Tuple[str, Any, int]]:
+    """[(preset names, HCConfig, C)]: every zoo preset variant with hyper-connections (or those
+    matching one of the fnmatch ``patterns``, e.g. ``tiny-moe:*``), one entry per distinct (config, C)."""
+    import dataclasses
+    import fnmatch
+
+    from models.zoo import list_presets, load_preset
+
+    names = list_presets()
+    if patterns:
+        unmatched = [p for p in patterns if not fnmatch.filter(names, p)]
+        if unmatched:
+            raise ValueError(f"--presets {','.join(unmatched)}: no zoo preset matches; presets are e.g. "
+                             f"{', '.join(names[:4])} (python -m tools.zoo list)")
+        names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
+    seen: Dict[str, List] = {}
+    for name in names:
+        p = load_preset(name)
+        if not p.hc.enabled:
+            continue
+        cfg = dataclasses.replace(p.hc, kernels="triton")
+        key = repr((cfg, p.hidden_size))
+        seen.setdefault(key, [[], cfg, p.hidden_size])[0].append(name)
+    return [(",".join(names), cfg, C) for names, cfg, C in seen.values()]
+
+
+def _op_shapes(rec: Recorder, spec: str) -> None:
+    """The HC ops at one test shape ``n:C:dtype`` (forward + backward): Sinkhorn (both orders),
+    read (one and several reads), write (with and without the active rows I, mixing H, X_a read
+    from the state), linear_stats at the kernel tests' (R, d).  The state (X, X_a, V) has the
+    dtype; the coefficients are fp32 (float64 with a float64 state), as in the models."""
+    import torch
+
+    from xhc.kernels import triton_ops as T
+
+    n, C, dt = spec.split(":")
+    n, C, dtype = int(n), int(C), getattr(torch, dt)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(0)
+    st = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    co = lambda *s: torch.randn(*s, generator=g).to(cdt).requires_grad_()  # noqa: E731
+    t = TOKENS
+    rec.context = f"ops {spec}"
+    k, K = (4, 4) if n >= 16 else (2, 2)
+    outs = [T.sinkhorn(co(t, n, n), 20, 1e-6, order) for order in ("row_last", "col_last")]
+    X = st(t, n, C)
+    outs += [T.read(co(t, n), X), T.read(co(t, 3, n), X)]
+    I = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
+    for H in (co(t, k, k), None):
+        outs.append(T.write(X, I, st(t, k, C), H, co(t, k, K), st(t, K, C)))
+        outs.append(T.write(X, I, None, H, co(t, k, K), st(t, K, C)))
+        outs.append(T.write(None, None, st(t, k, C), H, co(t, k, K), st(t, K, C)))
+    for R, d in ((1, 24), (4, 24), (n, 0), (3, 40)):
+        outs.extend(o for o in T.linear_stats(st(t, R, C), co(d, R * C)) if o.numel())
+    outs = [o for o in outs if o.requires_grad]
+    torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+
+
+def capture(extra: List[str], dtypes=("bfloat16", "float32"), log=print, execute: bool = False,
+            presets: Optional[List[str]] = None) -> dict:
+    """Run the modules (see the module docstring) under the interpreter; returns the specs."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton_aot capture: set TRITON_INTERPRET=1 before Python starts "
+                           "(`TRITON_INTERPRET=1 python -m tools.triton_aot capture FILE`)")
+    import dataclasses
+
+    import torch
+    import triton
+
+    torch.manual_seed(0)
+    rec = Recorder(execute)
+    sources: List[str] = []
+    with rec:
+        for names, cfg, C in preset_configs(presets):
+            for dt in dtypes:
+                for part, modules, step in _units(cfg, C):
+                    rec.context = f"{names} C={C} {part} {dt}"
+                    t0 = time.perf_counter()
+                    _run_unit(step, modules, cfg.n, C, getattr(torch, dt))
+                    log(f"captured {rec.context} ({time.perf_counter() - t0:.1f}s)")
+                    sources.append(rec.context)
+        from xhc.kernels import liger
+
+        if liger.liger_available():
+            for names, cfg, C in preset_configs(presets):
+                if cfg.variant != "mhc":
+                    continue
+                try:
+                    lcfg = dataclasses.replace(cfg, kernels="liger", sinkhorn_order="col_last")
+                except Exception as e:  # a preset Liger's maths does not cover
+                    log(f"liger: {names} not covered ({e})")
+                    continue
+                for dt in dtypes:
+                    for part, modules, step in _units(lcfg, C):
+                        rec.context = f"liger {names} C={C} {part} {dt}"
+                        _run_unit(step, modules, lcfg.n, C, getattr(torch, dt))
+                        log(f"captured {rec.context}")
+                        sources.append(rec.context)
+        else:
+            log("liger-kernel not installed: its mHC op is not captured")
+            sources.append("liger: not installed")
+        for spec in extra:
+            _op_shapes(rec, spec)
+            log(f"captured {rec.context}")
+            sources.append(rec.context)
+        if extra:  # the module tests' size: every distinct preset config at C = 8, float64
+            done = set()
+            for names, cfg, _ in preset_configs(presets):
+                if repr(cfg) in done:
+                    continue
+                done.add(repr(cfg))
+                for part, modules, step in _units(cfg, TEST_MODULE_C):
+                    rec.context = f"{names} C={TEST_MODULE_C} {part} float64"
+                    _run_unit(step, [m.double() for m in modules], cfg.n, TEST_MODULE_C, torch.float64)
+                    log(f"captured {rec.context}")
+                    sources.append(rec.context)
+    return {"triton": triton.__version__, "torch": torch.__version__, "tokens": TOKENS, "sources": sources,
+            "launches": rec.launches}
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. compile (no interpreter, no GPU)
+# ------------------------------------------------------------------------------------------------
+class _TargetDriver:
+    """What JITFunction.run asks the active driver for, answered for a chosen GPU target."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def _jit_function(module: str, name: str):
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # autotuner / heuristics wrappers
+        obj = obj.fn
+    if not isinstance(obj, JITFunction):
+        raise TypeError(f"{module}.{name} is {type(obj).__name__}, not a triton.jit function "
+                        "(is TRITON_INTERPRET=1 set for the compile step? it must not be)")
+    return obj
+
+
+def compile_specs(specs: dict, archs: List[int], log=print) -> List[dict]:
+    """Compile every recorded launch for every arch.  Launches that Triton's binder specialises
+    alike (e.g. C = 1024 and 2048: both multiples of 16, same constexprs) share one kernel, as they
+    would on the GPU (Triton's own kernel cache): one result dict per distinct kernel and arch, with
+    ``launches`` counting the launches it serves."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("triton_aot compile: unset TRITON_INTERPRET (the interpreter never compiles)")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    results: List[dict] = []
+    previous = getattr(driver, "_active", None)
+    for arch in archs:
+        driver.set_active(_TargetDriver(GPUTarget("cuda", arch, 32)))
+        by_kernel: Dict[int, dict] = {}  # id(CompiledKernel) -> its result
+        fresh = set()
+        try:
+            for launch in specs["launches"]:
+                name = launch["name"]
+                res = {"arch": arch, "kernel": name, "module": launch["module"], "context": launch["context"],
+                       "triton": triton.__version__, "launches": 1}
+                t0 = time.perf_counter()
+                try:
+                    fn = _jit_function(launch["module"], name)
+                    if id(fn) not in fresh:  # the binder and kernel cache hold the previous arch's target
+                        fn.device_caches.clear()
+                        fresh.add(id(fn))
+                    args = [_decode(a) for a in launch["args"]]
+                    kwargs = {k: _decode(v) for k, v in launch["kwargs"].items()}
+                    kernel = fn.run(*args, grid=(1,), warmup=True, **kwargs)
+                    if id(kernel) in by_kernel:  # a launch an earlier compile already serves
+                        by_kernel[id(kernel)]["launches"] += 1
+                        continue
+                    cubin = kernel.asm.get("cubin", b"")
+                    if not cubin:
+                        raise RuntimeError("no cubin produced")
+                    md = kernel.metadata
+                    res.update(status="OK", cubin_bytes=len(cubin), shared=getattr(md, "shared", None),
+                               num_warps=getattr(md, "num_warps", None))
+                    by_kernel[id(kernel)] = res
+                except Exception as e:
+                    msg = [m.strip() for m in str(e).strip().splitlines() if m.strip()]
+                    where = f"{msg[0]} ... {msg[-1]}" if len(msg) > 1 else (msg[0] if msg else "")
+                    res.update(status="FAIL", error=f"{type(e).__name__}: {where}",
+                               traceback=traceback.format_exc()[-4000:])
+                res["seconds"] = round(time.perf_counter() - t0, 3)
+                results.append(res)
+                line = f"{res['status']} sm_{arch} {name} [{launch['context']}]"
+                if res["status"] == "OK":
+                    line += f" cubin {res['cubin_bytes']} B, shared {res['shared']} B, {res['seconds']:.2f}s"
+                else:
+                    line += f": {res['error']}"
+                log(line)
+        finally:
+            driver._active = previous  # as found (None: the next use picks the real driver, if any)
+    return results
+
+
+def summary_line(results: List[dict]) -> str:
+    import triton
+
+    bad = [r for r in results if r["status"] != "OK"]
+    kernels = sorted({r["kernel"] for r in results})
+    archs = sorted({r["arch"] for r in results})
+    served = sum(r["launches"] for r in results)
+    return (f"SUMMARY triton {triton.__version__}: {len(results) - len(bad)}/{len(results)} compiled "
+            f"({served} launches), {len(bad)} failed; {len(kernels)} kernels ({', '.join(kernels)}), "
+            f"archs {', '.join(f'sm_{a}' for a in archs)}")
+
+
+def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[str]] = None) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    cmd = [sys.executable, "-m", "tools.triton_aot", "capture", path]
+    for e in extra:
+        cmd += ["--extra", e]
+    if not extra:
+        cmd.append("--no-extra")
+    if presets:
+        cmd += ["--presets", ",".join(presets)]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.triton_aot", description=__doc__.split("\n\n")[0])
+    p.add_argument("command", nargs="?", default="all", choices=("all", "capture", "compile"))
+    p.add_argument("specs", nargs="?", help="capture: where to write the launches (JSON); compile: the file to read")
+    p.add_argument("--arch", default="90,80", help="compute capabilities, comma-separated (default: 90,80)")
+    p.add_argument("--extra", action="append", default=None,
+                   help="capture: also the HC ops at n:C:dtype (repeatable; default: the kernel tests' shapes)")
+    p.add_argument("--no-extra", action="store_true", help="capture: only the zoo presets")
+    p.add_argument("--presets", default=None,
+                   help="capture: zoo presets to use, comma-separated fnmatch patterns (default: all), e.g. 'tiny-moe:*'")
+    p.add_argument("--execute", action="store_true",
+                   help="capture: also run each kernel in the interpreter (slow; default: record the launch only)")
+    p.add_argument("--json", default=None, help="compile: write the results here")
+    args = p.parse_args(argv)
+    extra = [] if args.no_extra else (args.extra or list(TEST_SHAPES))
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
+    try:
+        archs = [int(a) for a in args.arch.split(",") if a.strip()]
+    except ValueError:
+        p.error(f"--arch {args.arch!r}: write compute capabilities as integers, e.g. --arch 90,80")
+    if args.command == "capture":
+        if not args.specs:
+            p.error("capture needs the output file: python -m tools.triton_aot capture specs.json")
+        specs = capture(extra, log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute,
+                        presets=presets)
+        Path(args.specs).write_text(json.dumps(specs))
+        print(f"{len(specs['launches'])} launches captured ({len(specs['sources'])} sources) -> {args.specs}")
+        return 0 if specs["launches"] else 1
+    if args.command == "compile":
+        if not args.specs or not os.path.exists(args.specs):
+            p.error(f"compile needs the file written by `capture`; {args.specs!r} does not exist")
+        specs = json.loads(Path(args.specs).read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="xhc-aot-") as d:
+            path = os.path.join(d, "specs.json")
+            _capture_in_subprocess(path, extra, presets)
+            specs = json.loads(Path(path).read_text())
+    if not specs.get("launches"):
+        print("FAIL nothing captured: no kernel launch was recorded")
+        return 1
+    results = compile_specs(specs, archs, log=lambda s: print(s, flush=True))
+    print(summary_line(results), flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"captured_with": specs.get("triton"), "results": results}, indent=1))
+    return 0 if results and all(r["status"] == "OK" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
