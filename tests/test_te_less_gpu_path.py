@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.megatron]  # also run by the Python 3.12 / megatron-core 0.19 stage (names bound there)
 
 ROOT = Path(__file__).resolve().parents[1]
 
