@@ -17,7 +17,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3.12}"
 VENV="${XHC_DEVICE_ENV_VENV:-runs/.venv-device-env}"
 LOG=runs/device_env_check.log
-PINS=("torch==2.11.0" "triton==3.6.0" "transformers==5.17.0")
+# numpy < 2.4: Triton 3.6's interpreter (how the tests run the kernels on CPU) calls int() on
+# one-element arrays (`range(t_max)` in a kernel), which numpy 2.4 and 2.5 refuse ("only
+# 0-dimensional arrays can be converted to Python scalars"; Triton 3.9's interpreter does not).  The
+# GPU image's numpy 2.5 does not matter there: its kernels run compiled, not interpreted.
+PINS=("torch==2.11.0" "triton==3.6.0" "transformers==5.17.0" "numpy<2.4")
 TESTS=(tests/test_hc_kernels.py tests/test_hc_megatron.py tests/test_convert_hf.py)
 command -v "$PY" >/dev/null 2>&1 || { echo "error: $PY not found; set PYTHON to a Python 3.12 interpreter" >&2; exit 2; }
 mkdir -p runs
@@ -32,7 +36,7 @@ printf '%s\n' "${PINS[@]}" > "$VENV/constraints.txt"
 "$VENV/bin/python" - <<'PY'
 import sys
 from importlib import metadata
-for d in ("torch", "triton", "transformers", "megatron-core", "liger-kernel"):
+for d in ("torch", "triton", "transformers", "numpy", "megatron-core", "liger-kernel"):
     print(f"[device-env] {d} {metadata.version(d)}")
 print(f"[device-env] python {sys.version.split()[0]}")
 PY
