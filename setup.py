@@ -43,7 +43,7 @@ setup(
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").
         "te": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=5.17", "safetensors>=0.4", "peft>=0.17"],
-        "test": ["pytest>=8.0", "hypothesis>=6.100", "transformers>=5.17", "safetensors>=0.4", "peft>=0.17",
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100", "transformers>=5.17", "safetensors>=0.4", "peft>=0.17",
                  "lm-eval>=0.4.13"],
         "wandb": ["wandb>=0.17"],
         # tools.evaluate / tests: lm-eval-harness on exported Hugging Face folders (CPU torch stays).
