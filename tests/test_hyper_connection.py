@@ -277,7 +277,7 @@ class TestInitialisation:
         for variant, diag in (("mhc", 0.998995), ("mhc_lite", 0.994008), ("kromhc", 0.999329)):
             hc = HyperConnection(HCConfig(variant=variant, n=4), 2)
             _, _, H = hc.coefficients(X)
-            assert abs(float(H[0, 0]) - diag) < 1e-6, variant
+            assert abs(float(H[0, 0].detach()) - diag) < 1e-6, variant
 
     def test_peft_preset(self):
         """[PEFT] (docs/math.md §2.g): +8 read, mHC diag +8, lite/Krom −12, static Sinkhorn uniform + noise."""
