@@ -23,8 +23,8 @@ setup(
     package_data={"configs": ["models/*.yaml", "pretrain/*.yaml", "finetune/*.yaml", "sweeps/*.yaml",
                               "lm_eval/*.yaml"],
                   "tools": ["*.sh"]},
-    # Minimums: the oldest versions tested, those of the GPU check image (torch 2.11, triton 3.6,
-    # transformers 5.17: tools/device_env_check.sh, tests/test_triton_aot.py; docs/gpu.md).
+    # Minimums: the GPU check image's versions (torch 2.11, triton 3.6, transformers 5.17), the oldest
+    # checked (tools/device_env_check.sh, tests/test_triton_aot.py); docs/gpu.md lists what fails there.
     install_requires=[
         "torch>=2.11",
         MEGATRON,
