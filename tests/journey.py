@@ -28,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -116,12 +117,15 @@ class Workspace:
     def run(self, argv: Sequence[str], extra: Sequence[str] = (), timeout: float = 600.0,
             check: bool = True) -> subprocess.CompletedProcess:
         cmd = self.argv(argv) + list(extra)
+        t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"{shlex.join(cmd)}: timed out after {timeout:.0f} s\n{(e.stdout or '')[-3000:]}")
-        self.log.append(f"$ {shlex.join(cmd)}  -> exit {proc.returncode}")
+        self.log.append(f"{time.perf_counter() - t0:7.1f} s  exit {proc.returncode}  $ {shlex.join(cmd)}")
+        with open(self.root / "journey-commands.log", "a", encoding="utf-8") as f:  # wall time per command
+            f.write(self.log[-1] + "\n")
         if check and proc.returncode != 0:
             raise AssertionError(f"{shlex.join(cmd)} (in {self.root}) exited {proc.returncode}:\n{proc.stdout[-5000:]}")
         return proc
