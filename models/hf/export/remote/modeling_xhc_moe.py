@@ -19,6 +19,7 @@ decode cache attached to that KV cache (reset when the KV cache is empty).  Batc
 with left padding is not supported for xHC variants (the temporal conv would see the pad tokens).
 """
 
+import inspect
 from typing import Optional
 
 import torch
@@ -44,6 +45,12 @@ from xhc.temporal import SequenceContext
 from xhc.xhc import XHCSublayer
 
 from .configuration_xhc_moe import XHCMoeConfig
+
+# transformers renamed the KV cache argument and output field from ``past_key_values`` to ``cache``
+# (5.17 has the old name, newer releases the new one): use whichever this installation has.
+_MASK_CACHE_KW = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+_ATTN_CACHE_KW = "cache" if "cache" in inspect.signature(Glm4MoeAttention.forward).parameters else "past_key_values"
+_OUT_CACHE_FIELD = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 HC_MODULE_NAMES = ("self_attention_hyper_connection", "mlp_hyper_connection", "hc_readout_logits")
 
@@ -179,7 +186,7 @@ class XHCMoeModel(XHCMoePreTrainedModel):
         if position_ids is None:
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                  cache=cache, position_ids=position_ids)
+                                  position_ids=position_ids, **{_MASK_CACHE_KW: cache})
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         seq = None
         if cache is not None and self.hc.kernel_sizes:
@@ -190,10 +197,10 @@ class XHCMoeModel(XHCMoePreTrainedModel):
         X = expand_streams(inputs_embeds.transpose(0, 1), self.hc.n)  # [s, b, N, C]
         carry = {}
         for layer in self.layers:
-            X = layer(X, seq=seq, carry=carry, attention_mask=mask, position_ids=position_ids, cache=cache,
-                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            X = layer(X, seq=seq, carry=carry, attention_mask=mask, position_ids=position_ids,
+                      use_cache=use_cache, position_embeddings=position_embeddings, **{_ATTN_CACHE_KW: cache}, **kwargs)
         hidden = self.norm(X.transpose(0, 1))
-        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUT_CACHE_FIELD: cache})
 
 
 class XHCMoeForCausalLM(XHCMoePreTrainedModel, GenerationMixin):
@@ -217,7 +224,7 @@ class XHCMoeForCausalLM(XHCMoePreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUT_CACHE_FIELD: getattr(out, _OUT_CACHE_FIELD)})
 
 
 __all__ = ["XHCMoeForCausalLM", "XHCMoeModel", "XHCMoePreTrainedModel"]
