@@ -311,6 +311,7 @@ def test_bad_input_is_one_line_and_changes_nothing(assets, tmp_path, name):
     assert _digest(str(assets)) == before_assets
 
 
+@pytest.mark.slow
 def test_too_little_space_for_a_checkpoint_is_found_at_start_up(tmp_path, monkeypatch, capsys):
     """The free-space pre-flight (a full disk cannot be made here without privileges: the disk's
     answer is replaced)."""

@@ -108,6 +108,7 @@ def test_round_trip_restores_everything_exactly(parallel, tmp_path):
     assert torch.equal(loaded["rng"]["torch"], rng_before["torch"])
 
 
+@pytest.mark.slow
 def test_layout_manifest_and_latest(parallel, tmp_path):
     model, opt, sched = _setup(seed=1)
     ck, path = _save(str(tmp_path), 3, model, opt, sched)
@@ -170,6 +171,7 @@ def _edit_manifest(path):
     (lambda path: os.remove(os.path.join(path, MANIFEST)), "no manifest.json"),
     (_edit_manifest, "fails its own sha256"),
 ])
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_never_loaded(parallel, tmp_path, corrupt, words):
     model, opt, sched = _setup(seed=1)
     ck, path = _save(str(tmp_path), 5, model, opt, sched)
@@ -182,6 +184,7 @@ def test_corrupt_checkpoint_is_never_loaded(parallel, tmp_path, corrupt, words):
     assert all(torch.equal(before[k], v) for k, v in _params(model2).items())  # nothing was loaded
 
 
+@pytest.mark.slow
 def test_metadata_checksum_still_catches_size_changes(parallel, tmp_path):
     model, opt, sched = _setup(seed=1)
     _, path = _save(str(tmp_path), 5, model, opt, sched, checksum="metadata")
@@ -205,6 +208,7 @@ def _object_keys(path):
     return md, {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
 
 
+@pytest.mark.slow
 def test_metadata_checksum_covers_every_non_tensor_object(parallel, tmp_path):
     """Step, scheduler, RNG and the CPU optimizer state are hashed in ``metadata`` mode wherever
     Megatron stores them: in common.pt (< 0.19) or inside the .distcp files (0.19+)."""
@@ -230,6 +234,7 @@ def test_metadata_checksum_covers_every_non_tensor_object(parallel, tmp_path):
         verify_checkpoint(path)
 
 
+@pytest.mark.slow
 def test_crashed_save_leaves_previous_checkpoint_and_is_cleaned_up(parallel, tmp_path, monkeypatch):
     import errno
 

@@ -203,6 +203,7 @@ def test_every_shipped_config_loads():
         FinetuneConfig.load(f)
 
 
+@pytest.mark.slow
 def test_paper_configs_reproduce_paper_counts():
     from transformers import AutoModelForCausalLM
 
@@ -248,6 +249,7 @@ def _events(out_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_end_to_end_identity_jsonl(chat_jsonl, tmp_path, capsys):
     out = str(tmp_path / "run")
     summary = run(_tiny_cfg(chat_jsonl, out))
@@ -283,6 +285,7 @@ def test_end_to_end_identity_jsonl(chat_jsonl, tmp_path, capsys):
     assert again["loss"] == pytest.approx(summary["test_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_end_to_end_kromhc_lora_parquet(tmp_path, capsys):
     pytest.importorskip("peft")
     import datasets

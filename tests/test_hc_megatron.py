@@ -126,6 +126,7 @@ def test_vanilla_and_disabled_specs_are_bitwise_stock(parallel):
 # ------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.slow
 def test_hc_family_equals_vanilla_at_init(parallel, reduction):
     """HC and every mHC-family variant, with the vanilla weights copied in and HC params at their
     init, reproduce the vanilla logits and loss to fp32 round-off.  ``sum`` feeds N·h to the final

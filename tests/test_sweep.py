@@ -82,6 +82,7 @@ def test_cli_reports_one_line_error(tmp_path, capsys):
     assert err.startswith("error: sweep file") and "\n" not in err
 
 
+@pytest.mark.slow
 def test_shipped_sweeps_resolve():
     """configs/sweeps/*.yaml: the grid of the issue, with the accounting of every arm."""
     tiny = load_sweep(os.path.join(REPO, "configs", "sweeps", "tiny-cpu.yaml"), out_dir="/nonexistent/t")
