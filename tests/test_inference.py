@@ -143,3 +143,23 @@ def test_no_library_call_draws_from_the_global_rng():
     for _ in range(3):
         kernels.resolve_backend("auto", "cpu")
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_inference_first_then_training_in_one_process():
+    """A process whose first HC call is under inference_mode (generate, evaluation) can train
+    afterwards: nothing cached during inference is an inference tensor (mHC-lite's permutation
+    matrices were, and the next recorded forward failed)."""
+    from xhc import doubly_stochastic as ds
+    from xhc.config import HCConfig
+    from xhc.hyper_connection import HyperConnection
+
+    ds._PERMUTATIONS.clear()
+    hc = HyperConnection(HCConfig(variant="mhc_lite", n=4, kernels="eager"), 8, layer_index=1)
+    X = torch.randn(3, 2, 4, 8)
+    with torch.inference_mode():
+        u, ctx = hc.read(X)
+        hc.write(X, u, ctx)
+    X.requires_grad_(True)
+    u, ctx = hc.read(X)
+    hc.write(X, u, ctx).sum().backward()
+    assert X.grad is not None and torch.isfinite(X.grad).all()

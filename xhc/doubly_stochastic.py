@@ -142,9 +142,12 @@ def _permutation_matrices_cpu(n: int) -> torch.Tensor:
     if P is not None:
         return P
     perms = list(itertools.permutations(range(n)))  # lexicographic; r = 0 is the identity
-    P = torch.zeros(len(perms), n, n)
-    for r, pi in enumerate(perms):
-        P[r, torch.arange(n), torch.tensor(pi)] = 1.0  # P_r[i, π_r(i)] = 1
+    # built as a normal tensor even when the first call comes under torch.inference_mode(): a cached
+    # inference tensor could not be used by a later forward that autograd records
+    with torch.inference_mode(False):
+        P = torch.zeros(len(perms), n, n)
+        for r, pi in enumerate(perms):
+            P[r, torch.arange(n), torch.tensor(pi)] = 1.0  # P_r[i, π_r(i)] = 1
     _PERMUTATIONS[n] = P
     return P
 
