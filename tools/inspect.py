@@ -244,46 +244,15 @@ def model_info_hf(target: Target) -> ModelInfo:
 
 
 def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
-    """``(group, {megatron name: tensor})`` for the embedding, each layer and the head, loading one group
-    at a time with ``dist_checkpointing`` (which reshards any saved layout).
+    """``(group, {megatron name: tensor})`` for the embedding, each layer and the head, one group at a
+    time: the converter's :func:`models.hf.export.convert.stream_checkpoint` (``dist_checkpointing``
+    reshards any saved layout; a dropped group is freed), with its errors as :class:`InspectError`."""
+    from models.hf.export.convert import ConversionError, stream_checkpoint
 
-    Like ``models.hf.export.convert.stream_checkpoint``, except that the storage is given to *copies*
-    of the sharded-state-dict entries: the meta model's entries stay on ``meta``, so a loaded group is
-    freed as soon as the caller drops it (materialising the entries themselves keeps every group
-    alive through the model's sharded state dict, and memory grows by one layer per layer).
-    """
-    import copy
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from models.hf.export import mapping as M
-
-    groups: Dict[str, dict] = {}
-    for name, entry in model.sharded_state_dict().items():
-        groups.setdefault(M.group_of(name), {})[name] = entry
-    for g in M.sort_groups(groups):
-        part = {}
-        for name, entry in groups[g].items():
-            if isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
-                e = copy.copy(entry)
-                e.data = _empty_cpu(entry.data)
-                part[name] = e
-        try:
-            loaded = dist_checkpointing.load(part, checkpoint)
-        except Exception as e:
-            raise InspectError(f"{checkpoint}: cannot read {g} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''}); is it a checkpoint of this preset?") from None
-        out = {k: v for k, v in loaded.items() if hasattr(v, "dtype")}
-        del part, loaded
-        yield g, out
-        del out
-
-
-def _empty_cpu(t):
-    import torch
-
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    try:
+        yield from stream_checkpoint(model, checkpoint, progress=False)
+    except ConversionError as e:
+        raise InspectError(str(e)) from None
 
 
 def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> Iterator[Tuple[str, Dict]]:

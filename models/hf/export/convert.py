@@ -212,6 +212,7 @@ def stream_checkpoint(model, checkpoint: str, progress: bool = True) -> Iterator
         out = {k: v for k, v in loaded.items() if torch.is_tensor(v)}
         del part, loaded
         yield g, out
+        del out  # not held while the next group loads
 
 
 def _progress(items, desc: str, enabled: bool):
