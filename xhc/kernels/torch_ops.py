@@ -102,12 +102,23 @@ def row_dots(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return _row_dots(A, B, _cdt(A, B))
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, but ``t`` itself when it has that dtype already.
+
+    A custom autograd function must not return a no-op ``.to`` of its result: under
+    ``torch.compile`` with torch 2.11, such an output (an alias of an intermediate) gets zero
+    gradients (found by ``test_compiled_fused_equals_eager`` on 2.11; 2.13 is right).  The forwards
+    below return through this helper so their outputs are always fresh tensors.
+    """
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _Read(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, X, out_dtype):
         cdt = _cdt(h, X)
         ctx.save_for_backward(h, X)
-        return _contract_rows(h, X, cdt).to(out_dtype)
+        return _cast(_contract_rows(h, X, cdt), out_dtype)
 
     @staticmethod
     def backward(ctx, du):
@@ -282,10 +293,10 @@ class _Write(torch.autograd.Function):
         ctx.has_H, ctx.has_I, ctx.own = H is not None, I is not None, own
         ctx.x_dtype = None if X is None else X.dtype
         if I is None:
-            return _new_rows(Xa, H, P, blocks, cdt).to(out_dtype)
+            return _cast(_new_rows(Xa, H, P, blocks, cdt), out_dtype)
         act = (slot >= 0).unsqueeze(-1)
         new = _new_rows(Xa, H, P, blocks, cdt, rows=slot.clamp_min(0))
-        return torch.where(act, new.to(X.dtype), X).to(out_dtype)
+        return _cast(torch.where(act, _cast(new, X.dtype), X), out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
