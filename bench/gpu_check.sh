@@ -60,19 +60,21 @@ CHK="\$PY -m bench.gpu_checks --workdir $WORK/checks"
 NAMES=(); LIMITS=(); CMDS=()
 plan() { NAMES+=("$1"); LIMITS+=("$2"); CMDS+=("$3"); }
 if [ "$NPROC" = 1 ]; then
-  plan env 30 "(environment, below)"
+  # Limits: the first H200 run (2026-12-04, docs/gpu.md) took env 28 s, kernels 67 s (75 s once with
+  # a cold Triton cache: timed out), train 47 s, resume 37-55 s, throughput 76 s, bench 82 s.
+  plan env 45 "(environment, below)"
   if [ "$SMOKE" = 1 ]; then
-    plan kernels 75 "echo 'SKIP kernel tests: CPU smoke run (they run under TRITON_INTERPRET=1 in the test suite)'"
+    plan kernels 120 "echo 'SKIP kernel tests: CPU smoke run (they run under TRITON_INTERPRET=1 in the test suite)'"
   else
-    plan kernels 75 "\$PY -m pytest -q -p no:cacheprovider -o addopts= --timeout 60 tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend' && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda, tests/test_liger_mhc.py -k liger_backend' || echo 'FAIL kernel tests: see the pytest lines above'"
+    plan kernels 120 "\$PY -m pytest -q -p no:cacheprovider -o addopts= --timeout 60 tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend' && echo 'PASS kernel tests: tests/test_hc_kernels.py -k cuda, tests/test_liger_mhc.py -k liger_backend' || echo 'FAIL kernel tests: see the pytest lines above'"
   fi
-  plan train 150 "$CHK --json \$STEP_JSON train_eval pipeline spec variants"
+  plan train 110 "$CHK --json \$STEP_JSON train_eval pipeline spec variants"
   plan resume 70 "$CHK --json \$STEP_JSON resume"
-  plan throughput 90 "$CHK --json \$STEP_JSON throughput"
-  plan bench 125 "$CHK --json \$STEP_JSON bench"
+  plan throughput 100 "$CHK --json \$STEP_JSON throughput"
+  plan bench 95 "$CHK --json \$STEP_JSON bench"
 else
-  plan env 30 "(environment, below)"
-  plan multi 510 "\$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.gpu_checks --workdir $WORK/checks --json \$STEP_JSON multi"
+  plan env 45 "(environment, below)"
+  plan multi 495 "\$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.gpu_checks --workdir $WORK/checks --json \$STEP_JSON multi"
 fi
 if [ -n "$ONLY" ]; then
   for s in ${ONLY//,/ }; do

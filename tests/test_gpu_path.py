@@ -20,6 +20,7 @@ Megatron's optimiser wrappers allocate CUDA scalars and check ``param.type()`` f
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -27,6 +28,7 @@ import torch
 
 from models.zoo import build_model, build_transformer_config, load_preset
 from tests.test_optim import SEQ, TINY, VOCAB, megatron_scalars_on_cpu, parallel  # noqa: F401 (fixtures)
+from training.config import CheckpointConfig
 from training.optim import OptimizerConfig, build_optimizer
 from training.pretrain import Trainer, float16_module_keep_hc_fp32, params_synced
 
@@ -62,7 +64,7 @@ def fp32_model(name: str = "tiny-moe:xhc"):
     return build_model(preset, build_transformer_config(preset, cpu=True), vocab_size=VOCAB, seq_length=SEQ)
 
 
-def bf16_ddp_model(name: str = "tiny-moe:xhc"):
+def bf16_ddp_model(name: str = "tiny-moe:xhc", distributed_optimizer: bool = False):
     """What Trainer._wrap_gpu builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -71,7 +73,8 @@ def bf16_ddp_model(name: str = "tiny-moe:xhc"):
     config = build_transformer_config(preset, cpu=True, bf16=True, params_dtype=torch.bfloat16,
                                       pipeline_dtype=torch.bfloat16)
     model = float16_module_keep_hc_fp32(config, build_model(preset, config, vocab_size=VOCAB, seq_length=SEQ))
-    return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    return DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), model)
 
 
 def batch(step: int):
@@ -108,44 +111,60 @@ def params(model):
 # Finding 1: mixed bf16/fp32 params and the optimiser checkpoint
 # ------------------------------------------------------------------------------------------------
 @cpu_only
-@pytest.mark.parametrize("opt_name", ["muon", "adamw"])
+@pytest.mark.parametrize("opt_name,sharding", [("muon", None), ("adamw", None), ("adamw", "dp_reshardable"),
+                                               ("adamw", "fully_reshardable")])
 @pytest.mark.slow
 def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
-                                                       opt_name):
+                                                       opt_name, sharding):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
     1 step == 3 uninterrupted steps, bit for bit.  Before the fix the save raised (the bf16
-    wrapper numbered its state from its bf16 params only)."""
+    wrapper numbered its state from its bf16 params only).  With Megatron's distributed optimizer
+    (AdamW's default on GPU) the save raised ``ShardedTensor.flattened_range is not supported`` on
+    megatron-core 0.16 and 0.19 (its default sharding type is retired; seen on the H200)."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     from training.checkpoint import build_state
 
-    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=False)
+    dist_opt = sharding is not None  # (both checkpoint.optimizer_sharding layouts)
+    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=dist_opt)
+    model = functools.partial(bf16_ddp_model, distributed_optimizer=dist_opt)
 
-    straight = bf16_ddp_model()
+    straight = model()
     hc = hc_names(gpt(straight))
     assert hc and all(p.dtype == torch.float32 for n, p in gpt(straight).named_parameters() if n in hc)
     opt = build_optimizer(straight, cfg, use_megatron=True)
     subs = opt.megatron_optimizer.chained_optimizers
-    hc_ids = {id(p) for n, p in gpt(straight).named_parameters() if n in hc}
-    for o in subs:  # no bf16 wrapper holds an fp32 param; the HC params are in FP32Optimizers
-        if isinstance(o, Float16OptimizerWithFloat16Params):
-            assert not any(o.fp32_from_fp32_groups)
-    in_fp32 = {id(p) for o in subs if isinstance(o, FP32Optimizer) for p in o.get_parameters()}
-    assert hc_ids <= in_fp32
+    if not dist_opt:  # (the distributed optimizer keeps fp32 main params for every parameter)
+        hc_ids = {id(p) for n, p in gpt(straight).named_parameters() if n in hc}
+        for o in subs:  # no bf16 wrapper holds an fp32 param; the HC params are in FP32Optimizers
+            if isinstance(o, Float16OptimizerWithFloat16Params):
+                assert not any(o.fp32_from_fp32_groups)
+        in_fp32 = {id(p) for o in subs if isinstance(o, FP32Optimizer) for p in o.get_parameters()}
+        assert hc_ids <= in_fp32
+    for o in subs:  # every parameter's optimizer entry is its own shard (Megatron mis-indexed
+        # groups that mix fp32 and bf16 parameters; training.optim._fix_param_group_index_map)
+        for model_param, (gi, order) in getattr(o, "model_param_group_index_map", {}).items():
+            main = o.optimizer.param_groups[gi]["params"][order]
+            ranges = [b["param_map"][model_param]["param"] for maps in o.gbuf_ranges for m in maps.values()
+                      for b in m if model_param in b["param_map"]]
+            assert len(ranges) == 1 and main.numel() == ranges[0].size
+            assert torch.equal(main.detach().float(), model_param.detach().view(-1)[ranges[0].start:ranges[0].end].float())
     for step in range(3):
         train_step(straight, opt, step)
 
-    first = bf16_ddp_model()
+    first = model()
     opt1 = build_optimizer(first, cfg, use_megatron=True)
     for step in range(2):
         train_step(first, opt1, step)
-    dist_checkpointing.save(build_state([first], opt1, None, None, rng=False), str(tmp_path))
+    layout = {"optimizer_sharding": sharding} if dist_opt else {}
+    dist_checkpointing.save(build_state([first], opt1, None, None, rng=False, **layout), str(tmp_path))
     del first, opt1
 
-    second = bf16_ddp_model()
+    second = model()
     opt2 = build_optimizer(second, cfg, use_megatron=True)
-    loaded = dist_checkpointing.load(build_state([second], opt2, None, None, rng=False, is_loading=True), str(tmp_path))
+    loaded = dist_checkpointing.load(build_state([second], opt2, None, None, rng=False, is_loading=True, **layout),
+                                     str(tmp_path))
     missing, unexpected = gpt(second).load_state_dict(loaded["model"], strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     opt2.load_state_dict(loaded["optimizer"])
@@ -212,7 +231,7 @@ def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_
     resumed = bf16_ddp_model()
     opt_r = build_optimizer(resumed, cfg, use_megatron=True)
     fake = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(checkpoint=types.SimpleNamespace(load_optimizer=False, load_rng=False)),
+        cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(load_optimizer=False, load_rng=False)),
         chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap,
         _trainer_state=lambda: {"step": 0, "consumed_samples": 0, "skipped_steps": 0}, log=lambda *_: None,
         _compat_info=lambda: {})  # nothing to compare: the compatibility check is tested in test_reliability
@@ -376,7 +395,8 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
 
     fake = types.SimpleNamespace(
         chunks=[Chunk()], optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6, ckpt=Ckpt(),
-        cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig()),
+        cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig(),
+                                  checkpoint=CheckpointConfig()),
         metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {},
         _compat_info=lambda: {}, check_parameters=lambda why: events.append("finite check"))
     Trainer.save_checkpoint(fake, "interval")

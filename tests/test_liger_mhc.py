@@ -100,6 +100,18 @@ def _pair(cfg: HCConfig, C: int, seed: int = 0):
     return lig, ref
 
 
+def _fp32_tolerance() -> float:
+    """fp32: a GEMM over n·C = 128 terms, sigmoids and up to 20 Sinkhorn steps, relative to the
+    largest value: 2e-5.  On a GPU, Liger's ``tl.dot`` on fp32 operands runs in TF32 (Triton's
+    default there; operands rounded to 10 mantissa bits, unit roundoff 2**-11 = 4.9e-4), and the
+    weight gradients are such GEMMs summed over tokens, where terms cancel: 1e-2, 20 units.
+    Measured on the H200 (docs/gpu.md): forward 0.9e-4 to 1.1e-4, W_res gradient up to 2.9e-3;
+    with ``TRITON_F32_DEFAULT=ieee`` (full fp32) everything within 2e-5, and that bound applies."""
+    if DEV.type == "cuda" and os.environ.get("TRITON_F32_DEFAULT", "").lower() != "ieee":
+        return 1e-2
+    return 2e-5
+
+
 def _branch(u):
     return 1.7 * torch.tanh(u)
 
@@ -133,7 +145,7 @@ def test_liger_backend_equals_eager(affine, clamp, iters):
     w = torch.randn(out_r.shape, dtype=torch.float64)
     (out_l.double().cpu() * w).sum().backward()
     (out_r * w).sum().backward()
-    tol = 2e-5  # fp32: a GEMM over n·C = 128 terms, sigmoids and up to 20 Sinkhorn steps, relative to max
+    tol = _fp32_tolerance()
     assert _rel(out_l, out_r) < tol
     assert _rel(Xl.grad, Xr.grad) < tol
     for (name, p), q in zip(lig.named_parameters(), ref.parameters()):

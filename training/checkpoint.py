@@ -484,17 +484,24 @@ def is_megatron_optimizer(optimizer) -> bool:
 
 
 def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=None, trainer: Optional[dict] = None,
-                rng: bool = True, is_loading: bool = False, extra: Optional[dict] = None) -> dict:
+                rng: bool = True, is_loading: bool = False, extra: Optional[dict] = None,
+                optimizer_sharding: str = "dp_reshardable") -> dict:
     """The sharded state dict of a training run (for :meth:`Checkpointer.save` and ``.load``).
 
     ``trainer``: plain counters, identical on every rank (saved once, as common state).
     ``extra``: further common entries (e.g. the config); must be identical on every rank.
+    ``optimizer_sharding``: the layout of Megatron's distributed optimizer state
+    (``checkpoint.optimizer_sharding``; loading must use the layout of the save).  It is always
+    named: megatron-core's own default (``fully_sharded_model_space``) cannot be saved on 0.16 or 0.19.
     """
     state = _model_sharded_state(chunks)
     if optimizer is not None:
         if is_megatron_optimizer(optimizer):
             model_sd = state["model"] if len(chunks) == 1 else {k: v for k, v in state.items()}
-            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            metadata = {"distrib_optim_sharding_type": optimizer_sharding}
+            if optimizer_sharding == "fully_reshardable" and not torch.cuda.is_available():
+                metadata["distrib_optim_fully_reshardable_mem_efficient"] = True  # gathers over gloo
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
         else:
             state["optimizer_rank"] = _rank_object("optimizer_rank_state", optimizer.state_dict())
     if scheduler is not None:

@@ -204,6 +204,11 @@ class CheckpointConfig:
     """On SIGTERM (SLURM preemption, torchrun shutdown) or SIGUSR1: save at the next step boundary, exit 0."""
     checksum: str = "auto"
     """Manifest hashes: ``all`` files, ``metadata`` only, ``none`` (sizes only), ``auto`` (all below 2 GiB)."""
+    optimizer_sharding: str = "dp_reshardable"
+    """How Megatron's distributed optimizer (GPU AdamW) lays out its state in a checkpoint, as
+    Megatron-LM: ``dp_reshardable`` (every rank writes its own shard, no gathering; the DP size may
+    change) or ``fully_reshardable`` (gathered on DP rank 0 at save; any TP/PP/DP layout may load it).
+    A checkpoint is always loaded in the layout it was saved with (its manifest records it)."""
 
 
 @dataclass
@@ -680,6 +685,7 @@ def validate_config(cfg: PretrainConfig) -> None:
     _positive("checkpoint.interval", c.interval, allow_none=True, allow_zero=True)
     _positive("checkpoint.keep_last", c.keep_last)
     _choice("checkpoint.checksum", c.checksum, ("auto", "all", "metadata", "none"))
+    _choice("checkpoint.optimizer_sharding", c.optimizer_sharding, ("dp_reshardable", "fully_reshardable"))
     if c.load is not None and c.load not in ("auto", "none") and not os.path.exists(c.load):
         raise _err("checkpoint.load", f"{c.load!r} does not exist; use auto, none, or a checkpoint directory")
     # ---- logging

@@ -687,7 +687,10 @@ class TrainOptimizer:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if self.megatron_optimizer is not None:
-            self.megatron_optimizer.load_state_dict(state)
+            with torch.no_grad():  # the distributed optimizer writes into views of fp32 (HC) parameters
+                self.megatron_optimizer.load_state_dict(state)
+                for part in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+                    _restore_torch_adam_steps(part)
             return
         if set(state) != set(self.optimizers):
             raise ValueError(f"optimizer state holds {sorted(state)}, this optimizer has {sorted(self.optimizers)}: "
@@ -699,6 +702,14 @@ class TrainOptimizer:
         """Megatron backend: the optimiser's ``dist_checkpointing`` state dict."""
         if self.megatron_optimizer is None:
             raise NotImplementedError("sharded_state_dict needs the Megatron backend; use state_dict()")
+        if is_loading:
+            for part in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+                # A distributed optimizer that has not stepped has no state to load into; without
+                # Transformer Engine or Apex (torch's Adam) its state_dict then fails on the missing
+                # step count.  Megatron's own remedy: one zero-gradient step on the fp32 main shards
+                # (the model's parameters are untouched; the load replaces what it wrote).
+                if hasattr(part, "_init_optimizer_states_with_dummy_values") and not part.optimizer.state:
+                    part._init_optimizer_states_with_dummy_values()
         return self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
 
 
@@ -801,6 +812,60 @@ def _fp32_params_beside_bf16(named, mcfg, exclude: set) -> set:
     return {id(p) for _, p in named if id(p) not in exclude and p.dtype == torch.float32}
 
 
+def _fix_param_group_index_map(opt) -> None:
+    """Megatron's ``DistributedOptimizer`` indexes a model parameter's state by its position in
+    the parameter group it was given, but rebuilds each group as ``[fp32 shards, fp32 copies of
+    the bf16 shards]`` (megatron-core 0.16 and 0.19, ``_build_model_and_main_param_groups``).  In a
+    group that mixes the two (our bf16 backbone with fp32 HC parameters, docs/math.md §8 #13) the
+    positions then point at other parameters' state: the checkpoint (and ``state_dict``) would
+    pair moments with the wrong parameters, or fail on a size mismatch.  Re-index each group in
+    the order it really has; a group without fp32 parameters is unchanged."""
+    fp32_groups, float16_groups = getattr(opt, "model_fp32_groups", None), getattr(opt, "model_float16_groups", None)
+    if fp32_groups is None or float16_groups is None or not hasattr(opt, "model_param_group_index_map"):
+        return
+    for group_index, (fp32, float16) in enumerate(zip(fp32_groups, float16_groups)):
+        for order, param in enumerate([*fp32, *float16]):
+            opt.model_param_group_index_map[param] = (group_index, order)
+
+
+def _keep_step_on_reshardable_load(opt) -> None:
+    """With torch's Adam (no Transformer Engine or Apex) each parameter's state holds a ``step``
+    tensor, which the ``fully_reshardable`` checkpoint format does not store (the step count
+    travels in the param groups and is restored before the per-parameter states); megatron-core
+    0.16 and 0.19 then fail with ``KeyError: 'step'`` copying the states back.  Keep the step the
+    load already set."""
+    inner = getattr(opt, "_set_main_param_and_optimizer_states", None)
+    if inner is None or not hasattr(opt, "model_param_group_index_map"):
+        return
+
+    def set_states(model_param, tensors):
+        group_index, order = opt.model_param_group_index_map[model_param]
+        state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return inner(model_param, tensors)
+
+    opt._set_main_param_and_optimizer_states = set_states
+
+
+def _restore_torch_adam_steps(opt) -> None:
+    """After a distributed optimizer's load: with torch's Adam (no Transformer Engine or Apex) the
+    loaded step count sits in each param group (``group["step"]``), and megatron-core 0.16 / 0.19
+    leave the per-parameter ``step`` tensors at the placeholder state's value (or share one tensor
+    among all parameters), so Adam's bias correction would be wrong.  Give every parameter's state
+    its own tensor holding the group's step."""
+    if not hasattr(opt, "model_param_group_index_map"):
+        return
+    for group in opt.optimizer.param_groups:
+        if "step" not in group:
+            continue
+        for p in group["params"]:
+            state = opt.optimizer.state.get(p)
+            if state and torch.is_tensor(state.get("step")):  # (its own tensor: Megatron gives all
+                # parameters one shared step tensor, which Adam would then advance once per parameter)
+                state["step"] = torch.full_like(state["step"], float(group["step"]))
+
+
 def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> TrainOptimizer:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
@@ -848,5 +913,8 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
         for o in fp32_parts:
             o.config = mcfg
         parts += fp32_parts
+    for part in parts:
+        _fix_param_group_index_map(part)
+        _keep_step_on_reshardable_load(part)
     opt = ChainedOptimizer(parts)
     return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks)

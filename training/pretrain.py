@@ -765,11 +765,13 @@ class Trainer:
         from training.checkpoint import build_state
 
         t0 = time.perf_counter()
+        sharding = self.cfg.checkpoint.optimizer_sharding
         info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
-                **self._compat_info()}
+                "optimizer_sharding": sharding, **self._compat_info()}
         with params_synced(self.chunks):  # overlap_param_gather: every shard at this step's values
             self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
-            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state())
+            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
+                                optimizer_sharding=sharding)
             path = self.ckpt.save(self.step, state, info)
         self.last_saved_step = self.step
         self.last_good_checkpoint = path
@@ -799,7 +801,8 @@ class Trainer:
                          sharded_optimizer=is_megatron_optimizer(self.optimizer))
         template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
                                self.scheduler if ck.load_optimizer else None, self._trainer_state(),
-                               rng=ck.load_rng, is_loading=True)
+                               rng=ck.load_rng, is_loading=True,
+                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding))
         loaded = self.ckpt.load(path, template, body)
         keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
         for key, chunk in zip(keys, self.chunks):
