@@ -699,6 +699,13 @@ def sentencepiece_to_hf(model_path: str, out_dir: str, model_max_length: Optiona
         proto.ParseFromString(f.read())
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    if proto.trainer_spec.model_type == 2 and not json.loads(backend.to_str())["model"].get("merges"):
+        # transformers < 5.2x builds the BPE model without merges when none are given (every text
+        # then encodes character by character; seen with 5.17, the lent GPU image's version):
+        # give it SentencePiece's merges, ranked by piece id (= by score in a BPE model).
+        from transformers.tokenization_utils_base import generate_merges
+
+        backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, merges=generate_merges(vocab))
     specials = {}
     for attr, fn in (("unk_token", sp.unk_id), ("bos_token", sp.bos_id), ("eos_token", sp.eos_id), ("pad_token", sp.pad_id)):
         i = fn()
