@@ -61,6 +61,16 @@ _FORCE = "XHC_CPU_GLOO_CHILD"
 
 
 @pytest.fixture(scope="session")
+def tiny_zoo(tmp_path_factory):
+    """Every tiny variant, perturbed, as a run, a checkpoint, an fp32 HF export and Megatron's logits:
+    built once per session (one build for all xdist workers) and shared by test_convert_hf and
+    test_inspect (``tests/tiny_zoo.py``).  Read-only."""
+    from tests.tiny_zoo import shared
+
+    return shared(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def run_torchrun():
     """``run_torchrun(script, nproc=2, args=(), timeout=180, check=True)``: launch a torchrun
     worker (see :func:`tests.dist.launch.run_torchrun`) and return the ``CompletedProcess``."""
@@ -74,7 +84,7 @@ def run_torchrun():
 # is `-m "not slow"`.
 _FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor",
                   # module-scoped fixtures that train, export or install once for a whole module
-                  "exported": "train", "exported_with_tokenizer": "train", "trained_run": "train",
+                  "exported": "train", "exported_with_tokenizer": "train", "trained_run": "train", "tiny_zoo": "train",
                   "installed": "install", "dist2": "dist", "dist4": "dist"}
 _HEAVY = ("dist", "inductor", "interp", "install", "train", "journey")
 

@@ -22,23 +22,14 @@ import torch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.filterwarnings("ignore")]
 
-VARIANTS = ["vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4"]
-VOCAB, SEQ = 256, 48
-NOISE = 0.05
+from tests.tiny_zoo import NOISE, SEQ, VARIANTS, VOCAB  # noqa: F401 (the shared zoo's sizes)
 PARITY_TOL = 1e-4
 UPCYCLE_TOL = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tokens(b=2, s=SEQ, seed=1):
-    return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
-def _megatron_logits(model, tokens):
-    model.eval()
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        return model(tokens, pos, None).float()
+from tests.tiny_zoo import megatron_logits as _megatron_logits  # noqa: E402
+from tests.tiny_zoo import tokens as _tokens  # noqa: E402
 
 
 def _hf(path):
@@ -52,17 +43,7 @@ def _hf_logits(model, tokens):
         return model(tokens).logits.float()
 
 
-def _write_run(root, preset, model, step=1):
-    """A run directory as training.pretrain lays it out (config.yaml + checkpoints/step_N)."""
-    import yaml
-
-    from training.checkpoint import Checkpointer, build_state
-
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "config.yaml"), "w") as f:
-        yaml.safe_dump({"model": {"preset": preset}, "optimizer": {"name": "adamw"}}, f)
-    state = build_state([model], trainer={"step": step, "consumed_samples": 0, "skipped_steps": 0}, rng=False)
-    return Checkpointer(os.path.join(root, "checkpoints")).save(step, state, {"preset": preset})
+from tests.tiny_zoo import write_run as _write_run  # noqa: E402
 
 
 def _load_megatron(checkpoint, preset, vocab, seq):
@@ -88,31 +69,10 @@ def megatron():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, megatron):
-    """Every tiny variant: perturbed Megatron model, its checkpoint, its fp32 HF export and logits."""
-    from models.hf.export import convert as C
-    from models.zoo import build_model, build_transformer_config, load_preset
-
-    root = tmp_path_factory.mktemp("export")
-    out = {}
-    tokens = _tokens()
-    for v in VARIANTS:
-        preset = load_preset(f"tiny-moe:{v}")
-        torch.manual_seed(0)
-        model = build_model(preset, build_transformer_config(preset, cpu=True), use_transformer_engine=False,
-                            vocab_size=VOCAB, seq_length=SEQ)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for _, p in sorted(model.named_parameters()):
-                p.add_(NOISE * torch.randn(p.shape, generator=g))
-            for name, b in sorted(model.named_buffers()):
-                if name.endswith("expert_bias"):
-                    b.copy_(NOISE * torch.randn(b.shape, generator=g))
-        run = str(root / v)
-        ckpt = _write_run(run, f"tiny-moe:{v}", model)
-        C.to_hf(C.resolve_source(run=run), str(root / f"{v}-hf"), dtype="fp32", progress=False)
-        out[v] = {"hf": str(root / f"{v}-hf"), "ckpt": ckpt, "logits": _megatron_logits(model, tokens), "run": run}
-    return out
+def exported(tiny_zoo, megatron):
+    """Every tiny variant: perturbed Megatron model, its run and checkpoint, its fp32 HF export and
+    Megatron's logits (``tests/tiny_zoo.py``, built once per session and shared with test_inspect)."""
+    return tiny_zoo
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,9 +23,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4"]
-VOCAB, SEQ = 256, 48
-NOISE = 0.05
+from tests.tiny_zoo import NOISE, SEQ, VARIANTS, VOCAB  # noqa: F401 (the shared zoo's sizes)
 SAME_TOL = 1e-5
 
 
@@ -270,45 +268,11 @@ def test_module_name_does_not_shadow_the_stdlib():
 # ------------------------------------------------------------------------------------------------
 # Real tiny models: every variant, every SOURCE kind
 # ------------------------------------------------------------------------------------------------
-def _write_run(root, variant, model, step=1):
-    import yaml
-
-    from training.checkpoint import Checkpointer, build_state
-
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "config.yaml"), "w") as f:
-        yaml.safe_dump({"model": {"preset": f"tiny-moe:{variant}"}, "optimizer": {"name": "adamw"},
-                        "batch": {"seq_length": SEQ}}, f)
-    state = build_state([model], trainer={"step": step, "consumed_samples": 0, "skipped_steps": 0}, rng=False)
-    return Checkpointer(os.path.join(root, "checkpoints"), log=lambda *_: None).save(step, state,
-                                                                                   {"preset": f"tiny-moe:{variant}"})
-
-
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
-    """Every tiny variant, parameters moved off init by seeded noise: run dir, checkpoint, fp32 HF folder."""
-    from models.hf.export import convert as C
-    from models.parallel import initialize_parallel
-    from models.zoo import build_model, build_transformer_config, load_preset
-
-    torch.set_num_threads(1)
-    initialize_parallel()
-    root = tmp_path_factory.mktemp("inspect-zoo")
-    out = {}
-    for v in VARIANTS:
-        preset = load_preset(f"tiny-moe:{v}")
-        torch.manual_seed(0)
-        model = build_model(preset, build_transformer_config(preset, cpu=True), use_transformer_engine=False,
-                            vocab_size=VOCAB, seq_length=SEQ)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for _, p in sorted(model.named_parameters()):
-                p.add_(NOISE * torch.randn(p.shape, generator=g))
-        run = str(root / v)
-        ckpt = _write_run(run, v, model)
-        C.to_hf(C.resolve_source(run=run), str(root / f"{v}-hf"), dtype="fp32", progress=False, log=lambda *_: None)
-        out[v] = {"run": run, "checkpoint": ckpt, "hf": str(root / f"{v}-hf")}
-    return out
+def zoo(tiny_zoo):
+    """Every tiny variant, parameters moved off init by seeded noise: run dir, checkpoint, fp32 HF
+    folder (``tests/tiny_zoo.py``, built once per session and shared with test_convert_hf)."""
+    return tiny_zoo
 
 
 def _inspect(source, out_dir, *extra):
