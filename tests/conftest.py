@@ -97,6 +97,15 @@ def pytest_addoption(parser):
                 help="fail the session when a test skips that tests/skip_allowlist.txt does not list")
 
 
+# The slow tier's longest files, longest first (read off the 25 slowest tests of a fresh-clone CI
+# run on 2026-12-04: the eight inductor compiles of test_hc_kernels, the torchrun and kill tests of
+# test_reliability, the Triton AOT compile, the trained-run tests of test_convert_hf, the journeys).
+_LONGEST_FILES = ("test_hc_kernels.py", "test_reliability.py", "test_triton_aot.py", "test_convert_hf.py",
+                  "test_journeys.py", "test_journeys_more.py", "test_pretrain_dist.py", "test_hc_kernels_model.py",
+                  "test_gpu_check.py", "test_bad_inputs.py", "test_sweep.py", "test_hc_megatron.py",
+                  "test_megatron_cpu.py", "test_optim.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -105,6 +114,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if any(item.get_closest_marker(m) for m in _HEAVY) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist (--dist loadfile) hands out files in collection order: the longest first, so
+        # the two workers finish together instead of one running a 4-minute file alone at the end
+        rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+        items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable within a file
     if config.getoption("--fast-first"):  # stable: file order within each tier
         items[:] = [i for i in items if not i.get_closest_marker("slow")] + \
                    [i for i in items if i.get_closest_marker("slow")]
