@@ -33,6 +33,17 @@ def megatron_logits(model, toks: torch.Tensor) -> torch.Tensor:
         return model(toks, pos, None).float()
 
 
+def perturb(modules, g: torch.Generator, noise: float = NOISE) -> None:
+    """Move every parameter, and every MoE expert bias, off its initial value by seeded noise."""
+    with torch.no_grad():
+        for module in modules:
+            for _, p in sorted(module.named_parameters()):
+                p.add_(noise * torch.randn(p.shape, generator=g))
+            for name, b in sorted(module.named_buffers()):
+                if name.endswith("expert_bias"):
+                    b.copy_(noise * torch.randn(b.shape, generator=g))
+
+
 def write_run(root: str, preset: str, model, step: int = 1) -> str:
     """A run directory as training.pretrain lays it out (config.yaml + checkpoints/step_N)."""
     import yaml
@@ -58,13 +69,7 @@ def build(root: str) -> None:
         torch.manual_seed(0)
         model = build_model(preset, build_transformer_config(preset, cpu=True), use_transformer_engine=False,
                             vocab_size=VOCAB, seq_length=SEQ)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for _, p in sorted(model.named_parameters()):
-                p.add_(NOISE * torch.randn(p.shape, generator=g))
-            for name, b in sorted(model.named_buffers()):
-                if name.endswith("expert_bias"):
-                    b.copy_(NOISE * torch.randn(b.shape, generator=g))
+        perturb([model], torch.Generator().manual_seed(5))
         run = os.path.join(root, v)
         write_run(run, f"tiny-moe:{v}", model)
         C.to_hf(C.resolve_source(run=run), os.path.join(root, f"{v}-hf"), dtype="fp32", progress=False,

@@ -689,7 +689,7 @@ class TrainOptimizer:
         if self.megatron_optimizer is not None:
             with torch.no_grad():  # the distributed optimizer writes into views of fp32 (HC) parameters
                 self.megatron_optimizer.load_state_dict(state)
-                for part in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+                for part in self._megatron_parts():
                     _restore_torch_adam_steps(part)
             return
         if set(state) != set(self.optimizers):
@@ -698,12 +698,15 @@ class TrainOptimizer:
         for name, opt in self.optimizers.items():
             opt.load_state_dict(state[name])
 
+    def _megatron_parts(self) -> list:
+        return list(getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]))
+
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """Megatron backend: the optimiser's ``dist_checkpointing`` state dict."""
         if self.megatron_optimizer is None:
             raise NotImplementedError("sharded_state_dict needs the Megatron backend; use state_dict()")
         if is_loading:
-            for part in getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]):
+            for part in self._megatron_parts():
                 # A distributed optimizer that has not stepped has no state to load into; without
                 # Transformer Engine or Apex (torch's Adam) its state_dict then fails on the missing
                 # step count.  Megatron's own remedy: one zero-gradient step on the fp32 main shards

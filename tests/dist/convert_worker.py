@@ -73,14 +73,9 @@ def run(mode: str, out_dir: str) -> int:
     if vp > 1:
         ps.set_virtual_pipeline_model_parallel_rank(0)
     model = chunks[0]
-    g = torch.Generator().manual_seed(11)  # the same noise on every rank keeps DP replicas identical
-    with torch.no_grad():
-        for chunk in chunks:
-            for _, p in sorted(chunk.named_parameters()):
-                p.add_(NOISE * torch.randn(p.shape, generator=g))
-            for _, b in sorted(chunk.named_buffers()):
-                if _.endswith("expert_bias"):
-                    b.copy_(NOISE * torch.randn(b.shape, generator=g))
+    from tests.tiny_zoo import perturb
+
+    perturb(chunks, torch.Generator().manual_seed(11), NOISE)  # the same noise on every rank: DP replicas agree
     run_dir = os.path.join(out_dir, mode)
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
