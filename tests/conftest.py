@@ -71,6 +71,16 @@ def tiny_zoo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_xhc(tmp_path_factory):
+    """tiny-moe:xhc trained 201 steps by ``python -m training.pretrain`` (checkpoints at 100, 200 and
+    201): trained once per session (one run for all xdist workers) and shared by test_convert_hf and
+    test_inspect (``tests/trained_run.py``).  Read-only."""
+    from tests.trained_run import shared
+
+    return shared(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def run_torchrun():
     """``run_torchrun(script, nproc=2, args=(), timeout=180, check=True)``: launch a torchrun
     worker (see :func:`tests.dist.launch.run_torchrun`) and return the ``CompletedProcess``."""
@@ -85,6 +95,7 @@ def run_torchrun():
 _FIXTURE_MARKS = {"run_torchrun": "dist", "dynamo_reset": "inductor",
                   # module-scoped fixtures that train, export or install once for a whole module
                   "exported": "train", "exported_with_tokenizer": "train", "trained_run": "train", "tiny_zoo": "train",
+                  "trained_xhc": "train",
                   "installed": "install", "dist2": "dist", "dist4": "dist"}
 _HEAVY = ("dist", "inductor", "interp", "install", "train", "journey")
 

@@ -6,7 +6,8 @@ logits to 1e-4 (observed ~1e-6: fp32 round-off of a different operation order).
 Parameters away from init: all nine tiny variants are exported after every parameter (and the
 router's expert bias) got seeded Gaussian noise (σ = 0.05, so the HC mappings are far from their
 structured init); one variant (xHC) is also exported after 200 real AdamW training steps
-(``trained_run``, mock data), which also serves the from-hf -> next-training-step test.
+(``trained_run``, mock data: the session's shared run of ``tests/trained_run.py``, also read by
+test_inspect), which also serves the from-hf -> next-training-step test.
 """
 
 from __future__ import annotations
@@ -362,19 +363,14 @@ def _pretrain_args(run, preset: str, steps: int, interval: int) -> list:
             "tokenizer.vocab_size=512", "logging.interval=100"]
 
 
-def _pretrain(run, preset: str, steps: int, interval: int) -> None:
-    cmd = [sys.executable, "-m", "training.pretrain", *_pretrain_args(run, preset, steps, interval)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    """tiny-moe:xhc pre-trained for 201 AdamW steps on mock data (checkpoints at 200 and 201)."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    _pretrain(run, "tiny-moe:xhc", TRAIN_STEPS + 1, TRAIN_STEPS)
-    return run
+def trained_run(trained_xhc):
+    """tiny-moe:xhc pre-trained for 201 AdamW steps on mock data (checkpoints at 100, 200 and 201):
+    the session's shared run (``tests/trained_run.py``, also read by test_inspect)."""
+    from tests.trained_run import STEPS
+
+    assert STEPS == TRAIN_STEPS + 1
+    return trained_xhc
 
 
 def _metrics(run, kind="train"):

@@ -5,8 +5,9 @@ Fast tier: the known answers drive hand-built hyper-connection modules (``xhc/``
 through :class:`tools.inspect.Recorder`, and the bad-input errors need no model.  The slow tests
 share module-scoped fixtures: every tiny variant with its parameters moved off init by seeded
 Gaussian noise (the approach of tests/test_convert_hf.py; no training), saved as a run directory
-and exported to an fp32 Hugging Face folder, and one tiny-moe:xhc run trained for 4 steps on mock
-data.
+and exported to an fp32 Hugging Face folder (``tests/tiny_zoo.py``), and one tiny-moe:xhc run trained
+for 201 steps on mock data (``tests/trained_run.py``); both are built once per session and shared
+with test_convert_hf.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tests.tiny_zoo import NOISE, SEQ, VARIANTS, VOCAB  # noqa: F401 (the shared zoo's sizes)
+from tests.trained_run import CHECKPOINTS, STEPS  # noqa: E402 (the shared trained run)
 SAME_TOL = 1e-5
 
 
@@ -360,22 +362,16 @@ def test_vanilla_is_reported_in_one_clear_line(zoo, tmp_path, capsys):
 # A trained run: three ways, over training, curves, figures
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """tiny-moe:xhc trained 4 AdamW steps on mock data, checkpoints at 2 and 4, HC health every step."""
-    root = tmp_path_factory.mktemp("inspect-trained")
-    run = root / "run"
-    args = ["model.preset=tiny-moe:xhc", "data.mock=true", "run.train_steps=4", "batch.micro_batch_size=2",
-            "batch.global_batch_size=2", "batch.seq_length=32", "run.eval_interval=2", "run.eval_iters=1",
-            "logging.tensorboard=false", "logging.plot=false", "checkpoint.interval=2", f"run.dir={run}",
-            "run.num_threads=1", "tokenizer.vocab_size=512", "logging.interval=1"]
-    proc = subprocess.run([sys.executable, "-m", "training.pretrain", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+def trained(trained_xhc, tmp_path_factory):
+    """tiny-moe:xhc trained 201 AdamW steps on mock data, checkpoints at 100, 200 and 201, HC health
+    every step: the session's shared run (``tests/trained_run.py``, also read by test_convert_hf),
+    and an fp32 export of its last checkpoint."""
     from models.hf.export import convert as C
+    from tests.trained_run import STEPS, checkpoint
 
-    hf = str(root / "hf")
-    C.to_hf(C.resolve_source(run=str(run)), hf, dtype="fp32", progress=False, log=lambda *_: None)
-    return {"run": str(run), "checkpoint": os.path.join(str(run), "checkpoints", "step_00000004"), "hf": hf}
+    hf = str(tmp_path_factory.mktemp("inspect-trained") / "hf")
+    C.to_hf(C.resolve_source(run=trained_xhc), hf, dtype="fp32", progress=False, log=lambda *_: None)
+    return {"run": trained_xhc, "checkpoint": checkpoint(trained_xhc, STEPS), "hf": hf}
 
 
 def _png_has_content(path):
@@ -393,11 +389,11 @@ def _png_has_content(path):
 def test_trained_model_three_ways_same_numbers(trained, tmp_path, capsys):
     res = {k: _inspect(trained[k], tmp_path / k, "--no-figures") for k in ("run", "checkpoint", "hf")}
     ins = [res[k]["runs"][0]["inspections"] for k in ("run", "checkpoint", "hf")]
-    assert [len(i) for i in ins] == [1, 1, 1] and ins[0][0]["step"] == 4 and ins[2][0]["step"] == 4
+    assert [len(i) for i in ins] == [1, 1, 1] and ins[0][0]["step"] == STEPS and ins[2][0]["step"] == STEPS
     _assert_same(ins[0][0], ins[1][0])
     _assert_same(ins[0][0], ins[2][0])
     # a trained model, not the initial one: xHC's read starts exactly uniform, h_pre = 1/N (W_pre = 0,
-    # b_pre = −ln(N − 1)), and 4 AdamW steps move it
+    # b_pre = −ln(N − 1)), and the AdamW steps move it
     assert max(abs(h - 1 / 8) for s in ins[0][0]["sublayers"] for h in s["h_pre"]) > 1e-6
     # --text needs a tokenizer; this mock-data run has none: one line naming the file
     text = tmp_path / "notes.txt"
@@ -414,7 +410,7 @@ def test_figures_steps_curves_and_compare(trained, zoo, tmp_path):
     out = tmp_path / "all"
     res = _inspect(trained["run"], out, "--steps", "all", "--compare", zoo["mhc"]["hf"], zoo["vanilla"]["run"])
     runs = res["runs"]
-    assert [m["step"] for m in runs[0]["inspections"]] == [2, 4]
+    assert [m["step"] for m in runs[0]["inspections"]] == list(CHECKPOINTS)
     # the curves are metrics.jsonl's numbers
     want = {}
     with open(os.path.join(trained["run"], "metrics.jsonl")) as f:
