@@ -197,7 +197,13 @@ class CheckpointConfig:
     load_optimizer: bool = True
     """Restore optimizer and scheduler state (false: fresh optimizer on loaded weights)."""
     load_rng: bool = True
-    """Restore python/numpy/torch and Megatron RNG-tracker states."""
+    """Restore python/numpy/torch and Megatron RNG-tracker states (per rank: on a changed layout they
+    are reseeded instead, see ``reshard``)."""
+    reshard: str = "auto"
+    """A checkpoint saved on another parallel layout (world size, tp, pp, ep, cp, vpp): ``auto``
+    resumes on this one (weights, optimizer state, scheduler and data position are carried over; the
+    RNG streams are reseeded; losses continue within floating-point tolerance) with one log line
+    naming both layouts; ``never`` refuses it (exactness guaranteed: relaunch with the saved layout)."""
     save_final: bool = True
     """Save when training finishes."""
     save_on_signal: bool = True
@@ -686,6 +692,7 @@ def validate_config(cfg: PretrainConfig) -> None:
     _positive("checkpoint.keep_last", c.keep_last)
     _choice("checkpoint.checksum", c.checksum, ("auto", "all", "metadata", "none"))
     _choice("checkpoint.optimizer_sharding", c.optimizer_sharding, ("dp_reshardable", "fully_reshardable"))
+    _choice("checkpoint.reshard", c.reshard, ("auto", "never"))
     if c.load is not None and c.load not in ("auto", "none") and not os.path.exists(c.load):
         raise _err("checkpoint.load", f"{c.load!r} does not exist; use auto, none, or a checkpoint directory")
     # ---- logging

@@ -253,8 +253,9 @@ class Trainer:
         except (OSError, ValueError, KeyError, TypeError):
             return  # missing or corrupt: the verification reports (or falls back) later
         check_compatible(path, body, {"preset": self.cfg.model.preset, "world_size": self.world,
-                                      "parallel": config_to_dict(self.cfg.parallel)},
-                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng, sharded_optimizer=self.cuda)
+                                      "parallel": config_to_dict(self.cfg.parallel),
+                                      "global_batch_size": self.cfg.batch.global_batch_size},
+                         load_optimizer=ck.load_optimizer, sharded_optimizer=self.cuda, reshard=ck.reshard)
 
     def write_config(self) -> None:
         """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
@@ -501,8 +502,11 @@ class Trainer:
         self.paths["metrics"] = self.metrics.jsonl_path
         self.paths["tensorboard"] = self.metrics.tensorboard_dir
         if self.resumed_from:  # consumers drop the records of steps after this one written before it
-            self.metrics.write("resume", self.step, {"checkpoint": self.resumed_from,
-                                                     "consumed_samples": self.consumed_samples})
+            record = {"checkpoint": self.resumed_from, "consumed_samples": self.consumed_samples,
+                      "load_time_s": round(self.load_seconds, 3)}
+            if self.resume_layouts:
+                record["layout"] = self.resume_layouts
+            self.metrics.write("resume", self.step, record)
         self.flops = model_flops_per_token(self.preset, self.seq, self.vocab_size, lg.flops_convention, self.hc)
         self.peak, self.peak_note = peak_tflops(lg.peak_tflops, self.cuda)
         self.tokens_per_step = cfg.batch.global_batch_size * self.seq
@@ -762,12 +766,14 @@ class Trainer:
                 "skipped_samples": self.skipped_samples}
 
     def save_checkpoint(self, reason: str) -> str:
-        from training.checkpoint import build_state
+        from training.checkpoint import build_state, is_megatron_optimizer
 
         t0 = time.perf_counter()
         sharding = self.cfg.checkpoint.optimizer_sharding
         info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
-                "optimizer_sharding": sharding, **self._compat_info()}
+                "optimizer_sharding": sharding,
+                "optimizer_format": "megatron" if is_megatron_optimizer(self.optimizer) else "torch-sharded",
+                **self._compat_info()}
         with params_synced(self.chunks):  # overlap_param_gather: every shard at this step's values
             self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
             state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
@@ -789,7 +795,8 @@ class Trainer:
 
         hc = json.loads(json.dumps(dataclasses.asdict(self.hc), default=str))  # as the manifest stores it
         return {"preset": self.cfg.model.preset, "hc": hc, "vocab_size": self.vocab_size,
-                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel)}
+                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel),
+                "global_batch_size": self.cfg.batch.global_batch_size}
 
     def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
         from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
@@ -797,12 +804,16 @@ class Trainer:
         ck = self.cfg.checkpoint
         if body is None:
             body = self.ckpt.verify(path)
-        check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
-                         sharded_optimizer=is_megatron_optimizer(self.optimizer))
+        megatron_opt = is_megatron_optimizer(self.optimizer)
+        resharding = check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer,
+                                      sharded_optimizer=megatron_opt, reshard=ck.reshard)
+        load_rng = ck.load_rng and not resharding  # per-rank states: reseeded on another layout (below)
+        t0 = time.perf_counter()
         template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
                                self.scheduler if ck.load_optimizer else None, self._trainer_state(),
-                               rng=ck.load_rng, is_loading=True,
-                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding))
+                               rng=load_rng, is_loading=True,
+                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding),
+                               optimizer_format=body.get("optimizer_format", "megatron" if megatron_opt else "rank"))
         loaded = self.ckpt.load(path, template, body)
         keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
         for key, chunk in zip(keys, self.chunks):
@@ -818,6 +829,8 @@ class Trainer:
         if ck.load_optimizer:
             if "optimizer" in loaded:
                 self.optimizer.load_state_dict(loaded["optimizer"])
+            elif "optimizer_torch" in loaded:
+                self.optimizer.load_torch_sharded_state_dict(loaded["optimizer_torch"])
             else:
                 self.optimizer.load_state_dict(loaded["optimizer_rank"])
             self.scheduler.load_state_dict(loaded["scheduler"])
@@ -825,10 +838,29 @@ class Trainer:
         self.step, self.consumed_samples, self.skipped_steps = (int(t["step"]), int(t["consumed_samples"]),
                                                                 int(t["skipped_steps"]))
         self.skipped_samples = int(t.get("skipped_samples", 0))
-        if ck.load_rng:
+        if load_rng:
             restore_rng_state(loaded["rng"])
+        elif resharding and ck.load_rng:
+            from models.parallel import seed_rng
+
+            seed_rng(self.cfg.run.seed + self.step)  # docs/parallelism-and-checkpoints.md, "Resuming on another layout"
         self.resumed_from = path
-        self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed")
+        self.load_seconds = time.perf_counter() - t0
+        self.resume_layouts = None
+        if resharding:
+            from training.checkpoint import _LAYOUT_KEYS
+            from training.config import config_to_dict
+
+            now = config_to_dict(self.cfg.parallel)
+            self.resume_layouts = {
+                "saved": {"world_size": body.get("world_size"),
+                          **{k: v for k, v in (body.get("parallel") or {}).items() if k in _LAYOUT_KEYS}},
+                "now": {"world_size": self.world, **{k: v for k, v in now.items() if k in _LAYOUT_KEYS}}}
+            self.log(f"[xhc] {resharding} (checkpoint.reshard=auto): weights"
+                     f"{', optimizer state, scheduler' if ck.load_optimizer else ''} and data position carried "
+                     f"over, RNG reseeded; {self.num_micro} micro-batch(es) per step now")
+        self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed "
+                 f"({self.load_seconds:.1f} s)")
 
     # ----------------------------------------------------------------------------------------
     # Stop conditions
