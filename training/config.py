@@ -234,6 +234,10 @@ class LoggingConfig:
     hc_health_interval: Optional[int] = None
     """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps
     (0: off; null: every ``interval`` steps).  Other steps do no health work and no host syncs."""
+    sample_ids: bool = False
+    """Write the global sample indices of every step (gathered over all ranks) into its
+    ``metrics.jsonl`` record as ``sample_ids``: to check the data order, e.g. that a resume on another
+    layout reads the samples the uninterrupted run would have read (one gather per step)."""
 
     @property
     def hc_health_every(self) -> int:

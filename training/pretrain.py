@@ -730,6 +730,8 @@ class Trainer:
                "skipped_steps": self.skipped_steps}
         if health_now:
             rec["hc"] = self.health.summary()
+        if self.cfg.logging.sample_ids:
+            rec["sample_ids"] = self._gathered_sample_ids(iterators)
         if not updated:
             self.skipped_steps += 1
             rec["skipped_steps"] = self.skipped_steps
@@ -739,6 +741,21 @@ class Trainer:
                                f"{gnorm}): update skipped ({self.skipped_steps} skipped so far, limit "
                                f"{self.cfg.run.max_skipped_steps})", skipped_steps=self.skipped_steps)
         return rec
+
+    @staticmethod
+    def _gathered_sample_ids(iterators) -> List[int]:
+        """The sample indices this step read on every rank (``logging.sample_ids``), sorted."""
+        import torch.distributed as dist
+
+        mine = sorted({i for it in iterators for i in getattr(it, "drawn", ())})
+        for it in iterators:
+            if hasattr(it, "drawn"):
+                it.drawn.clear()
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        parts: List[Optional[List[int]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return sorted({i for part in parts for i in part or ()})
 
     def evaluate(self) -> Optional[float]:
         """Validation loss over ``run.eval_iters`` global batches (the same batches every time)."""
