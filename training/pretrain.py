@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import math
 import os
-import signal
 import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional
@@ -50,67 +49,24 @@ from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # no
 set_omp_wait_policy()
 
 from training.config import ConfigError, PretrainConfig, load_config  # noqa: E402
+from training.lifecycle import (Lifecycle, NonFiniteState, TrainingAborted,  # noqa: E402,F401
+                                first_nonfinite_parameter, write_status)
 
 __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
-
-
-class TrainingAborted(RuntimeError):
-    """Training stopped on purpose (too many skipped steps, ...); the message says why."""
-
-
-class NonFiniteState(TrainingAborted):
-    """The parameters or the validation loss became non-finite (``run.on_nonfinite`` decides what next).
-
-    ``window_end``: consumed samples up to the step that revealed it (the end of the data window a
-    rollback skips).
-    """
-
-    def __init__(self, message: str, window_end: int):
-        super().__init__(message)
-        self.window_end = window_end
 
 
 def _p(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-# ================================================================================================
-# GPU-path helpers (module level so that the CPU tests reach them)
-# ================================================================================================
-def float16_module_keep_hc_fp32(config, chunk):
-    """Megatron's ``Float16Module(config, chunk)`` with the HC parameters kept in fp32 *and at
-    their fp32 values* (docs/math.md §8 #13): the wrap casts every parameter to bf16, so casting
-    back afterwards would keep the bf16 rounding (N = 16's uniform read summed to 1.0046, a 0.01
-    gate became 0.0100098).  The fp32 tensors are set aside before the wrap and put back after."""
-    from megatron.core.transformer.module import Float16Module
+def __getattr__(name: str):
+    """``float16_module_keep_hc_fp32`` and ``params_synced`` live in :mod:`training.step_runner`
+    (imported on first use: this module's top stays light)."""
+    if name in ("float16_module_keep_hc_fp32", "params_synced"):
+        from training import step_runner
 
-    keep = {name: prm.data.detach().float().clone() for name, prm in chunk.named_parameters()
-            if getattr(prm, "is_hyper_connection", False)}
-    wrapped = Float16Module(config, chunk)
-    for name, prm in chunk.named_parameters():
-        if name in keep:
-            prm.data = keep[name]
-    return wrapped
-
-
-@contextlib.contextmanager
-def params_synced(chunks):
-    """Every data-parallel rank holds the full, current parameters inside the block.
-
-    With the distributed optimizer and ``overlap_param_gather`` each rank updates only its shard
-    of the bf16 weights in ``step()``; the all-gather of the others is deferred to the next
-    forward's pre-hooks.  A checkpoint (or an evaluation) right after ``step()`` would mix steps
-    k and k - 1.  As Megatron's training loop does around saves and evaluations: remove the
-    pre-hooks with a forced synchronous all-gather (``disable_forward_pre_hook(param_sync=True)``)
-    and put them back afterwards.  Chunks without the hooks are left alone."""
-    hooked = [c for c in chunks if getattr(c, "use_forward_hook", False)]
-    for c in hooked:
-        c.disable_forward_pre_hook(param_sync=True)
-    try:
-        yield
-    finally:
-        for c in hooked:
-            c.enable_forward_pre_hook()
+        return getattr(step_runner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ================================================================================================
@@ -119,17 +75,12 @@ class Trainer:
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg
-        self.t_start = time.time()
-        self.stop_signal: Optional[str] = None
+        self.life = Lifecycle(cfg, all_reduce=lambda values: self._all_reduce(values))
         self.paths: Dict[str, Optional[str]] = {}
         self.metrics = None
         self.history: List[dict] = []
         self.evals: List[dict] = []
-        self.lock = None
-        self.created_dirs: List[str] = []  # by this start-up (removed again, when empty, after a failed start)
-        self.failed = False
-        self._agreed_flags: Optional[List[float]] = None  # stop flags agreed with the last step's all-reduce
-        self.rollbacks = 0
+        self.failed = False  # a refused start (close() removes the directories it created)
 
     # ----------------------------------------------------------------------------------------
     # Setup
@@ -187,6 +138,10 @@ class Trainer:
         self.seq = cfg.batch.seq_length or self.preset.seq_length
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.log = _p if self.is_main else (lambda *_a, **_k: None)
+        from training.step_runner import make_step_runner
+
+        self.runner = make_step_runner(cfg, self.cuda, dp=self.dp, seq=self.seq, last_stage=self.last_stage,
+                                       num_micro=self.num_micro)  # the engine, chosen once
         if self.preset.hc.enabled:
             from xhc.kernels import resolve_backend
 
@@ -211,24 +166,7 @@ class Trainer:
         self.paths["checkpoints"] = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
         error = None
         if self.is_main:  # pre-flight: writable, not in use (the others wait for the verdict)
-            from training.reliability import RunLock, check_writable
-
-            created = [d for d in (run_dir, self.paths["checkpoints"]) if not os.path.exists(d)]
-            self.created_dirs = created
-            try:
-                check_writable(run_dir, "run.dir")
-                lock = RunLock(run_dir, log=self.log)
-                lock.acquire()
-                self.lock = lock
-                check_writable(self.paths["checkpoints"], "checkpoint.dir")
-            except ConfigError as e:
-                error = str(e)
-            if error:  # leave the disk as it was
-                if self.lock is not None:
-                    self.lock.release()
-                for d in reversed(created):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(d)
+            error = self.life.claim_run_dir(run_dir, self.paths["checkpoints"], self.log)
         error = self._from_rank0(error)
         if error:
             raise ConfigError(error)
@@ -254,7 +192,8 @@ class Trainer:
             return  # missing or corrupt: the verification reports (or falls back) later
         check_compatible(path, body, {"preset": self.cfg.model.preset, "world_size": self.world,
                                       "parallel": config_to_dict(self.cfg.parallel)},
-                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng, sharded_optimizer=self.cuda)
+                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
+                         sharded_optimizer=self.runner.uses_megatron)
 
     def write_config(self) -> None:
         """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
@@ -333,7 +272,6 @@ class Trainer:
         self.data_seconds += time.perf_counter() - t0
 
     def setup_model(self) -> None:
-        import torch
         from megatron.core import parallel_state as ps
 
         from models.pipeline import install_hc_p2p_shapes, p2p_shapes_installed, uninstall_hc_p2p_shapes
@@ -344,17 +282,14 @@ class Trainer:
         explicit = set(self._preset_variant_keys()) | set(m.hc)
         self.hc = hc_defaults_for_optimizer(self.preset.hc, cfg.optimizer.name, explicit)
         self.preset.hc = self.hc
-        bf16 = self.cuda and cfg.run.precision in ("auto", "bf16")
-        dtype = torch.bfloat16 if bf16 else torch.float32
+        bf16 = self.runner.bf16
         parallel = dict(tensor_model_parallel_size=p.tp, sequence_parallel=p.sp, expert_model_parallel_size=p.ep,
                         pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp)
         if p.etp is not None:
             parallel["expert_tensor_parallel_size"] = p.etp
         if p.vpp:
             parallel["virtual_pipeline_model_parallel_size"] = p.vpp
-        extra: Dict[str, Any] = dict(bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
-        if self.cuda:  # Megatron's schedules free each sent [s, b, N·C] stage output (16x an edge at N=16)
-            extra["deallocate_pipeline_outputs"] = True
+        extra: Dict[str, Any] = self.runner.transformer_config_options()
         if m.recompute == "selective":
             extra.update(recompute_granularity="selective")
         elif m.recompute == "full":
@@ -398,9 +333,9 @@ class Trainer:
             n = sum(compile_hc_modules(c) for c in chunks)
             self.log(f"[xhc] model.compile_hc: {n} HC modules under torch.compile (inductor; the first "
                      f"steps include compilation)")
-        if self.cuda:
-            chunks = self._wrap_gpu(chunks, bf16)
-        self.chunks = chunks
+        self.runner.tf_config, self.runner.hc = self.tf_config, self.hc
+        chunks = self.runner.wrap(chunks, bf16)
+        self.chunks = self.runner.chunks = chunks
         if p.pp > 1 and self.hc.enabled and self.hc.n > 1:
             if p2p_shapes_installed():
                 uninstall_hc_p2p_shapes()
@@ -409,44 +344,13 @@ class Trainer:
 
         self.health = HCHealth([self._unwrap(c) for c in chunks], self.hc)
 
-    def _wrap_gpu(self, chunks, bf16: bool):
-        """GPU: move to the device, bf16 (HC parameters stay fp32), Megatron DDP."""
-        import torch
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        for c in chunks:
-            c.cuda(torch.cuda.current_device())
-        if bf16:
-            chunks = [float16_module_keep_hc_fp32(self.tf_config, c) for c in chunks]
-        o, p = self.cfg.optimizer, self.cfg.parallel
-        use_dist = o.use_distributed_optimizer
-        if use_dist is None:
-            use_dist = o.name == "adamw"
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
-            overlap_param_gather=p.overlap_param_gather and use_dist, use_distributed_optimizer=use_dist,
-            # interleaved schedule: every stage launches its param all-gathers from param_sync_func
-            align_param_gather=p.overlap_param_gather and use_dist and len(chunks) > 1,
-            bucket_size=None if not p.overlap_grad_reduce else max(40_000_000, 1_000_000 * self.dp))
-        return [DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=c,
-                                        disable_bucketing=i > 0) for i, c in enumerate(chunks)]
-
     def setup_optimizer(self) -> None:
         from training.optim import build_optimizer
         from training.schedule import build_scheduler
 
-        self.optimizer = build_optimizer(self.chunks, self.cfg.optimizer, use_megatron=self.cuda)
+        self.optimizer = build_optimizer(self.chunks, self.cfg.optimizer, use_megatron=self.runner.uses_megatron)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.optimizer)
-        if self.cuda:
-            from megatron.core.distributed import finalize_model_grads
-
-            c = self.tf_config
-            c.finalize_model_grads_func = finalize_model_grads
-            mopt = getattr(self.optimizer, "megatron_optimizer", None)
-            c.grad_scale_func = mopt.scale_loss if mopt is not None else None
-            c.no_sync_func = [m.no_sync for m in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
-            if len(self.chunks) > 1 and self.chunks[0].ddp_config.align_param_gather:
-                c.param_sync_func = [m.start_param_sync for m in self.chunks]
+        self.runner.attach(self.optimizer)
 
     def setup_checkpointing(self) -> None:
         from training.checkpoint import Checkpointer
@@ -558,126 +462,12 @@ class Trainer:
 
         return make_data_iterator(dataset, self.cfg.batch.micro_batch_size, start_sample, self.dp_rank, self.dp, cycle)
 
-    def _to_device(self, batch: Dict[str, Any]) -> Dict[str, Any]:
-        if not self.cuda:
-            return batch
-        return {k: v.cuda(non_blocking=True) if hasattr(v, "cuda") else v for k, v in batch.items()}
-
-    def _cp_slice(self, batch: Dict[str, Any]) -> Dict[str, Any]:
-        if self.cfg.parallel.cp == 1:
-            return batch
-        from models.parallel import batch_on_this_cp_rank
-
-        keys = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-        return batch_on_this_cp_rank({k: batch.get(k) for k in keys})
-
-    def _sequence_context(self, batch):
-        """Explicit document layout for the xHC temporal conv, when position ids carry it (§3.6, §8 #22)."""
-        d, hc = self.cfg.data, self.hc
-        if not hc.is_xhc or self.cfg.parallel.cp > 1 or batch.get("position_ids") is None:
-            return contextlib.nullcontext()
-        reset = hc.conv_doc_reset
-        if reset == "never" or not d.reset_position_ids:
-            return contextlib.nullcontext()
-        if reset == "auto" and not d.reset_attention_mask:
-            return contextlib.nullcontext()  # attention does not reset: neither does the conv
-        from megatron.core import parallel_state as ps
-
-        from models.hc_layer import sequence_context
-        from xhc.temporal import SequenceContext, pos_in_doc_from_position_ids
-
-        sp = self.cfg.parallel.tp if self.cfg.parallel.sp else 1
-        rank = ps.get_tensor_model_parallel_rank() if sp > 1 else 0
-        group = ps.get_tensor_model_parallel_group() if sp > 1 else None
-        pos = pos_in_doc_from_position_ids(batch["position_ids"], rank, sp)
-        return sequence_context(SequenceContext(pos_in_doc=pos, group=group))
-
-    def _model_forward(self, model, batch):
-        """Per-token loss ``[b, s]`` on the last stage, the hidden state elsewhere."""
-        with self._sequence_context(batch):
-            return model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                         labels=batch["labels"] if self.last_stage else None)
-
-    @staticmethod
-    def _masked_sum(losses, loss_mask):
-        mask = loss_mask.reshape(-1).float()
-        return (losses.float().reshape(-1) * mask).sum(), mask.sum()
-
     # ----------------------------------------------------------------------------------------
     # Forward / backward
     # ----------------------------------------------------------------------------------------
     def forward_backward(self, iterators, forward_only: bool = False, num_micro: Optional[int] = None):
         """One global batch on this rank: returns (Σ loss·mask, Σ mask) of its last-stage micro-batches."""
-        num_micro = num_micro or self.num_micro
-        if self.cuda:
-            import torch
-
-            # Evaluation without autograd, as on CPU: Megatron's router counts tokens per expert
-            # (the next expert-bias update) whenever gradients are enabled.
-            with torch.no_grad() if forward_only else contextlib.nullcontext():
-                return self._forward_backward_megatron(iterators, forward_only, num_micro)
-        return self._forward_backward_cpu(iterators[0], forward_only, num_micro)
-
-    def _forward_backward_cpu(self, it, forward_only: bool, num_micro: int):
-        import torch
-
-        model = self.chunks[0]
-        total, count = 0.0, 0.0
-        batches = [self._cp_slice(next(it)) for _ in range(num_micro)]
-        if self.cfg.parallel.pp > 1:
-            from models.pipeline import gpipe_forward_backward
-
-            stats = []
-
-            def step_fn(i, m):
-                out = self._model_forward(m, batches[i])
-                if not self.last_stage:
-                    return out
-                s, n = self._masked_sum(out, batches[i]["loss_mask"])
-                stats.append((float(s), float(n)))
-                return s / n.clamp_min(1.0)
-
-            ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-            with ctx:
-                gpipe_forward_backward(model, step_fn, num_micro, seq_length=self.seq,
-                                       micro_batch_size=self.cfg.batch.micro_batch_size, config=self.tf_config,
-                                       forward_only=forward_only)
-            for s, n in stats:
-                total, count = total + s, count + n
-            return total, count
-        for batch in batches:
-            if forward_only:
-                with torch.no_grad():
-                    s, n = self._masked_sum(self._model_forward(model, batch), batch["loss_mask"])
-            else:
-                s, n = self._masked_sum(self._model_forward(model, batch), batch["loss_mask"])
-                (s / n.clamp_min(1.0) / num_micro).backward()
-            total, count = total + float(s.detach()), count + float(n)
-        return total, count
-
-    def _forward_backward_megatron(self, iterators, forward_only: bool, num_micro: int):
-        import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def loss_func(loss_mask, output_tensor):
-            s, n = self._masked_sum(output_tensor, loss_mask)
-            return s, n.to(torch.int), {"lm loss": torch.stack([s.detach(), n.detach()])}
-
-        def forward_step(data_iterator, model):
-            batch = self._cp_slice(self._to_device(next(data_iterator)))
-            out = self._model_forward(model, batch)
-            return out, (lambda t, _m=batch["loss_mask"]: loss_func(_m, t))
-
-        fb = get_forward_backward_func()
-        its = iterators if len(self.chunks) > 1 else iterators[0]
-        model = self.chunks if len(self.chunks) > 1 else self.chunks[0]
-        results = fb(forward_step_func=forward_step, data_iterator=its, model=model, num_microbatches=num_micro,
-                     seq_length=self.seq, micro_batch_size=self.cfg.batch.micro_batch_size,
-                     decoder_seq_length=self.seq, forward_only=forward_only)
-        if not results:
-            return 0.0, 0.0
-        total, count = torch.stack([r["lm loss"].double() for r in results]).sum(0).tolist()  # one host sync
-        return total, count
+        return self.runner.forward_backward(iterators, forward_only, num_micro)
 
     def _global_loss(self, total: float, count: float) -> float:
         """Token-weighted mean over all ranks' last-stage micro-batches (nan if any is non-finite)."""
@@ -688,21 +478,16 @@ class Trainer:
     # Training step, evaluation
     # ----------------------------------------------------------------------------------------
     def train_step(self, iterators) -> dict:
-        from models.parallel import finalize_grads
-
         t0 = time.perf_counter()
-        if self.cuda:
-            for c in self.chunks:
-                c.zero_grad_buffer()
+        self.runner.zero_grad_buffers()
         self.optimizer.zero_grad()
         interval = self.cfg.logging.hc_health_every
         health_now = bool(interval) and (self.step + 1) % interval == 0 and self.health.num_wrapped > 0
         with self.health.recording() if health_now else contextlib.nullcontext():
             total, count = self.forward_backward(iterators)
-        if not self.cuda:
-            finalize_grads(self.chunks, self.tf_config)  # DP / SP all-reduce, expert-bias update
-        s, n, *flags = self._all_reduce([total, count, *self._local_stop_flags()])
-        self._agreed_flags = flags
+        self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
+        s, n, *flags = self._all_reduce([total, count, *self.life.local_stop_flags()])
+        self.life.agreed_flags = flags
         loss = s / n if n > 0 else float("nan")
         if not math.isfinite(loss):
             self.check_parameters(f"the loss of step {self.step + 1} is {loss}",
@@ -768,7 +553,7 @@ class Trainer:
         sharding = self.cfg.checkpoint.optimizer_sharding
         info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
                 "optimizer_sharding": sharding, **self._compat_info()}
-        with params_synced(self.chunks):  # overlap_param_gather: every shard at this step's values
+        with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
             self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
             state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
                                 optimizer_sharding=sharding)
@@ -831,57 +616,12 @@ class Trainer:
         self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed")
 
     # ----------------------------------------------------------------------------------------
-    # Stop conditions
-    # ----------------------------------------------------------------------------------------
-    def install_signal_handlers(self) -> None:
-        """SIGTERM (SLURM, torchrun shutdown), SIGUSR1 (SLURM ``--signal``), SIGINT (Ctrl-C): save at the
-        next step boundary and exit 0.  A second SIGINT interrupts at once (KeyboardInterrupt)."""
-        if not self.cfg.checkpoint.save_on_signal:
-            return
-
-        def handler(signum, _frame):
-            name = signal.Signals(signum).name
-            if name == "SIGINT" and self.stop_signal == "SIGINT":
-                raise KeyboardInterrupt
-            self.stop_signal = self.stop_signal or name
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            try:
-                signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
-
-    def _local_stop_flags(self) -> List[float]:
-        r = self.cfg.run
-        timed = r.exit_after_minutes is not None and (time.time() - self.t_start) / 60 >= r.exit_after_minutes
-        return [1.0 if self.stop_signal else 0.0, 1.0 if timed else 0.0]
-
-    def should_stop(self) -> Optional[str]:
-        """A reason to save and stop now, agreed by all ranks.
-
-        The flags ride on the step's loss all-reduce (no extra collective per step); after a save, an
-        evaluation or before the first step they are agreed with one small all-reduce of their own.
-        """
-        r = self.cfg.run
-        flags = self._agreed_flags
-        if flags is None:
-            flags = self._all_reduce(self._local_stop_flags())
-        self._agreed_flags = None
-        if flags[0]:
-            return f"signal {self.stop_signal or 'on another rank'}"
-        if flags[1]:
-            return f"run.exit_after_minutes={r.exit_after_minutes}"
-        if r.exit_at_step is not None and self.step >= r.exit_at_step and self.step < r.train_steps:
-            return f"run.exit_at_step={r.exit_at_step}"
-        return None
-
-    # ----------------------------------------------------------------------------------------
     # The loop
     # ----------------------------------------------------------------------------------------
     def train(self) -> int:
         cfg = self.cfg
         r, ck, lg = cfg.run, cfg.checkpoint, cfg.logging
-        self.install_signal_handlers()
+        self.life.install_signal_handlers()
         for c in self.chunks:
             c.train()
         t_loop = time.perf_counter()
@@ -913,7 +653,7 @@ class Trainer:
         its = [self.data_iterator(self.train_ds, self.consumed_samples, cycle=self.skipped_samples > 0)
                for _ in self.chunks]
         while self.step < r.train_steps:
-            stop_reason = self.should_stop()
+            stop_reason = self.life.should_stop(self.step)
             if stop_reason:
                 return stop_reason
             rec = self.train_step(its)
@@ -930,26 +670,19 @@ class Trainer:
                     f"{r.max_skipped_steps}); lower optimizer.lr, check the data, or raise the limit")
             if r.eval_interval and self.step % r.eval_interval == 0 and self.step < r.train_steps:
                 self.run_eval()
-                self._agreed_flags = None  # a signal during it is seen before the next step
+                self.life.agreed_flags = None  # a signal during it is seen before the next step
             if ck.interval and self.step % ck.interval == 0 and self.step < r.train_steps:
                 self.save_checkpoint("interval")
-                self._agreed_flags = None
+                self.life.agreed_flags = None
         return None
 
     # ----------------------------------------------------------------------------------------
     # Non-finite state: never saved; abort, or roll back to the last good checkpoint
     # ----------------------------------------------------------------------------------------
     def _first_nonfinite_parameter(self) -> Optional[str]:
-        import torch
-
-        named = [(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
-                 for i, c in enumerate(self.chunks) for n, p in self._unwrap(c).named_parameters()]
-        if not named:
-            return None
-        finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named])
-        if bool(finite.all()):  # one device sync
-            return None
-        return named[int((~finite).nonzero()[0])][0]
+        return first_nonfinite_parameter([(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
+                                          for i, c in enumerate(self.chunks)
+                                          for n, p in self._unwrap(c).named_parameters()])
 
     def check_parameters(self, context: str, window_end: Optional[int] = None) -> None:
         """Raise :class:`NonFiniteState` on every rank when any rank holds a non-finite parameter."""
@@ -963,34 +696,24 @@ class Trainer:
         """``run.on_nonfinite=rollback``: reload the last good checkpoint, skip the data since it; else abort."""
         r = self.cfg.run
         good = self.last_good_checkpoint
-        kept = f"the last good checkpoint {good} is kept" if good else "no checkpoint was saved before it"
-        if r.on_nonfinite != "rollback" or good is None or self.rollbacks >= r.max_rollbacks:
-            hint = "lower optimizer.lr or check the data"
-            if r.on_nonfinite != "rollback":
-                why = ""
-                hint += "; run.on_nonfinite=rollback reloads the last good checkpoint and skips this data window"
-            elif good is None:
-                why = " (no checkpoint to roll back to)"
-            else:
-                why = f" ({self.rollbacks} rollbacks, run.max_rollbacks={r.max_rollbacks})"
-            raise TrainingAborted(f"{err}{why}; nothing was saved, {kept}: {hint}")
+        self.life.check_rollback(err, good)  # or TrainingAborted
         bad_step, window_end = self.step, max(err.window_end, self.consumed_samples)
         path, body = self.ckpt.select(good)
         self.load_checkpoint(path, body)
         skip = window_end - self.consumed_samples
         self.skipped_samples += skip
         self.consumed_samples = window_end
-        self.rollbacks += 1
-        self._agreed_flags = None
+        self.life.rollbacks += 1
+        self.life.agreed_flags = None
         self.metrics.write("resume", self.step, {"checkpoint": path, "consumed_samples": self.consumed_samples,
                                                  "rollback": True})
-        self.metrics.event(self.step, f"[xhc] rollback {self.rollbacks}/{r.max_rollbacks}: {err} at step {bad_step}; "
-                           f"reloaded {path} (step {self.step}) and skipped {skip} samples of data",
-                           rollback=self.rollbacks, skipped_samples=self.skipped_samples)
+        self.metrics.event(self.step, f"[xhc] rollback {self.life.rollbacks}/{r.max_rollbacks}: {err} at step "
+                           f"{bad_step}; reloaded {path} (step {self.step}) and skipped {skip} samples of data",
+                           rollback=self.life.rollbacks, skipped_samples=self.skipped_samples)
 
     def run_eval(self) -> Optional[float]:
         t0 = time.perf_counter()
-        with params_synced(self.chunks):  # overlap_param_gather: evaluate the weights of this step
+        with self.runner.params_synced():  # overlap_param_gather: evaluate the weights of this step
             loss = self.evaluate()
         if loss is None:
             return None
@@ -1054,7 +777,7 @@ class Trainer:
             return
         self.write_status()
         losses = [h["loss"] for h in self.history if math.isfinite(h["loss"])]
-        total = time.time() - self.t_start
+        total = time.time() - self.life.t_start
         self.log("")
         verb = f"stopped early ({self.stopped_early})" if getattr(self, "stopped_early", None) else "done"
         self.log(f"[xhc] {verb}: step {self.step}/{self.cfg.run.train_steps}, {self.steps_this_run} steps this run in "
@@ -1083,8 +806,6 @@ class Trainer:
 
     def write_status(self) -> None:
         """``<run.dir>/status.json``: where the run stands (tools/slurm_pretrain.sh requeues unfinished runs)."""
-        import json
-
         from training.checkpoint import list_checkpoints
 
         found = list_checkpoints(self.paths["checkpoints"])
@@ -1094,10 +815,7 @@ class Trainer:
                   "latest_checkpoint": found[-1][1] if found else None,
                   "last_train_loss": self.history[-1]["loss"] if self.history else None,
                   "last_valid_loss": self.evals[-1]["loss"] if self.evals else None}
-        tmp = os.path.join(self.run_dir, "status.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(status, f, indent=1)
-        os.replace(tmp, os.path.join(self.run_dir, "status.json"))
+        write_status(self.run_dir, status)
 
     def close(self, destroy_process_group: bool = True) -> None:
         """Close the loggers and tear down Megatron's parallel state (and the process group)."""
@@ -1106,12 +824,7 @@ class Trainer:
 
         if self.metrics is not None:
             self.metrics.close()
-        if self.lock is not None:
-            self.lock.release()
-        if self.failed:  # a refused start leaves no empty directories behind
-            for d in reversed(self.created_dirs):
-                with contextlib.suppress(OSError):
-                    os.rmdir(d)
+        self.life.release(self.failed)
         uninstall_hc_p2p_shapes()
         destroy_parallel(destroy_process_group=destroy_process_group)
 
