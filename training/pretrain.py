@@ -7,25 +7,29 @@ Run::
     torchrun --nproc_per_node 8 -m training.pretrain --config ... parallel.tp=2 parallel.ep=4
     xhc-pretrain --config ...                                     # the same, as a console script
 
-The flow (each step is one method of :class:`Trainer`)::
+The recipe (:class:`Trainer`; ``setup()``, ``train()``, ``finish()``)::
 
-    config  -> parallel state -> data -> model -> optimizer, scheduler -> checkpointer (resume)
-            -> loop: forward/backward over micro-batches, grad sync, step (skip if non-finite),
-                     log, evaluate, checkpoint, react to SIGTERM / SIGINT / SIGUSR1
+    build         config -> parallel state -> run dir -> data -> model -> optimizer, scheduler
+                  -> checkpointer (training.builder.Builder)
+    maybe resume  the newest verified checkpoint of run.dir (checkpoint.load=auto)
+    until done    step (the step runner: forward/backward over micro-batches, grad sync; then the
+                  optimizer step, skipped if non-finite), log, evaluate, save; stop on a signal
+
+Where the rest lives:
+
+- :mod:`training.builder`: config -> the run's state (process groups, data, model chunks, optimizer,
+  scheduler, checkpointer, logger).
+- :mod:`training.step_runner`: one global batch's forward and backward, chosen once at start-up:
+  ``MegatronStepRunner`` (GPU: Megatron's pipeline schedules, DDP, the distributed optimizer, bf16
+  with the HC parameters in fp32) or ``CpuStepRunner`` (gloo, fp32, GPipe for PP > 1).
+- :mod:`training.lifecycle`: signals and stop flags, non-finite handling and the rollback policy,
+  ``status.json``, the run-directory lock.
 
 Reliability (``docs/reliability.md``): a lock on ``run.dir``, writable / free-space checks at
 start-up, a signal sets a flag that all ranks agree on with the step's loss all-reduce, then one
 verified checkpoint and exit 0; non-finite parameters are never saved (exit 3, or a rollback to the
 last good checkpoint with ``run.on_nonfinite=rollback``); the manifest is checked against the run
 before loading; a ``resume`` record in ``metrics.jsonl`` marks where a resumed run continues.
-
-- **GPU**: Megatron's ``get_forward_backward_func()`` schedules (1F1B, interleaved), with the N·C
-  pipeline p2p shapes of :func:`models.pipeline.install_hc_p2p_shapes`; Megatron DDP; Megatron's
-  (distributed) optimizer through :func:`training.optim.build_optimizer`; bf16 (HC parameters
-  kept in fp32, docs/math.md §8 #13).
-- **CPU** (gloo, :mod:`models.cpu_compat`): fp32; forward and backward driven directly, with
-  :func:`models.parallel.finalize_grads` for the DP / SP gradient all-reduces and the
-  aux-loss-free expert-bias update; PP > 1 through :func:`models.pipeline.gpipe_forward_backward`.
 
 The loss of a global batch is the token-weighted mean over its micro-batches (each micro-batch
 contributes ``Σ loss·mask / Σ mask / num_microbatches`` to the gradient, Megatron's default).
@@ -39,7 +43,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 # Keep top-level imports light: dist_checkpointing's save starts a helper process that re-imports
 # the main module.  CPU machines: passive OpenMP waits (before torch loads) and, while main() runs,
@@ -53,10 +57,6 @@ from training.lifecycle import (Lifecycle, NonFiniteState, TrainingAborted,  # n
                                 first_nonfinite_parameter, write_status)
 
 __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
-
-
-def _p(msg: str = "") -> None:
-    print(msg, flush=True)
 
 
 def __getattr__(name: str):
@@ -83,9 +83,10 @@ class Trainer:
         self.failed = False  # a refused start (close() removes the directories it created)
 
     # ----------------------------------------------------------------------------------------
-    # Setup
+    # The recipe: build, maybe resume, then step, log, evaluate and save until done
     # ----------------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Build the run's state (:class:`training.builder.Builder`), resuming where a checkpoint says."""
         import warnings
 
         # Megatron start-up notices that say nothing about this run (no apex on CPU, a deprecated
@@ -93,534 +94,32 @@ class Trainer:
         warnings.filterwarnings("ignore", message="Apex is not installed")
         warnings.filterwarnings("ignore", message="full scope is deprecated")
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        self.setup_parallel()
-        self.setup_run_dir()
-        self.setup_data()
-        self.setup_model()
-        self.setup_optimizer()
-        self.setup_checkpointing()
-        self.setup_datasets()
-        self.write_config()
-        self.setup_logging()
+        from training.builder import Builder
 
-    def setup_parallel(self) -> None:
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        build = Builder(self)
+        build.parallel()
+        build.run_dir()
+        build.data()
+        build.model()
+        build.optimizer()
+        build.checkpointer()
+        self.maybe_resume()
+        build.datasets()  # after the checkpoint checks: a refused resume builds no index caches
+        build.write_config()
+        build.logging()
 
-        from models.parallel import initialize_parallel
-        from models.zoo import ZooError, load_preset
-        from training.config import validate_runtime
-        from training.reliability import exit_with_launcher
-
-        cfg = self.cfg
-        exit_with_launcher()  # under torchrun: SIGTERM (save, exit) when the launcher dies
-        self.cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
-        if not self.cuda and cfg.run.num_threads:
-            torch.set_num_threads(cfg.run.num_threads)
-        try:
-            self.preset = load_preset(cfg.model.preset, backbone_overrides=cfg.model.backbone_overrides(),
-                                      hc_overrides=cfg.model.hc_overrides())
-        except ZooError as e:
-            raise ConfigError(f"config key model.preset: {e}") from None
-        p = cfg.parallel
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.dp = validate_runtime(cfg, world, self.preset, cuda=torch.cuda.is_available())
-        initialize_parallel(tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, etp=p.etp, seed=cfg.run.seed,
-                            timeout_minutes=cfg.run.dist_timeout_minutes)
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.is_main = self.rank == 0
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
-        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.num_micro = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * self.dp)
-        self.seq = cfg.batch.seq_length or self.preset.seq_length
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        self.log = _p if self.is_main else (lambda *_a, **_k: None)
-        from training.step_runner import make_step_runner
-
-        self.runner = make_step_runner(cfg, self.cuda, dp=self.dp, seq=self.seq, last_stage=self.last_stage,
-                                       num_micro=self.num_micro)  # the engine, chosen once
-        if self.preset.hc.enabled:
-            from xhc.kernels import resolve_backend
-
-            self.log(f"[xhc] HC kernels: {self.preset.hc.kernels} -> {resolve_backend(self.preset.hc, self.device)}"
-                     + (" (fixed rule: triton on CUDA, compile elsewhere)" if self.preset.hc.kernels == "auto" else ""))
-        if self.preset.hc.enabled and self.preset.hc.kernels == "liger":
-            from xhc.kernels import liger
-
-            where = ("Liger-Kernel's fused op" if liger.runnable(self.device) else
-                     "the compiled ops (same maths; Liger's Triton kernels need CUDA or TRITON_INTERPRET=1)")
-            self.log(f"[xhc] model.hc_kernels: liger: mHC coefficients by {where}")
-
-    def setup_run_dir(self) -> None:
-        cfg = self.cfg
-        name = cfg.run.name or cfg.model.preset.replace(":", "-").replace("/", "-")
-        run_dir = cfg.run.dir
-        if not run_dir:
-            run_dir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir = os.path.abspath(self._from_rank0(run_dir))  # one timestamp for every rank and node
-        self.run_dir = run_dir
-        self.paths["run_dir"] = run_dir
-        self.paths["checkpoints"] = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
-        error = None
-        if self.is_main:  # pre-flight: writable, not in use (the others wait for the verdict)
-            error = self.life.claim_run_dir(run_dir, self.paths["checkpoints"], self.log)
-        error = self._from_rank0(error)
-        if error:
-            raise ConfigError(error)
-        self.paths["config"] = os.path.join(run_dir, "config.yaml")
-        self.precheck_resume()
-
-    def precheck_resume(self) -> None:
-        """Compare the checkpoint a resume would load with this run's preset and layout before any
-        data or model is built (the full check, with the HC config and vocabulary, runs before loading)."""
-        import json
-
-        from training.checkpoint import MANIFEST, Checkpointer, check_compatible
-        from training.config import config_to_dict
-
-        ck = self.cfg.checkpoint
-        path = Checkpointer(self.paths["checkpoints"], log=self.log).resolve(ck.load)
-        if path is None:
-            return
-        try:
-            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-                body = json.load(f)["body"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # missing or corrupt: the verification reports (or falls back) later
-        check_compatible(path, body, {"preset": self.cfg.model.preset, "world_size": self.world,
-                                      "parallel": config_to_dict(self.cfg.parallel)},
-                         load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
-                         sharded_optimizer=self.runner.uses_megatron)
-
-    def write_config(self) -> None:
-        """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
-        if self.is_main:
-            from training.config import config_to_dict
-            import yaml
-
-            tmp = self.paths["config"] + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                yaml.safe_dump(config_to_dict(self.cfg), f, sort_keys=False)
-            os.replace(tmp, self.paths["config"])
-
-    def setup_data(self) -> None:
-        from training.config import pad_vocab_size
-        from training.data import NullTokenizer, Tokenizer, prepare_default_data
-        from training.data.default import default_paths
-        from training.data.gpt import check_indexed_pair
-
-        cfg, d, t = self.cfg, self.cfg.data, self.cfg.tokenizer
-        t0 = time.perf_counter()
-        prefixes, per_split = d.prefixes, d.per_split
-        tok_path = t.path
-        if cfg.uses_default_data:
-            paths = default_paths(d.default_dir)
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one builder per node (the steps are atomic)
-                kw = {} if d.default_target_mb is None else {"target_mb": d.default_target_mb}
-                info = prepare_default_data(d.default_dir, vocab_size=t.vocab_size, seed=cfg.run.seed,
-                                            progress=self.is_main, log=self.log if self.is_main else None, **kw)
-                paths = info
-            self._barrier()
-            prefixes = [paths["data_prefix"]]
-            self._default_prefix = paths["data_prefix"]
-            tok_path = tok_path or paths["tokenizer"]
-            self.paths["corpus"] = paths["corpus"]
-        if not d.mock:  # pre-flight on every rank: each .idx against its .bin (one-line DataError)
-            for prefix in prefixes or [p for v in (per_split or {}).values() for p in (v or [])]:
-                check_indexed_pair(prefix)
-        if t.type == "none" or (d.mock and not tok_path):
-            self.tokenizer = NullTokenizer(t.vocab_size)
-        else:
-            self.tokenizer = Tokenizer.from_file(tok_path)
-        self.paths["tokenizer"] = tok_path if t.type != "none" and tok_path else None
-        self.paths["data"] = ", ".join(prefixes) if prefixes else ("mock" if d.mock else str(per_split))
-        self.vocab_size = pad_vocab_size(self.tokenizer.vocab_size, t.make_vocab_size_divisible_by, cfg.parallel.tp)
-        if t.padded_vocab_size is not None:
-            if t.padded_vocab_size < self.tokenizer.vocab_size:
-                raise ConfigError(f"config key tokenizer.padded_vocab_size: {t.padded_vocab_size} is smaller than the "
-                                  f"tokenizer's {self.tokenizer.vocab_size} ids")
-            self.vocab_size = t.padded_vocab_size
-        self.data_seconds = time.perf_counter() - t0
-
-    def setup_datasets(self) -> None:
-        """Megatron's datasets (index caches under data.cache_dir), after the checkpoint checks."""
-        from training.data import DataConfig, build_datasets
-
-        cfg, d = self.cfg, self.cfg.data
-        t0 = time.perf_counter()
-        prefixes, per_split = d.prefixes, d.per_split
-        if cfg.uses_default_data:
-            prefixes = [self._default_prefix]
-        dcfg = DataConfig(prefixes=prefixes, weights=d.weights, split=d.split, per_split=per_split, mock=d.mock,
-                          cache_dir=d.cache_dir or os.path.join(self.run_dir, "data_cache"),
-                          reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-                          eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask)
-        gbs = cfg.batch.global_batch_size
-        n_train = cfg.run.train_steps * gbs
-        n_valid = max(cfg.run.eval_iters, 1) * gbs
-        # Megatron builds the index caches on rank 0 first, then the others read them.
-        if self.is_main:
-            self.train_ds, self.valid_ds, _ = build_datasets(dcfg, self.tokenizer, self.seq, cfg.run.seed,
-                                                             (n_train, n_valid, None))
-        self._barrier()
-        if not self.is_main:
-            self.train_ds, self.valid_ds, _ = build_datasets(dcfg, self.tokenizer, self.seq, cfg.run.seed,
-                                                             (n_train, n_valid, None))
-        self.data_seconds += time.perf_counter() - t0
-
-    def setup_model(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        from models.pipeline import install_hc_p2p_shapes, p2p_shapes_installed, uninstall_hc_p2p_shapes
-        from models.zoo import ZooError, build_model, build_transformer_config
-        from training.optim import hc_defaults_for_optimizer
-
-        cfg, p, m = self.cfg, self.cfg.parallel, self.cfg.model
-        explicit = set(self._preset_variant_keys()) | set(m.hc)
-        self.hc = hc_defaults_for_optimizer(self.preset.hc, cfg.optimizer.name, explicit)
-        self.preset.hc = self.hc
-        bf16 = self.runner.bf16
-        parallel = dict(tensor_model_parallel_size=p.tp, sequence_parallel=p.sp, expert_model_parallel_size=p.ep,
-                        pipeline_model_parallel_size=p.pp, context_parallel_size=p.cp)
-        if p.etp is not None:
-            parallel["expert_tensor_parallel_size"] = p.etp
-        if p.vpp:
-            parallel["virtual_pipeline_model_parallel_size"] = p.vpp
-        extra: Dict[str, Any] = self.runner.transformer_config_options()
-        if m.recompute == "selective":
-            extra.update(recompute_granularity="selective")
-        elif m.recompute == "full":
-            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if p.vpp and self.hc.enabled and self.hc.n > 1:
-            extra["variable_seq_lengths"] = True  # the interleaved schedule sizes p2p buffers inline
-        try:
-            self.tf_config = build_transformer_config(self.preset, parallel=parallel, cpu=not self.cuda, **extra)
-        except ZooError as e:
-            raise ConfigError(f"config key model.backbone: {e}") from None
-        te = m.use_transformer_engine if self.cuda else False
-        chunks = []
-        vp = p.vpp or 1
-        if vp > 1 and hasattr(ps, "set_virtual_pipeline_model_parallel_world_size"):
-            ps.set_virtual_pipeline_model_parallel_world_size(vp)  # models.parallel does not pass vpp to Megatron
-        for i in range(vp):
-            if vp > 1:
-                ps.set_virtual_pipeline_model_parallel_rank(i)
-            # chunk i of pipeline rank r holds virtual stage i·pp + r (Megatron's interleaving)
-            pre = self.first_stage and i == 0
-            post = self.last_stage and i == vp - 1
-            chunk = build_model(self.preset, self.tf_config, pre_process=pre, post_process=post,
-                                vp_stage=i if vp > 1 else None, use_transformer_engine=te,
-                                vocab_size=self.vocab_size, seq_length=self.seq)
-            if vp > 1:
-                chunk.vp_stage = i
-            chunks.append(chunk)
-        if vp > 1:
-            ps.set_virtual_pipeline_model_parallel_rank(0)
-        from megatron.core import tensor_parallel
-
-        for c in chunks:
-            for prm in c.parameters():
-                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)
-        self.num_params_local = sum(prm.numel() for c in chunks for prm in c.parameters())
-        self.num_hc_params_local = sum(prm.numel() for c in chunks for prm in c.parameters()
-                                       if getattr(prm, "is_hyper_connection", False))
-        if self.cfg.model.compile_hc:
-            from models.hc_layer import compile_hc_modules
-
-            n = sum(compile_hc_modules(c) for c in chunks)
-            self.log(f"[xhc] model.compile_hc: {n} HC modules under torch.compile (inductor; the first "
-                     f"steps include compilation)")
-        self.runner.tf_config, self.runner.hc = self.tf_config, self.hc
-        chunks = self.runner.wrap(chunks, bf16)
-        self.chunks = self.runner.chunks = chunks
-        if p.pp > 1 and self.hc.enabled and self.hc.n > 1:
-            if p2p_shapes_installed():
-                uninstall_hc_p2p_shapes()
-            install_hc_p2p_shapes(self.hc.n, self.tf_config)  # every p2p edge carries [s, b, N·C]
-        from training.hc_health import HCHealth
-
-        self.health = HCHealth([self._unwrap(c) for c in chunks], self.hc)
-
-    def setup_optimizer(self) -> None:
-        from training.optim import build_optimizer
-        from training.schedule import build_scheduler
-
-        self.optimizer = build_optimizer(self.chunks, self.cfg.optimizer, use_megatron=self.runner.uses_megatron)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.optimizer)
-        self.runner.attach(self.optimizer)
-
-    def setup_checkpointing(self) -> None:
-        from training.checkpoint import Checkpointer
-
-        ck = self.cfg.checkpoint
-        self.ckpt = Checkpointer(self.paths["checkpoints"], keep_last=ck.keep_last, checksum=ck.checksum,
-                                 log=self.log)
-        self.step = 0
-        self.consumed_samples = 0
-        self.skipped_steps = 0
-        self.skipped_samples = 0
-        self.resumed_from = None
-        self.check_checkpoint_space()
-        path, body = self.ckpt.select(ck.load)
+    def maybe_resume(self) -> None:
+        """Load the checkpoint ``checkpoint.load`` selects (``auto``: the newest verified one in
+        ``checkpoint.dir``), if any."""
+        path, body = self.ckpt.select(self.cfg.checkpoint.load)
         if path is not None:
             self.load_checkpoint(path, body)
         self.last_saved_step = self.step if self.resumed_from else None
         self.last_good_checkpoint = self.resumed_from
 
-    def check_checkpoint_space(self) -> None:
-        """Pre-flight: free space under checkpoint.dir for one checkpoint (estimate: 4 bytes per parameter
-        for the weights + 8 for the optimizer moments, summed over ranks, + 10 %)."""
-        from training.reliability import check_free_space
-
-        n = self._all_reduce([float(self.num_params_local)])[0]
-        needed = 1.1 * 12 * n
-        self.checkpoint_bytes_estimate = needed
-        error = None
-        if self.is_main and (self.cfg.checkpoint.interval or self.cfg.checkpoint.save_final
-                             or self.cfg.checkpoint.save_on_signal):
-            try:
-                check_free_space(self.paths["checkpoints"], needed, "checkpoint.dir")
-            except ConfigError as e:
-                error = str(e)
-        error = self._from_rank0(error)
-        if error:
-            raise ConfigError(error)
-
-    def setup_logging(self) -> None:
-        from training.metrics import MetricsLogger, model_flops_per_token, peak_tflops
-
-        cfg, lg = self.cfg, self.cfg.logging
-        tb_dir = os.path.join(self.run_dir, "tensorboard") if lg.tensorboard else None
-        wandb = None
-        if lg.wandb:
-            from training.config import config_to_dict
-
-            wandb = {"project": lg.wandb_project, "entity": lg.wandb_entity,
-                     "name": os.path.basename(self.run_dir), "config": config_to_dict(cfg), "dir": self.run_dir}
-        self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main, jsonl=lg.jsonl, tensorboard_dir=tb_dir,
-                                     wandb=wandb, print_fn=_p)
-        self.paths["metrics"] = self.metrics.jsonl_path
-        self.paths["tensorboard"] = self.metrics.tensorboard_dir
-        if self.resumed_from:  # consumers drop the records of steps after this one written before it
-            self.metrics.write("resume", self.step, {"checkpoint": self.resumed_from,
-                                                     "consumed_samples": self.consumed_samples})
-        self.flops = model_flops_per_token(self.preset, self.seq, self.vocab_size, lg.flops_convention, self.hc)
-        self.peak, self.peak_note = peak_tflops(lg.peak_tflops, self.cuda)
-        self.tokens_per_step = cfg.batch.global_batch_size * self.seq
-        self.print_setup()
-        for note in self.metrics.notes:
-            self.log(f"[xhc] note: {note}")
-
-    # ----------------------------------------------------------------------------------------
-    # Helpers
-    # ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _unwrap(chunk):
-        while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-            chunk = chunk.module
-        return chunk
-
-    def _preset_variant_keys(self) -> List[str]:
-        import yaml
-
-        try:
-            with open(self.preset.source, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-            return list((data.get("variants") or {}).get(self.preset.name.rsplit(":", 1)[1]) or {})
-        except (OSError, TypeError, AttributeError):
-            return []
-
-    def _barrier(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-
-    def _from_rank0(self, obj):
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _all_reduce(self, values: List[float], op: str = "sum", group=None) -> List[float]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-        return [float(x) for x in t.cpu()]
-
-    def data_iterator(self, dataset, start_sample: int, cycle: bool):
-        from training.data import make_data_iterator
-
-        return make_data_iterator(dataset, self.cfg.batch.micro_batch_size, start_sample, self.dp_rank, self.dp, cycle)
-
-    # ----------------------------------------------------------------------------------------
-    # Forward / backward
-    # ----------------------------------------------------------------------------------------
-    def forward_backward(self, iterators, forward_only: bool = False, num_micro: Optional[int] = None):
-        """One global batch on this rank: returns (Σ loss·mask, Σ mask) of its last-stage micro-batches."""
-        return self.runner.forward_backward(iterators, forward_only, num_micro)
-
-    def _global_loss(self, total: float, count: float) -> float:
-        """Token-weighted mean over all ranks' last-stage micro-batches (nan if any is non-finite)."""
-        s, n = self._all_reduce([total, count])
-        return s / n if n > 0 else float("nan")
-
-    # ----------------------------------------------------------------------------------------
-    # Training step, evaluation
-    # ----------------------------------------------------------------------------------------
-    def train_step(self, iterators) -> dict:
-        t0 = time.perf_counter()
-        self.runner.zero_grad_buffers()
-        self.optimizer.zero_grad()
-        interval = self.cfg.logging.hc_health_every
-        health_now = bool(interval) and (self.step + 1) % interval == 0 and self.health.num_wrapped > 0
-        with self.health.recording() if health_now else contextlib.nullcontext():
-            total, count = self.forward_backward(iterators)
-        self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
-        s, n, *flags = self._all_reduce([total, count, *self.life.local_stop_flags()])
-        self.life.agreed_flags = flags
-        loss = s / n if n > 0 else float("nan")
-        if not math.isfinite(loss):
-            self.check_parameters(f"the loss of step {self.step + 1} is {loss}",
-                                  self.consumed_samples + self.cfg.batch.global_batch_size)
-        if math.isfinite(loss):
-            result = self.optimizer.step()
-            updated, gnorm = result.updated, result.grad_norm
-        else:
-            updated, gnorm = False, float("nan")
-        lr = self.scheduler.get_last_lr()[0] if self.optimizer.param_groups else float("nan")
-        if updated:
-            self.scheduler.step()
-        self.optimizer.zero_grad()
-        self.step += 1
-        self.consumed_samples += self.cfg.batch.global_batch_size
-        dt = time.perf_counter() - t0
-        tokens_per_s = self.tokens_per_step / dt
-        rec = {"loss": loss, "lr": lr, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens_per_s,
-               "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
-               "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_samples * self.seq,
-               "skipped_steps": self.skipped_steps}
-        if health_now:
-            rec["hc"] = self.health.summary()
-        if not updated:
-            self.skipped_steps += 1
-            rec["skipped_steps"] = self.skipped_steps
-            rec["skipped"] = True
-            what = "loss" if not math.isfinite(loss) else "gradient norm"
-            self.metrics.event(self.step, f"[xhc] step {self.step}: non-finite {what} (loss {loss}, grad norm "
-                               f"{gnorm}): update skipped ({self.skipped_steps} skipped so far, limit "
-                               f"{self.cfg.run.max_skipped_steps})", skipped_steps=self.skipped_steps)
-        return rec
-
-    def evaluate(self) -> Optional[float]:
-        """Validation loss over ``run.eval_iters`` global batches (the same batches every time)."""
-        if self.cfg.run.eval_iters == 0 or self.valid_ds is None:
-            return None
-        for c in self.chunks:
-            c.eval()
-        try:
-            it = self.data_iterator(self.valid_ds, 0, cycle=True)
-            its = [it] + [self.data_iterator(self.valid_ds, 0, cycle=True) for _ in self.chunks[1:]]
-            total, count = 0.0, 0.0
-            for _ in range(self.cfg.run.eval_iters):
-                s, n = self.forward_backward(its, forward_only=True)
-                total, count = total + s, count + n
-        finally:
-            for c in self.chunks:
-                c.train()
-        return self._global_loss(total, count)
-
-    # ----------------------------------------------------------------------------------------
-    # Checkpoints
-    # ----------------------------------------------------------------------------------------
-    def _trainer_state(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
-                "skipped_samples": self.skipped_samples}
-
-    def save_checkpoint(self, reason: str) -> str:
-        from training.checkpoint import build_state
-
-        t0 = time.perf_counter()
-        sharding = self.cfg.checkpoint.optimizer_sharding
-        info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
-                "optimizer_sharding": sharding, **self._compat_info()}
-        with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
-            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
-            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
-                                optimizer_sharding=sharding)
-            path = self.ckpt.save(self.step, state, info)
-        self.last_saved_step = self.step
-        self.last_good_checkpoint = path
-        self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
-                           f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
-        return path
-
-    def _compat_info(self) -> dict:
-        """What a checkpoint must share with the run that loads it (see checkpoint.check_compatible)."""
-        import dataclasses
-
-        from training.config import config_to_dict
-
-        import json
-
-        hc = json.loads(json.dumps(dataclasses.asdict(self.hc), default=str))  # as the manifest stores it
-        return {"preset": self.cfg.model.preset, "hc": hc, "vocab_size": self.vocab_size,
-                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel)}
-
-    def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
-        from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
-
-        ck = self.cfg.checkpoint
-        if body is None:
-            body = self.ckpt.verify(path)
-        check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
-                         sharded_optimizer=is_megatron_optimizer(self.optimizer))
-        template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
-                               self.scheduler if ck.load_optimizer else None, self._trainer_state(),
-                               rng=ck.load_rng, is_loading=True,
-                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding))
-        loaded = self.ckpt.load(path, template, body)
-        keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
-        for key, chunk in zip(keys, self.chunks):
-            missing, unexpected = self._unwrap(chunk).load_state_dict(loaded[key], strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                from training.checkpoint import CheckpointError
-
-                raise CheckpointError(f"checkpoint {path}: model keys do not match this model (missing "
-                                      f"{missing[:3]}, unexpected {list(unexpected)[:3]}): is it the same preset?")
-        if not ck.load_optimizer:
-            self.optimizer.reload_model_params()  # fp32 main copies := the loaded weights
-        if ck.load_optimizer:
-            if "optimizer" in loaded:
-                self.optimizer.load_state_dict(loaded["optimizer"])
-            else:
-                self.optimizer.load_state_dict(loaded["optimizer_rank"])
-            self.scheduler.load_state_dict(loaded["scheduler"])
-        t = loaded["trainer"]
-        self.step, self.consumed_samples, self.skipped_steps = (int(t["step"]), int(t["consumed_samples"]),
-                                                                int(t["skipped_steps"]))
-        self.skipped_samples = int(t.get("skipped_samples", 0))
-        if ck.load_rng:
-            restore_rng_state(loaded["rng"])
-        self.resumed_from = path
-        self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed")
-
-    # ----------------------------------------------------------------------------------------
-    # The loop
-    # ----------------------------------------------------------------------------------------
     def train(self) -> int:
-        cfg = self.cfg
-        r, ck, lg = cfg.run, cfg.checkpoint, cfg.logging
+        """Step, log, evaluate and save until ``run.train_steps`` or a stop reason (then save); 0."""
+        r, ck = self.cfg.run, self.cfg.checkpoint
         self.life.install_signal_handlers()
         for c in self.chunks:
             c.train()
@@ -677,13 +176,183 @@ class Trainer:
         return None
 
     # ----------------------------------------------------------------------------------------
-    # Non-finite state: never saved; abort, or roll back to the last good checkpoint
+    # One step (the step runner does the forward and backward)
     # ----------------------------------------------------------------------------------------
-    def _first_nonfinite_parameter(self) -> Optional[str]:
-        return first_nonfinite_parameter([(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
-                                          for i, c in enumerate(self.chunks)
-                                          for n, p in self._unwrap(c).named_parameters()])
+    def train_step(self, iterators) -> dict:
+        t0 = time.perf_counter()
+        self.runner.zero_grad_buffers()
+        self.optimizer.zero_grad()
+        interval = self.cfg.logging.hc_health_every
+        health_now = bool(interval) and (self.step + 1) % interval == 0 and self.health.num_wrapped > 0
+        with self.health.recording() if health_now else contextlib.nullcontext():
+            total, count = self.forward_backward(iterators)
+        self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
+        s, n, *flags = self._all_reduce([total, count, *self.life.local_stop_flags()])
+        self.life.agreed_flags = flags
+        loss = s / n if n > 0 else float("nan")
+        if not math.isfinite(loss):
+            self.check_parameters(f"the loss of step {self.step + 1} is {loss}",
+                                  self.consumed_samples + self.cfg.batch.global_batch_size)
+        if math.isfinite(loss):
+            result = self.optimizer.step()
+            updated, gnorm = result.updated, result.grad_norm
+        else:
+            updated, gnorm = False, float("nan")
+        lr = self.scheduler.get_last_lr()[0] if self.optimizer.param_groups else float("nan")
+        if updated:
+            self.scheduler.step()
+        self.optimizer.zero_grad()
+        self.step += 1
+        self.consumed_samples += self.cfg.batch.global_batch_size
+        dt = time.perf_counter() - t0
+        tokens_per_s = self.tokens_per_step / dt
+        rec = {"loss": loss, "lr": lr, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens_per_s,
+               "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
+               "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_samples * self.seq,
+               "skipped_steps": self.skipped_steps}
+        if health_now:
+            rec["hc"] = self.health.summary()
+        if not updated:
+            self.skipped_steps += 1
+            rec["skipped_steps"] = self.skipped_steps
+            rec["skipped"] = True
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            self.metrics.event(self.step, f"[xhc] step {self.step}: non-finite {what} (loss {loss}, grad norm "
+                               f"{gnorm}): update skipped ({self.skipped_steps} skipped so far, limit "
+                               f"{self.cfg.run.max_skipped_steps})", skipped_steps=self.skipped_steps)
+        return rec
 
+    def forward_backward(self, iterators, forward_only: bool = False, num_micro: Optional[int] = None):
+        """One global batch on this rank: returns (Σ loss·mask, Σ mask) of its last-stage micro-batches."""
+        return self.runner.forward_backward(iterators, forward_only, num_micro)
+
+    def data_iterator(self, dataset, start_sample: int, cycle: bool):
+        from training.data import make_data_iterator
+
+        return make_data_iterator(dataset, self.cfg.batch.micro_batch_size, start_sample, self.dp_rank, self.dp, cycle)
+
+    def _global_loss(self, total: float, count: float) -> float:
+        """Token-weighted mean over all ranks' last-stage micro-batches (nan if any is non-finite)."""
+        s, n = self._all_reduce([total, count])
+        return s / n if n > 0 else float("nan")
+
+    # ----------------------------------------------------------------------------------------
+    # Evaluation
+    # ----------------------------------------------------------------------------------------
+    def run_eval(self) -> Optional[float]:
+        t0 = time.perf_counter()
+        with self.runner.params_synced():  # overlap_param_gather: evaluate the weights of this step
+            loss = self.evaluate()
+        if loss is None:
+            return None
+        if not math.isfinite(loss):
+            self.check_parameters(f"validation loss at step {self.step} is {loss}")
+            raise NonFiniteState(f"validation loss at step {self.step} is {loss} (the parameters are finite)",
+                                 self.consumed_samples)
+        self.evals.append({"step": self.step, "loss": loss})
+        ppl = math.exp(loss) if loss < 50 else float("inf")
+        self.metrics.write("eval", self.step, {"loss": loss, "ppl": ppl, "eval_time_s": time.perf_counter() - t0})
+        self.log(f"[xhc] validation at step {self.step}: loss {loss:.4f} (ppl {ppl:.1f}) over "
+                 f"{self.cfg.run.eval_iters * self.cfg.batch.global_batch_size} sequences")
+        return loss
+
+    def evaluate(self) -> Optional[float]:
+        """Validation loss over ``run.eval_iters`` global batches (the same batches every time)."""
+        if self.cfg.run.eval_iters == 0 or self.valid_ds is None:
+            return None
+        for c in self.chunks:
+            c.eval()
+        try:
+            it = self.data_iterator(self.valid_ds, 0, cycle=True)
+            its = [it] + [self.data_iterator(self.valid_ds, 0, cycle=True) for _ in self.chunks[1:]]
+            total, count = 0.0, 0.0
+            for _ in range(self.cfg.run.eval_iters):
+                s, n = self.forward_backward(its, forward_only=True)
+                total, count = total + s, count + n
+        finally:
+            for c in self.chunks:
+                c.train()
+        return self._global_loss(total, count)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+    # ----------------------------------------------------------------------------------------
+    def save_checkpoint(self, reason: str) -> str:
+        from training.checkpoint import build_state
+
+        t0 = time.perf_counter()
+        sharding = self.cfg.checkpoint.optimizer_sharding
+        info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
+                "optimizer_sharding": sharding, **self._compat_info()}
+        with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
+            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
+            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
+                                optimizer_sharding=sharding)
+            path = self.ckpt.save(self.step, state, info)
+        self.last_saved_step = self.step
+        self.last_good_checkpoint = path
+        self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
+                           f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
+        return path
+
+    def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
+        from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
+
+        ck = self.cfg.checkpoint
+        if body is None:
+            body = self.ckpt.verify(path)
+        check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer, load_rng=ck.load_rng,
+                         sharded_optimizer=is_megatron_optimizer(self.optimizer))
+        template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
+                               self.scheduler if ck.load_optimizer else None, self._trainer_state(),
+                               rng=ck.load_rng, is_loading=True,
+                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding))
+        loaded = self.ckpt.load(path, template, body)
+        keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
+        for key, chunk in zip(keys, self.chunks):
+            missing, unexpected = self._unwrap(chunk).load_state_dict(loaded[key], strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                from training.checkpoint import CheckpointError
+
+                raise CheckpointError(f"checkpoint {path}: model keys do not match this model (missing "
+                                      f"{missing[:3]}, unexpected {list(unexpected)[:3]}): is it the same preset?")
+        if not ck.load_optimizer:
+            self.optimizer.reload_model_params()  # fp32 main copies := the loaded weights
+        if ck.load_optimizer:
+            if "optimizer" in loaded:
+                self.optimizer.load_state_dict(loaded["optimizer"])
+            else:
+                self.optimizer.load_state_dict(loaded["optimizer_rank"])
+            self.scheduler.load_state_dict(loaded["scheduler"])
+        t = loaded["trainer"]
+        self.step, self.consumed_samples, self.skipped_steps = (int(t["step"]), int(t["consumed_samples"]),
+                                                                int(t["skipped_steps"]))
+        self.skipped_samples = int(t.get("skipped_samples", 0))
+        if ck.load_rng:
+            restore_rng_state(loaded["rng"])
+        self.resumed_from = path
+        self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed")
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
+                "skipped_samples": self.skipped_samples}
+
+    def _compat_info(self) -> dict:
+        """What a checkpoint must share with the run that loads it (see checkpoint.check_compatible)."""
+        import dataclasses
+
+        from training.config import config_to_dict
+
+        import json
+
+        hc = json.loads(json.dumps(dataclasses.asdict(self.hc), default=str))  # as the manifest stores it
+        return {"preset": self.cfg.model.preset, "hc": hc, "vocab_size": self.vocab_size,
+                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel)}
+
+    # ----------------------------------------------------------------------------------------
+    # Non-finite state: never saved; abort, or roll back (the policy: training.lifecycle)
+    # ----------------------------------------------------------------------------------------
     def check_parameters(self, context: str, window_end: Optional[int] = None) -> None:
         """Raise :class:`NonFiniteState` on every rank when any rank holds a non-finite parameter."""
         bad = self._first_nonfinite_parameter()
@@ -691,6 +360,11 @@ class Trainer:
             where = bad if bad else "on another rank"
             raise NonFiniteState(f"{context}: parameters are non-finite ({where})",
                                  self.consumed_samples if window_end is None else window_end)
+
+    def _first_nonfinite_parameter(self) -> Optional[str]:
+        return first_nonfinite_parameter([(f"chunk {i}: {n}" if len(self.chunks) > 1 else n, p)
+                                          for i, c in enumerate(self.chunks)
+                                          for n, p in self._unwrap(c).named_parameters()])
 
     def roll_back(self, err: NonFiniteState) -> None:
         """``run.on_nonfinite=rollback``: reload the last good checkpoint, skip the data since it; else abort."""
@@ -711,56 +385,9 @@ class Trainer:
                            f"{bad_step}; reloaded {path} (step {self.step}) and skipped {skip} samples of data",
                            rollback=self.life.rollbacks, skipped_samples=self.skipped_samples)
 
-    def run_eval(self) -> Optional[float]:
-        t0 = time.perf_counter()
-        with self.runner.params_synced():  # overlap_param_gather: evaluate the weights of this step
-            loss = self.evaluate()
-        if loss is None:
-            return None
-        if not math.isfinite(loss):
-            self.check_parameters(f"validation loss at step {self.step} is {loss}")
-            raise NonFiniteState(f"validation loss at step {self.step} is {loss} (the parameters are finite)",
-                                 self.consumed_samples)
-        self.evals.append({"step": self.step, "loss": loss})
-        ppl = math.exp(loss) if loss < 50 else float("inf")
-        self.metrics.write("eval", self.step, {"loss": loss, "ppl": ppl, "eval_time_s": time.perf_counter() - t0})
-        self.log(f"[xhc] validation at step {self.step}: loss {loss:.4f} (ppl {ppl:.1f}) over "
-                 f"{self.cfg.run.eval_iters * self.cfg.batch.global_batch_size} sequences")
-        return loss
-
     # ----------------------------------------------------------------------------------------
-    # Reporting
+    # The end
     # ----------------------------------------------------------------------------------------
-    def print_setup(self) -> None:
-        cfg, p, b = self.cfg, self.cfg.parallel, self.cfg.batch
-        hc = self.hc
-        hc_desc = "vanilla residual" if not hc.enabled else (
-            f"{hc.variant} N={hc.n}" + (f" k={hc.k} m={hc.m} GS={'on' if hc.gram_schmidt else 'off'}"
-                                        if hc.is_xhc else ""))
-        dev = (f"{self.world}x {self.device.type}" + (f" ({self._gpu_name()})" if self.cuda else "")
-               + f", {'bf16' if self.tf_config.bf16 else 'fp32'}")
-        self.log(f"[xhc] model      {cfg.model.preset}: {hc_desc}; {self.preset.num_layers} layers, "
-                 f"C={self.preset.hidden_size}, vocab {self.vocab_size}, seq {self.seq}")
-        self.log(f"[xhc] params     {self.num_params_local / 1e6:.3f}M on rank 0 (HC {self.num_hc_params_local / 1e3:.1f}k)")
-        self.log(f"[xhc] parallel   {dev}: tp={p.tp}{'+sp' if p.sp else ''} pp={p.pp} ep={p.ep} cp={p.cp} dp={self.dp}")
-        self.log(f"[xhc] batch      global {b.global_batch_size} = micro {b.micro_batch_size} x dp {self.dp} x "
-                 f"accumulation {self.num_micro}; {self.tokens_per_step} tokens/step")
-        self.log(f"[xhc] optimizer  {cfg.optimizer.name} lr {cfg.optimizer.lr:g}, {cfg.schedule.kind} schedule "
-                 f"(warmup {cfg.schedule.warmup_steps}, {cfg.schedule.total_steps} steps), clip {cfg.optimizer.clip_grad:g}")
-        for note in getattr(cfg, "notes", ()):
-            self.log(f"[xhc] note       {note}")
-        self.log(f"[xhc] data       {self.paths['data']} (train {len(self.train_ds)} samples"
-                 f"{', valid %d' % len(self.valid_ds) if self.valid_ds is not None else ''}; ready in "
-                 f"{self.data_seconds:.1f}s)")
-        self.log(f"[xhc] flops      {self.flops['total'] / 1e6:.2f} MFLOP/token (backbone {self.flops['backbone'] / 1e6:.2f}, "
-                 f"HC {self.flops['hc'] / 1e6:.3f}); MFU vs {self.peak:g} TFLOP/s/device ({self.peak_note})")
-        self.log(f"[xhc] run dir    {self.run_dir}")
-
-    def _gpu_name(self) -> str:
-        import torch
-
-        return torch.cuda.get_device_name()
-
     def finish(self) -> None:
         """Loss plot and the summary of where everything went (rank 0)."""
         from training.checkpoint import list_checkpoints
@@ -827,6 +454,25 @@ class Trainer:
         self.life.release(self.failed)
         uninstall_hc_p2p_shapes()
         destroy_parallel(destroy_process_group=destroy_process_group)
+
+    # ----------------------------------------------------------------------------------------
+    # Helpers
+    # ----------------------------------------------------------------------------------------
+    def _all_reduce(self, values: List[float], op: str = "sum", group=None) -> List[float]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return [float(x) for x in t.cpu()]
+
+    @staticmethod
+    def _unwrap(chunk):
+        """The GPT model inside a chunk's wrappers (:func:`training.step_runner.unwrap`)."""
+        from training.step_runner import unwrap
+
+        return unwrap(chunk)
 
 
 # ================================================================================================

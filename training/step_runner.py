@@ -38,7 +38,7 @@ from models.pipeline import gpipe_forward_backward
 from xhc.temporal import SequenceContext, pos_in_doc_from_position_ids
 
 __all__ = ["CpuStepRunner", "MegatronStepRunner", "StepRunner", "float16_module_keep_hc_fp32", "make_step_runner",
-           "params_synced"]
+           "params_synced", "unwrap"]
 
 
 # ================================================================================================
@@ -76,6 +76,13 @@ def params_synced(chunks):
     finally:
         for c in hooked:
             c.enable_forward_pre_hook()
+
+
+def unwrap(chunk):
+    """The GPT model inside a chunk's wrappers (DDP, Float16Module)."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
 
 
 # ================================================================================================
