@@ -350,20 +350,6 @@ def _resume_one(ctx: Ctx, opt: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # 4. a pipeline boundary on one device
 # ------------------------------------------------------------------------------------------------
-class _StageGroup:
-    """A pipeline "group" that only answers rank() and size(): one process builds stage ``rank``
-    of a ``size``-stage pipeline (Megatron reads the stage from ``pg_collection.pp``)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, stage=None, **kw):
     """A zoo model (bf16 + fp32 HC on a GPU); ``stage=(rank, size)``: that pipeline stage only."""
     from megatron.core import tensor_parallel
@@ -378,10 +364,9 @@ def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, sta
     dtype = torch.bfloat16 if bf16 else torch.float32
     parallel = {}
     if stage is not None:
-        from megatron.core.process_groups_config import ProcessGroupCollection
+        from models.pipeline import pipeline_stage_collection
 
-        pg = ProcessGroupCollection.use_mpu_process_groups()
-        pg.pp = _StageGroup(*stage)
+        pg = pipeline_stage_collection(*stage)
         parallel["pipeline_model_parallel_size"] = stage[1]
         kw.update(pg_collection=pg, pre_process=stage[0] == 0, post_process=stage[0] == stage[1] - 1)
     config = build_transformer_config(preset, parallel=parallel or None, cpu=not ctx.cuda, bf16=bf16,

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=msg)
     from models.parallel import destroy_parallel, initialize_parallel
-    from tools.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
+    from models.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
     from training.metrics import model_flops_per_token
 
     cuda = torch.cuda.is_available()

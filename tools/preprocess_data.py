@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tools._cli import run_main
 from training.data._util import DataError
 from training.data.indexed import preprocess
 from training.data.raw import BUILDERS
@@ -39,15 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body() -> None:
         preprocess(args.input, args.output_prefix, args.tokenizer, text_key=args.text_key, fmt=args.format,
                    workers=args.workers, batch_size=args.batch_size, append_eod=args.append_eod, split=args.split,
                    hub_config=args.hub_config, cache_dir=args.cache_dir, text_sample_by=args.text_sample_by,
                    progress=args.progress)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, DataError)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import argparse
 import itertools
 import sys
 
+from tools._cli import run_main
 from training.data._util import DataError
 from training.data.raw import BUILDERS, iter_texts, load_raw
 from training.data.tokenizer import DEFAULT_SAMPLE_LINES, DEFAULT_VOCAB_SIZE, train_sentencepiece
@@ -41,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body() -> None:
         ds = load_raw(args.input, args.text_key, args.format, args.split, args.hub_config, args.cache_dir,
                       args.text_sample_by)
         texts = iter_texts(ds, args.text_key)
@@ -50,10 +52,8 @@ def main(argv=None) -> int:
         train_sentencepiece(texts, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
                             max_lines=args.max_lines, num_threads=args.threads, seed=args.seed,
                             extra_meta={"input": list(args.input), "text_key": args.text_key})
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, DataError)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""Megatron ``dist_checkpointing`` checkpoints of the zoo <-> Hugging Face folders.
+"""Megatron ``dist_checkpointing`` checkpoints of the zoo <-> Hugging Face folders: the body of
+``xhc-convert`` (:mod:`tools.convert_checkpoint`).  It reads and writes training checkpoints, so it
+lives on the tools floor; the Hugging Face model code it writes (the parameter mapping, the remote
+code) stays in :mod:`models.hf.export`.
 
 ``to_hf``: reads a checkpoint saved under any TP / SP / EP / PP / VPP layout by loading it,
 through Megatron's ``dist_checkpointing.load`` (which reshards), into the sharded state dict of a
@@ -29,11 +32,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+import models.hf.export as _export
+import xhc as _xhc
 from models.hf.export import mapping as M
 
-REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
-XHC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-                       "xhc")
+REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
+XHC_DIR = os.path.dirname(os.path.abspath(_xhc.__file__))
 MODEL_TYPE_REMOTE = "xhc_moe"
 SAFE_INDEX = "model.safetensors.index.json"
 
