@@ -20,11 +20,12 @@ Variants (docs/math.md §2–§4):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import ClassVar, Tuple
+
+from xhc.config_base import ConfigBase
 
 class HCConfigWarning(UserWarning):
     """A valid but costly hyper-connection setting (shown once per process and setting)."""
@@ -60,7 +61,7 @@ def _err(field_name: str, value, allowed: str) -> HCConfigError:
 
 
 @dataclass
-class HCConfig:
+class HCConfig(ConfigBase):
     """Configuration of the hyper-connections of one model (all sublayers share it).
 
     Fields are grouped as in docs/math.md; defaults are the documented recommendations.
@@ -258,20 +259,7 @@ class HCConfig:
             return 2 * (self.n.bit_length() - 1)
         raise HCConfigError(f"HCConfig.variant={self.variant!r} has no mHC-family residual logits")
 
-    def replace(self, **changes) -> "HCConfig":
-        """A validated copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HCConfig":
-        """Build from a mapping (e.g. YAML); unknown keys are an error naming the key."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
-                raise HCConfigError(f"HCConfig has no field {key!r}; known fields: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["kernel_sizes"] = list(self.kernel_sizes)
-        return d
+    # from_dict (unknown keys are an error naming the key), to_dict, replace (validated): ConfigBase
+    config_error: ClassVar[type] = HCConfigError
+    key_format: ClassVar[str] = "HCConfig.{key}: {msg}"
+    unknown_key_format: ClassVar[str] = "HCConfig has no field {name!r}; known fields: {known}"
