@@ -43,7 +43,11 @@ if __name__ in ("__main__", "__mp_main__") and not os.path.exists("/dev/nvidiact
 
 import torch  # noqa: E402
 
-VARIANTS = ("vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4")
+from xhc.config import KERNEL_BACKENDS  # noqa: E402
+from xhc.config import VARIANTS as HC_VARIANTS  # noqa: E402
+
+# every variant as a zoo preset name (tiny-moe:<name>): vanilla for none, hyphens for underscores
+VARIANTS = tuple("vanilla" if v == "none" else v.replace("_", "-") for v in HC_VARIANTS)
 THROUGHPUT_VARIANTS = ("vanilla", "mhc", "xhc-flash4")
 
 
@@ -718,7 +722,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="shrunk sizes (the CPU smoke run of bench/gpu_check.sh)")
     p.add_argument("--workdir", default=None, help="run and checkpoint directories (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="append every PASS/FAIL/SKIP line to `rows` of this JSON file")
-    p.add_argument("--hc-kernels", default=None, choices=("auto", "eager", "compile", "triton", "liger"),
+    p.add_argument("--hc-kernels", default=None, choices=KERNEL_BACKENDS,
                    help="HC kernel backend of every model (default: the models' auto)")
     p.add_argument("--warm", action="store_true", help="bench: only the first call of every row (fills the "
                    "Triton and inductor caches for a later run), nothing measured")

@@ -118,3 +118,31 @@ def test_every_config_dataclass_uses_the_base():
     for cls in [HCConfig, OptimizerConfig, ScheduleConfig, DataConfig, PretrainConfig, FinetuneConfig] + sections:
         assert issubclass(cls, ConfigBase), cls
         assert "from_dict" not in vars(cls) or cls in (DataConfig, FinetuneConfig), cls  # one loader
+
+
+def test_variant_and_backend_names_have_one_definition():
+    """xhc/config.py defines the variant and kernel backend names; no other product file spells one of
+    those tuples out again, in the same order (an AST walk over tuple/list/set literals of strings)."""
+    import ast
+    from pathlib import Path
+
+    from xhc import config as C
+
+    names = {"VARIANTS": C.VARIANTS, "MHC_FAMILY": C.MHC_FAMILY, "XHC_FAMILY": C.XHC_FAMILY,
+             "FLASH_FAMILY": C.FLASH_FAMILY, "OP_BACKENDS": C.OP_BACKENDS, "KERNEL_BACKENDS": C.KERNEL_BACKENDS}
+    groups = {tuple(v): k for k, v in names.items()}
+    groups[tuple(b for b in C.KERNEL_BACKENDS if b != "auto")] = "KERNEL_BACKENDS without auto"
+    groups[tuple(v for v in C.VARIANTS if v != "none")] = "VARIANTS without none"
+    root = Path(__file__).resolve().parent.parent
+    again = []
+    for pkg in ("xhc", "models", "training", "tools", "bench"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            if path == root / "xhc" / "config.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2 and all(
+                        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                    found = groups.get(tuple(e.value for e in node.elts))
+                    if found:
+                        again.append(f"{path.relative_to(root)}:{node.lineno} spells out {found}")
+    assert not again, "import the names from xhc.config instead:\n" + "\n".join(again)

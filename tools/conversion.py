@@ -35,6 +35,7 @@ import torch
 import models.hf.export as _export
 import xhc as _xhc
 from models.hf.export import mapping as M
+from xhc.config import FLASH_FAMILY, XHC_FAMILY
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
 XHC_DIR = os.path.dirname(os.path.abspath(_xhc.__file__))
@@ -783,7 +784,7 @@ def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
     for backend in ("eager", "compile"):
         cfg = dataclasses.replace(hc, kernels=backend)
         with torch.random.fork_rng(devices=[]):
-            if hc.variant in ("xhc_flash", "xhc_flash4"):
+            if hc.variant in FLASH_FAMILY:
                 mod = XHCFlashLayer(cfg, C, layer_index=1)
             elif hc.is_xhc:
                 mod = XHCSublayer(cfg, C, is_mlp=True, layer_index=1)
@@ -807,7 +808,7 @@ def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
             run()
             times.append(1e3 * (time.perf_counter() - t0))
         ms[backend] = statistics.median(times)
-    what = "one layer (attention + MLP window)" if hc.variant in ("xhc_flash", "xhc_flash4") else "one sublayer"
+    what = "one layer (attention + MLP window)" if hc.variant in FLASH_FAMILY else "one sublayer"
     return [f"Speed, measured at export on this machine's CPU ({torch.get_num_threads()} threads), {what}'s "
             f"read + write for {tokens} tokens at C = {C}, N = {hc.n}, forward only, median of {reps}:", "",
             "| path | ms |", "|---|---|",
@@ -899,7 +900,7 @@ def upcycle_overrides(variant: str) -> dict:
     differ): everything flows through the always-active stream 0 (see :func:`upcycle_init`); the
     exit is a softmax readout concentrated on it.
     """
-    if variant in ("xhc", "xhc_flash", "xhc_flash4"):
+    if variant in XHC_FAMILY:
         return {"reduction": "softmax", "read_init": "uniform"}
     return {"reduction": "mean", "read_init": "uniform", "init_noise": 0.0}
 

@@ -25,10 +25,11 @@ import tempfile
 
 from tools._cli import run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # as training.pretrain
+from xhc.config import VARIANTS as ALL_VARIANTS
 
 set_omp_wait_policy()
 
-VARIANTS = ("hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
+VARIANTS = tuple(v for v in ALL_VARIANTS if v != "none")  # the hyper-connection variants
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -36,13 +36,14 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from tools._cli import run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy
+from xhc.config import FLASH_FAMILY
 
 set_omp_wait_policy()
 
 SCHEMA = 1
 DEFAULT_TOKENS = 256
 RANDOM_SEED = 0
-FLASH = ("xhc_flash", "xhc_flash4")
+FLASH = FLASH_FAMILY
 
 
 class InspectError(RuntimeError):

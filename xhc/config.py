@@ -40,16 +40,22 @@ def _warn_mhc_lite_growth(n: int) -> None:
         HCConfigWarning, stacklevel=5)
 
 
+# The one definition of the variant names (everything else imports these) ...
 VARIANTS = ("none", "hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
 MHC_FAMILY = ("mhc", "mhc_lite", "kromhc", "identity")
 XHC_FAMILY = ("xhc", "xhc_flash", "xhc_flash4")
+FLASH_FAMILY = ("xhc_flash", "xhc_flash4")  # routing shared by a window of sublayers (§4)
 REDUCTIONS = ("sum", "mean", "softmax")
 READ_INITS = ("auto", "one_hot", "uniform")
 PRESETS = ("spec", "peft_paper")
 ROUTERS = ("sigmoid", "softmax")
 SINKHORN_ORDERS = ("row_last", "col_last")
 CONV_DOC_RESET = ("auto", "always", "never")
-KERNEL_BACKENDS = ("auto", "eager", "compile", "triton", "liger")
+# ... and of the kernel backend names: the implementations of the fused HC ops (xhc/kernels/), and
+# the choices of ``HCConfig.kernels`` (``auto``: resolved per device; ``liger``: Liger-Kernel's mHC
+# coefficient op with the ``triton`` read and write).
+OP_BACKENDS = ("eager", "compile", "triton")
+KERNEL_BACKENDS = ("auto",) + OP_BACKENDS + ("liger",)
 
 
 class HCConfigError(ValueError):
@@ -233,7 +239,7 @@ class HCConfig(ConfigBase):
             raise _err("router", self.router, f"allowed values are {', '.join(ROUTERS)}")
         if self.conv_doc_reset not in CONV_DOC_RESET:
             raise _err("conv_doc_reset", self.conv_doc_reset, f"allowed values are {', '.join(CONV_DOC_RESET)}")
-        if self.variant in ("xhc_flash", "xhc_flash4") and not self.dense_read:
+        if self.variant in FLASH_FAMILY and not self.dense_read:
             raise _err("dense_read", self.dense_read, "Flash variants share one dense read; set dense_read: true")
 
     # ------------------------------------------------------------------------------------------
