@@ -4,6 +4,7 @@ status 2, never a traceback (CONTRIBUTING: bad input -> one clear line naming th
 from __future__ import annotations
 
 import sys
+import argparse
 from typing import Callable, Optional
 
 
@@ -17,3 +18,17 @@ def run_main(body: Callable[[], Optional[int]], *expected: type) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if status is None else status
+
+
+def add_text_source_args(p: argparse.ArgumentParser) -> None:
+    """The options that say how to read raw text (``training.data.raw.load_raw``), shared by
+    ``tools.train_tokenizer`` and ``tools.preprocess_data`` (after their ``--input``)."""
+    from training.data.raw import BUILDERS
+
+    p.add_argument("--text-key", default="text", help="the column holding the text")
+    p.add_argument("--format", choices=list(BUILDERS) + ["hub"], default=None, help="force the input format")
+    p.add_argument("--split", default="train", help="hub dataset split")
+    p.add_argument("--hub-config", default=None, help="hub dataset configuration name")
+    p.add_argument("--text-sample-by", choices=["line", "paragraph", "document"], default="paragraph",
+                   help="for .txt input: what one document is")
+    p.add_argument("--cache-dir", default=None, help="HF datasets cache folder")

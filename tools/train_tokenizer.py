@@ -13,9 +13,9 @@ import argparse
 import itertools
 import sys
 
-from tools._cli import run_main
+from tools._cli import add_text_source_args, run_main
 from training.data._util import DataError
-from training.data.raw import BUILDERS, iter_texts, load_raw
+from training.data.raw import iter_texts, load_raw
 from training.data.tokenizer import DEFAULT_SAMPLE_LINES, DEFAULT_VOCAB_SIZE, train_sentencepiece
 
 
@@ -23,13 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.train_tokenizer", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", "-i", nargs="+", required=True, help="files, folders, globs, or one hub dataset name")
     p.add_argument("--output", "-o", default="data/tokenizer.model", help="the .model file to write")
-    p.add_argument("--text-key", default="text", help="the column holding the text")
-    p.add_argument("--format", choices=list(BUILDERS) + ["hub"], default=None, help="force the input format")
-    p.add_argument("--split", default="train", help="hub dataset split")
-    p.add_argument("--hub-config", default=None, help="hub dataset configuration name")
-    p.add_argument("--text-sample-by", choices=["line", "paragraph", "document"], default="paragraph",
-                   help="for .txt input: what one document is")
-    p.add_argument("--cache-dir", default=None, help="HF datasets cache folder")
+    add_text_source_args(p)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--max-lines", type=int, default=DEFAULT_SAMPLE_LINES,
