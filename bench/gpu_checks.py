@@ -43,7 +43,11 @@ if __name__ in ("__main__", "__mp_main__") and not os.path.exists("/dev/nvidiact
 
 import torch  # noqa: E402
 
-VARIANTS = ("vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4")
+from xhc.config import KERNEL_BACKENDS  # noqa: E402
+from xhc.config import VARIANTS as HC_VARIANTS  # noqa: E402
+
+# every variant as a zoo preset name (tiny-moe:<name>): vanilla for none, hyphens for underscores
+VARIANTS = tuple("vanilla" if v == "none" else v.replace("_", "-") for v in HC_VARIANTS)
 THROUGHPUT_VARIANTS = ("vanilla", "mhc", "xhc-flash4")
 
 
@@ -354,20 +358,6 @@ def _resume_one(ctx: Ctx, opt: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # 4. a pipeline boundary on one device
 # ------------------------------------------------------------------------------------------------
-class _StageGroup:
-    """A pipeline "group" that only answers rank() and size(): one process builds stage ``rank``
-    of a ``size``-stage pipeline (Megatron reads the stage from ``pg_collection.pp``)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, stage=None, **kw):
     """A zoo model (bf16 + fp32 HC on a GPU); ``stage=(rank, size)``: that pipeline stage only."""
     from megatron.core import tensor_parallel
@@ -382,10 +372,9 @@ def _zoo(ctx: Ctx, name: str, te: bool = False, bf16: Optional[bool] = None, sta
     dtype = torch.bfloat16 if bf16 else torch.float32
     parallel = {}
     if stage is not None:
-        from megatron.core.process_groups_config import ProcessGroupCollection
+        from models.pipeline import pipeline_stage_collection
 
-        pg = ProcessGroupCollection.use_mpu_process_groups()
-        pg.pp = _StageGroup(*stage)
+        pg = pipeline_stage_collection(*stage)
         parallel["pipeline_model_parallel_size"] = stage[1]
         kw.update(pg_collection=pg, pre_process=stage[0] == 0, post_process=stage[0] == stage[1] - 1)
     config = build_transformer_config(preset, parallel=parallel or None, cpu=not ctx.cuda, bf16=bf16,
@@ -737,7 +726,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="shrunk sizes (the CPU smoke run of bench/gpu_check.sh)")
     p.add_argument("--workdir", default=None, help="run and checkpoint directories (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="append every PASS/FAIL/SKIP line to `rows` of this JSON file")
-    p.add_argument("--hc-kernels", default=None, choices=("auto", "eager", "compile", "triton", "liger"),
+    p.add_argument("--hc-kernels", default=None, choices=KERNEL_BACKENDS,
                    help="HC kernel backend of every model (default: the models' auto)")
     p.add_argument("--warm", action="store_true", help="bench: only the first call of every row (fills the "
                    "Triton and inductor caches for a later run), nothing measured")

@@ -59,8 +59,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from xhc.config import KERNEL_BACKENDS
+
 VARIANTS = ("vanilla", "mhc", "xhc-attn", "xhc-mlp", "flash", "flash4")
-BACKENDS = ("eager", "compile", "triton", "liger")
+BACKENDS = tuple(b for b in KERNEL_BACKENDS if b != "auto")  # every concrete backend
 LIGER_VARIANTS = ("vanilla", "mhc")  # Liger-Kernel has only the Sinkhorn mHC map
 
 

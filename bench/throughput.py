@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+from xhc.config import OP_BACKENDS
+
 if __name__ in ("__main__", "__mp_main__") and not os.path.exists("/dev/nvidiactl") and "compile" not in " ".join(sys.argv):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # no compile asked for: skip dynamo's start-up
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
     for msg in ("Apex is not installed", "Transformer Engine and Apex are not installed", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=msg)
     from models.parallel import destroy_parallel, initialize_parallel
-    from tools.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
+    from models.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
     from training.metrics import model_flops_per_token
 
     cuda = torch.cuda.is_available()
@@ -121,8 +123,8 @@ def main(argv=None) -> int:
     presets = [n.strip() for n in args.presets.split(",") if n.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
-        if b not in ("preset", "eager", "compile", "triton"):
-            p.error(f"--backends: unknown backend {b!r}; choose from preset, eager, compile, triton")
+        if b not in ("preset",) + OP_BACKENDS:
+            p.error(f"--backends: unknown backend {b!r}; choose from preset, {', '.join(OP_BACKENDS)}")
     from models.zoo import load_preset
 
     names = []  # (preset, backend) runs, "preset@backend"

@@ -34,7 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import make_viewless_tensor
 
-from xhc.config import HCConfig, HCConfigError
+from xhc.config import FLASH_FAMILY, HCConfig, HCConfigError
 from xhc.hyper_connection import expand_streams, reduce_streams
 
 # ------------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         self.self_attention_hyper_connection = None
         self.mlp_hyper_connection = None
         if self.hc_enabled:
-            if hc_config.variant in ("xhc_flash", "xhc_flash4"):
+            if hc_config.variant in FLASH_FAMILY:
                 self.self_attention_hyper_connection = _build_flash_part(hc_config, C, i, config)
             else:
                 attn_cls = submodules.self_attention_hyper_connection
@@ -596,6 +596,6 @@ class _FlashDriver:
 
 
 def _make_driver(layer):
-    if layer.hc_config.variant in ("xhc_flash", "xhc_flash4"):
+    if layer.hc_config.variant in FLASH_FAMILY:
         return _FlashDriver(layer)
     return _PairDriver(layer)

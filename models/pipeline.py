@@ -226,3 +226,27 @@ def gpipe_forward_backward(
         if not first:
             comm.send_backward(inp.grad, first)
     return losses
+
+
+class StageGroup:
+    """Stand-in for a pipeline process group that only answers ``rank()`` and ``size()``: one process
+    builds the module of stage ``rank`` of a ``size``-stage pipeline (Megatron reads the stage from
+    ``pg_collection.pp``).  For tests and single-device checks; it communicates nothing."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def pipeline_stage_collection(pp_rank: int, pp_size: int):
+    """Megatron's process groups with the pipeline group replaced by a :class:`StageGroup`."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    pg.pp = StageGroup(pp_rank, pp_size)
+    return pg

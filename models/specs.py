@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from models.hc_layer import HCTransformerLayerSubmodules, HyperConnectionTransformerLayer
 from models.norms import substitute_norms
-from xhc.config import HCConfig
+from xhc.config import FLASH_FAMILY, HCConfig
 
 try:  # Transformer Engine is optional (GPU only)
     import transformer_engine  # noqa: F401
@@ -51,7 +51,7 @@ def hc_sublayer_classes(hc: HCConfig):
         from xhc.xhc import XHCSublayer
 
         return XHCSublayer, XHCSublayer
-    if hc.variant in ("xhc_flash", "xhc_flash4"):
+    if hc.variant in FLASH_FAMILY:
         # The layer picks its window part by position (Flash-4sub pairs layers 2g, 2g+1).
         from xhc.flash import XHCFlashLayer
 

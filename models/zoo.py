@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import yaml
 
 from configs import config_dir
+from xhc.accounting import BackboneShape
 from xhc.config import HCConfig, HCConfigError
 
 CONFIG_DIR = config_dir("models")  # package data: found from any working directory, installed or not
@@ -221,3 +222,36 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
 def hc_parameters(model: torch.nn.Module):
     """The hyper-connection parameters of a model (tagged by :mod:`models.hc_layer`)."""
     return [p for p in model.parameters() if getattr(p, "is_hyper_connection", False)]
+
+
+def backbone_shape(preset):
+    """The analytic :class:`xhc.accounting.BackboneShape` of a zoo preset."""
+    b = preset.backbone
+    return BackboneShape(
+        name=preset.name, num_layers=int(b["num_layers"]), hidden=int(b["hidden_size"]),
+        num_heads=int(b["num_attention_heads"]), num_kv_groups=int(b.get("num_query_groups") or b["num_attention_heads"]),
+        expert_ffn=int(b.get("moe_ffn_hidden_size") or b.get("ffn_hidden_size")),
+        head_dim=int(b.get("kv_channels") or b["hidden_size"] // b["num_attention_heads"]),
+        num_experts=int(b.get("num_moe_experts") or 0), top_k=int(b.get("moe_router_topk") or 0),
+        shared_expert_ffn=int(b.get("moe_shared_expert_intermediate_size") or 0),
+        num_shared_experts=1 if b.get("moe_shared_expert_intermediate_size") else 0,
+        dense_ffn=int(b["ffn_hidden_size"]), num_dense_layers=int(b.get("first_dense_layers", 0)),
+        vocab=int(b["vocab_size"]), seq_len=int(b["seq_length"]),
+        tied_embeddings=not b.get("untie_embeddings", True), qk_norm=bool(b.get("qk_layernorm", False)),
+    )
+
+
+def count_model(model, topk: int, num_experts: int) -> dict:
+    """Total / activated / HC parameter counts of a (meta-device) GPTModel."""
+    total = routed = hc = emb = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if ".experts." in name and "shared_experts" not in name:
+            routed += n
+        if getattr(p, "is_hyper_connection", False):
+            hc += n
+        if "embedding" in name or "output_layer" in name:
+            emb += n
+    activated = total - routed + (routed * topk // num_experts if num_experts else routed)
+    return {"total": total, "activated": activated, "hc": hc, "embeddings": emb}

@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from models.pipeline import pipeline_stage_collection  # noqa: F401  (re-exported for the tests)
+
 VOCAB = 128
 SEQ = 16
 
@@ -180,35 +182,12 @@ def build_tiny_hc_gpt(config, hc, vocab_size: int = VOCAB, seq_len: int = SEQ, p
                       post_process: bool = True, pg_collection=None):
     """``GPTModel`` from :func:`models.specs.get_hc_decoder_block_spec` (local backend), otherwise
     exactly :func:`build_tiny_gpt`.  ``pg_collection`` (optional) selects the pipeline stage by its
-    ``pp`` group's rank, so one process can build every stage (see :class:`FakeGroup`)."""
+    ``pp`` group's rank, so one process can build every stage (see :class:`models.pipeline.StageGroup`)."""
     from models.specs import get_hc_decoder_block_spec
 
     pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
     spec = get_hc_decoder_block_spec(config, hc, use_transformer_engine=False, pp_rank=pp_rank)
     return _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection)
-
-
-class FakeGroup:
-    """Stand-in for a process group that only answers ``rank()`` and ``size()``: lets one process
-    build the module of pipeline stage ``rank`` (Megatron reads the stage from ``pg_collection.pp``)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
-def pipeline_stage_collection(pp_rank: int, pp_size: int):
-    """Megatron's process groups with the pipeline group replaced by a :class:`FakeGroup`."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    pg.pp = FakeGroup(pp_rank, pp_size)
-    return pg
 
 
 def document_batch(batch: int, seq_len: int, eod: int, doc_starts, seed: int = 0):

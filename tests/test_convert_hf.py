@@ -51,7 +51,7 @@ def _load_megatron(checkpoint, preset, vocab, seq):
     """The single-rank Megatron model loaded from ``checkpoint`` by dist_checkpointing."""
     from megatron.core import dist_checkpointing
 
-    from models.hf.export.convert import build_single_rank_model
+    from tools.conversion import build_single_rank_model
 
     model = build_single_rank_model(preset, vocab, seq, device="cpu")
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
@@ -201,7 +201,7 @@ def test_isolation_without_xhc_models_training(exported, tmp_path):
 @pytest.mark.slow
 def test_upcycling_keeps_vanilla_logits(exported, variant, tmp_path):
     """from-hf --to-variant: the hyper-connection model computes the vanilla model (≤ 1e-5)."""
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.zoo import load_preset
 
     res = C.from_hf(exported["vanilla"]["hf"], str(tmp_path / "up"), to_variant=variant.replace("-", "_"),
@@ -224,7 +224,7 @@ def test_upcycling_keeps_vanilla_logits(exported, variant, tmp_path):
 def test_round_trip_to_from_to_is_byte_identical(exported, tmp_path):
     from safetensors import safe_open
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     first = exported["xhc-flash4"]["hf"]
     back = C.from_hf(first, str(tmp_path / "back"), progress=False)
@@ -244,7 +244,7 @@ def test_round_trip_to_from_to_is_byte_identical(exported, tmp_path):
 def test_bf16_export_keeps_hc_fp32(exported, tmp_path):
     from safetensors import safe_open
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     C.to_hf(C.resolve_source(run=exported["xhc"]["run"]), str(tmp_path / "bf16"), max_shard_size="100KB",
             progress=False)
@@ -275,7 +275,7 @@ def parallel_sources(tmp_path_factory, run_torchrun, megatron):
 @pytest.mark.slow
 def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
     """Checkpoints saved by 2 ranks under TP=2+SP, EP=2, PP=2, PP=2+VPP=2 export on one process with parity."""
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.zoo import load_preset
     from tests.dist import convert_worker as W
 
@@ -317,7 +317,7 @@ def _cli(*argv):
 def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     import shutil
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     # missing checkpoint
     with pytest.raises(C.ConversionError, match="no such directory"):
@@ -384,7 +384,7 @@ def _metrics(run, kind="train"):
 
 
 def _trained_parity(run, tmp_path, label: str) -> None:
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     ckpt = os.path.join(run, "checkpoints", f"step_{TRAIN_STEPS:08d}")
     src = C.resolve_source(checkpoint=ckpt)
@@ -462,7 +462,7 @@ def exported_with_tokenizer(tmp_path_factory, megatron):
 
     import yaml
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.zoo import build_model, build_transformer_config, load_preset
     from training.data.tokenizer import train_sentencepiece
 
@@ -521,7 +521,7 @@ def test_bf16_checkpoint_source(megatron, tmp_path):
     """GPU runs save the backbone in bf16 (HC in fp32): both read back exactly."""
     from safetensors.torch import load_file
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.zoo import build_model, build_transformer_config, load_preset
 
     preset = load_preset("tiny-moe:mhc")
@@ -543,7 +543,7 @@ def test_streaming_reads_one_group_at_a_time(exported, monkeypatch, tmp_path):
     """to-hf asks dist_checkpointing for one group (embedding, one layer, head) per read, in order."""
     from megatron.core import dist_checkpointing
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.hf.export import mapping as M
 
     calls, real = [], dist_checkpointing.load
@@ -563,7 +563,7 @@ def test_streaming_holds_one_group_at_a_time(exported):
     import gc
     import weakref
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     src = C.resolve_source(run=exported["xhc"]["run"])
     with C.single_rank():

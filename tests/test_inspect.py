@@ -366,7 +366,7 @@ def trained(trained_xhc, tmp_path_factory):
     """tiny-moe:xhc trained 201 AdamW steps on mock data, checkpoints at 100, 200 and 201, HC health
     every step: the session's shared run (``tests/trained_run.py``, also read by test_convert_hf),
     and an fp32 export of its last checkpoint."""
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from tests.trained_run import STEPS, checkpoint
 
     hf = str(tmp_path_factory.mktemp("inspect-trained") / "hf")
@@ -518,7 +518,7 @@ def test_checkpoint_stream_holds_one_group_at_a_time(zoo):
     import gc
     import weakref
 
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from tools.inspect import _stream_groups, model_info_checkpoint, resolve
 
     target = resolve(zoo["xhc"]["run"])

@@ -29,7 +29,7 @@ from models.zoo import (  # noqa: E402
     preset_files,
     transformer_config_kwargs,
 )
-from tools.zoo import backbone_shape  # noqa: E402
+from models.zoo import backbone_shape  # noqa: E402
 from xhc.accounting import BackboneShape, backbone_params, hc_params_total  # noqa: E402
 
 pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these

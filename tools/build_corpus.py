@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tools._cli import run_main
 from training.data._util import DataError
 from training.data.corpus import DEFAULT_MAX_DOC_CHARS, DEFAULT_SEED, DEFAULT_TARGET_MB, SOURCES, build_corpus
 
@@ -30,13 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body() -> None:
         build_corpus(args.output, target_mb=args.target_mb if args.target_mb > 0 else None,
                      sources=args.sources, max_doc_chars=args.max_doc_chars, seed=args.seed)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, DataError)
 
 
 if __name__ == "__main__":

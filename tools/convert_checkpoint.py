@@ -23,11 +23,13 @@ import os
 import sys
 import tempfile
 
+from tools._cli import run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # as training.pretrain
+from xhc.config import VARIANTS as ALL_VARIANTS
 
 set_omp_wait_policy()
 
-VARIANTS = ("hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
+VARIANTS = tuple(v for v in ALL_VARIANTS if v != "none")  # the hyper-connection variants
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _overrides(items):
     import yaml
 
-    from models.hf.export.convert import ConversionError
+    from tools.conversion import ConversionError
 
     out = {}
     for item in items:
@@ -96,9 +98,9 @@ def _main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", message="Apex is not installed")
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
-    try:
+    def body() -> None:
         if args.command == "to-hf":
             src = C.resolve_source(args.run, args.checkpoint)
             rep = C.to_hf(src, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
@@ -138,10 +140,8 @@ def _main(argv=None) -> int:
                 res = C.from_hf(os.path.join(tmp, "hf"), args.output, args.to_variant, _overrides(args.hc),
                                 args.overwrite, progress=not args.quiet)
             _print_resume(res)
-    except C.ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, C.ConversionError)
 
 
 def _print_resume(res: dict) -> None:

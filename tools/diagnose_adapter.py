@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from xhc.config import MHC_FAMILY
+
 
 def build(args):
     """(model, input_ids) for the arguments."""
@@ -74,7 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     src.add_argument("--config", help="a finetune YAML (its model and hc sections)")
     src.add_argument("--adapter", help="load a saved adapter folder instead of a fresh init")
     hc = p.add_argument_group("adapter (ignored with --config/--adapter)")
-    hc.add_argument("--variant", default="identity", choices=["mhc", "mhc_lite", "kromhc", "identity"])
+    hc.add_argument("--variant", default="identity", choices=MHC_FAMILY)
     hc.add_argument("--n", type=int, default=4)
     hc.add_argument("--static", action="store_true", help="static coefficients (default dynamic)")
     hc.add_argument("--no-noise", action="store_true", help="init noise 0 (exact identity: tolerance 1e-5)")

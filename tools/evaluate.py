@@ -23,6 +23,7 @@ import sys
 import tempfile
 
 from configs import config_dir
+from tools._cli import run_main
 
 TASK = "xhc_heldout"
 TASK_YAML = str(config_dir("lm_eval") / f"{TASK}.yaml")  # package data: found from any directory
@@ -84,18 +85,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         res = evaluate(args.hf_dir, args.corpus, args.split, args.limit, args.batch_size, args.device)
-    except EvalError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"[xhc-eval] {args.hf_dir}: {TASK} over {res['documents']} held-out documents: "
-          f"word_perplexity {res.get('word_perplexity'):.3f}, byte_perplexity {res.get('byte_perplexity'):.4f}, "
-          f"bits_per_byte {res.get('bits_per_byte'):.4f}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
-    return 0
+        print(f"[xhc-eval] {args.hf_dir}: {TASK} over {res['documents']} held-out documents: "
+              f"word_perplexity {res.get('word_perplexity'):.3f}, byte_perplexity {res.get('byte_perplexity'):.4f}, "
+              f"bits_per_byte {res.get('bits_per_byte'):.4f}")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=1)
+
+    return run_main(body, EvalError)
 
 
 if __name__ == "__main__":

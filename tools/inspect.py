@@ -34,14 +34,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from tools._cli import run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy
+from xhc.config import FLASH_FAMILY
 
 set_omp_wait_policy()
 
 SCHEMA = 1
 DEFAULT_TOKENS = 256
 RANDOM_SEED = 0
-FLASH = ("xhc_flash", "xhc_flash4")
+FLASH = FLASH_FAMILY
 
 
 class InspectError(RuntimeError):
@@ -179,7 +181,7 @@ def _remote_config_class():
 
 
 def _checkpoint_source(target: Target, ck: str):
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     cfg = target.run_config
     model = cfg.get("model") or {}
@@ -196,7 +198,7 @@ def _checkpoint_source(target: Target, ck: str):
 
 def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo, object, object]:
     """(ModelInfo, convert.Source, preset) of a checkpoint (nothing but metadata is read)."""
-    from models.hf.export import convert as C
+    from tools import conversion as C
 
     src = _checkpoint_source(target, ck)
     try:
@@ -219,7 +221,7 @@ def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo
 
 
 def model_info_hf(target: Target) -> ModelInfo:
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from xhc.config import HCConfigError
 
     try:
@@ -245,9 +247,9 @@ def model_info_hf(target: Target) -> ModelInfo:
 
 def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
     """``(group, {megatron name: tensor})`` for the embedding, each layer and the head, one group at a
-    time: the converter's :func:`models.hf.export.convert.stream_checkpoint` (``dist_checkpointing``
+    time: the converter's :func:`tools.conversion.stream_checkpoint` (``dist_checkpointing``
     reshards any saved layout; a dropped group is freed), with its errors as :class:`InspectError`."""
-    from models.hf.export.convert import ConversionError, stream_checkpoint
+    from tools.conversion import ConversionError, stream_checkpoint
 
     try:
         yield from stream_checkpoint(model, checkpoint, progress=False)
@@ -257,8 +259,8 @@ def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
 
 def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> Iterator[Tuple[str, Dict]]:
     """``(group, {hf name: tensor})``: the embedding, then each decoder layer, read one group at a time
-    from the checkpoint by ``dist_checkpointing`` (``models.hf.export.convert.stream_checkpoint``)."""
-    from models.hf.export import convert as C
+    from the checkpoint by ``dist_checkpointing`` (``tools.conversion.stream_checkpoint``)."""
+    from tools import conversion as C
     from models.hf.export import mapping as M
 
     arch = M.arch_of(preset.backbone)
@@ -277,7 +279,7 @@ def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> It
 def stream_hf_layers(hf_dir: str, info: ModelInfo) -> Iterator[Tuple[str, Dict]]:
     """``(group, {hf name: tensor})`` from an exported folder (safetensors, one group at a time), in the
     fused expert layout the remote model uses (the Hub's per-expert layout is converted)."""
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.hf.export import mapping as M
 
     cfg = info.hf_config
@@ -1232,7 +1234,7 @@ def estimate(preset_name: str, tokens: int = DEFAULT_TOKENS) -> dict:
     components before and after Gram–Schmidt), and one sublayer's per-token mixing matrices in float64
     (T·N·N, with 3 buffers of that size).  The process adds the libraries (about 0.6 GB on CPU).
     """
-    from models.hf.export import convert as C
+    from tools import conversion as C
     from models.hf.export import mapping as M
     from models.zoo import ZooError, load_preset
 
@@ -1350,7 +1352,7 @@ def _run_main(argv=None) -> int:
         if not args.quiet:
             print(f"[xhc-inspect] {msg}", file=sys.stderr, flush=True)
 
-    try:
+    def body() -> int:
         if args.estimate:
             est = estimate(args.estimate, args.tokens)
             print(f"[xhc-inspect] {est['preset']}: {est['parameters'] / 1e9:.2f}B parameters in {est['groups']} groups; "
@@ -1368,10 +1370,9 @@ def _run_main(argv=None) -> int:
         print(f"[xhc-inspect] wrote {args.output}/report.md, inspect.json and "
               f"{sum(len(r.get('figures', [])) for r in result['runs']) + len(result['figures'])} figures in "
               f"{result['seconds']:.1f}s (peak RSS {result['peak_rss_bytes'] / 1e6:.0f} MB)")
-    except InspectError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_main(body, InspectError)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tools._cli import add_text_source_args, run_main
 from training.data._util import DataError
 from training.data.indexed import preprocess
-from training.data.raw import BUILDERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -23,13 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input", "-i", nargs="+", required=True, help="files, folders, globs, or one hub dataset name")
     p.add_argument("--output-prefix", "-o", required=True, help="output path without .bin/.idx")
     p.add_argument("--tokenizer", "-t", required=True, help="SentencePiece .model file or HF tokenizer folder")
-    p.add_argument("--text-key", default="text", help="the column holding the text")
-    p.add_argument("--format", choices=list(BUILDERS) + ["hub"], default=None, help="force the input format")
-    p.add_argument("--split", default="train", help="hub dataset split")
-    p.add_argument("--hub-config", default=None, help="hub dataset configuration name")
-    p.add_argument("--text-sample-by", choices=["line", "paragraph", "document"], default="paragraph",
-                   help="for .txt input: what one document is")
-    p.add_argument("--cache-dir", default=None, help="HF datasets cache folder")
+    add_text_source_args(p)
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--batch-size", type=int, default=256, help="documents per worker task")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false", help="do not append EOD")
@@ -39,15 +33,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body() -> None:
         preprocess(args.input, args.output_prefix, args.tokenizer, text_key=args.text_key, fmt=args.format,
                    workers=args.workers, batch_size=args.batch_size, append_eod=args.append_eod, split=args.split,
                    hub_config=args.hub_config, cache_dir=args.cache_dir, text_sample_by=args.text_sample_by,
                    progress=args.progress)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, DataError)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import argparse
 import itertools
 import sys
 
+from tools._cli import add_text_source_args, run_main
 from training.data._util import DataError
-from training.data.raw import BUILDERS, iter_texts, load_raw
+from training.data.raw import iter_texts, load_raw
 from training.data.tokenizer import DEFAULT_SAMPLE_LINES, DEFAULT_VOCAB_SIZE, train_sentencepiece
 
 
@@ -22,13 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.train_tokenizer", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", "-i", nargs="+", required=True, help="files, folders, globs, or one hub dataset name")
     p.add_argument("--output", "-o", default="data/tokenizer.model", help="the .model file to write")
-    p.add_argument("--text-key", default="text", help="the column holding the text")
-    p.add_argument("--format", choices=list(BUILDERS) + ["hub"], default=None, help="force the input format")
-    p.add_argument("--split", default="train", help="hub dataset split")
-    p.add_argument("--hub-config", default=None, help="hub dataset configuration name")
-    p.add_argument("--text-sample-by", choices=["line", "paragraph", "document"], default="paragraph",
-                   help="for .txt input: what one document is")
-    p.add_argument("--cache-dir", default=None, help="HF datasets cache folder")
+    add_text_source_args(p)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     p.add_argument("--max-lines", type=int, default=DEFAULT_SAMPLE_LINES,
@@ -41,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
+
+    def body() -> None:
         ds = load_raw(args.input, args.text_key, args.format, args.split, args.hub_config, args.cache_dir,
                       args.text_sample_by)
         texts = iter_texts(ds, args.text_key)
@@ -50,10 +46,8 @@ def main(argv=None) -> int:
         train_sentencepiece(texts, args.output, vocab_size=args.vocab_size, model_type=args.model_type,
                             max_lines=args.max_lines, num_threads=args.threads, seed=args.seed,
                             extra_meta={"input": list(args.input), "text_key": args.text_key})
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main(body, DataError)
 
 
 if __name__ == "__main__":

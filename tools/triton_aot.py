@@ -44,6 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from xhc.config import FLASH_FAMILY
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 16  # a multiple of 16: the token count gets the divisibility specialisation real runs get
 # n:C:dtype of the kernel tests (tests/test_hc_kernels.py: float64 Sinkhorn, read, write and
@@ -152,7 +154,7 @@ def _units(cfg, C: int):
             hc = XHCSublayer(cfg, C, is_mlp=is_mlp, layer_index=1)
             out.append(("mlp" if is_mlp else "attention", [hc], _sublayer_step(hc)))
         return out
-    if variant in ("xhc_flash", "xhc_flash4"):
+    if variant in FLASH_FAMILY:
         from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
 
         fl = XHCFlashLayer(cfg, C, layer_index=0)

@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from models.zoo import backbone_shape, count_model  # noqa: F401  (moved to models/zoo.py; re-exported)
+
 warnings.filterwarnings("ignore", message=".*Apex.*")
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
@@ -32,41 +34,6 @@ PAPER_BACKBONE = {"moe-2p5b": (2.5e9, 0.5e9), "moe-10b": (10e9, 1.4e9), "moe-18b
                   "moe-28b": (28e9, 2.7e9)}
 DEFAULT = [f"{size}:{v}" for size in ("moe-2p5b", "moe-10b", "moe-18b", "moe-28b")
            for v in ("vanilla", "mhc", "xhc", "xhc-flash", "xhc-flash4")]
-
-
-def backbone_shape(preset):
-    """The analytic :class:`xhc.accounting.BackboneShape` of a zoo preset."""
-    from xhc.accounting import BackboneShape
-
-    b = preset.backbone
-    return BackboneShape(
-        name=preset.name, num_layers=int(b["num_layers"]), hidden=int(b["hidden_size"]),
-        num_heads=int(b["num_attention_heads"]), num_kv_groups=int(b.get("num_query_groups") or b["num_attention_heads"]),
-        expert_ffn=int(b.get("moe_ffn_hidden_size") or b.get("ffn_hidden_size")),
-        head_dim=int(b.get("kv_channels") or b["hidden_size"] // b["num_attention_heads"]),
-        num_experts=int(b.get("num_moe_experts") or 0), top_k=int(b.get("moe_router_topk") or 0),
-        shared_expert_ffn=int(b.get("moe_shared_expert_intermediate_size") or 0),
-        num_shared_experts=1 if b.get("moe_shared_expert_intermediate_size") else 0,
-        dense_ffn=int(b["ffn_hidden_size"]), num_dense_layers=int(b.get("first_dense_layers", 0)),
-        vocab=int(b["vocab_size"]), seq_len=int(b["seq_length"]),
-        tied_embeddings=not b.get("untie_embeddings", True), qk_norm=bool(b.get("qk_layernorm", False)),
-    )
-
-
-def count_model(model, topk: int, num_experts: int) -> dict:
-    """Total / activated / HC parameter counts of a (meta-device) GPTModel."""
-    total = routed = hc = emb = 0
-    for name, p in model.named_parameters():
-        n = p.numel()
-        total += n
-        if ".experts." in name and "shared_experts" not in name:
-            routed += n
-        if getattr(p, "is_hyper_connection", False):
-            hc += n
-        if "embedding" in name or "output_layer" in name:
-            emb += n
-    activated = total - routed + (routed * topk // num_experts if num_experts else routed)
-    return {"total": total, "activated": activated, "hc": hc, "embeddings": emb}
 
 
 def zoo_row(name: str) -> dict:

@@ -29,11 +29,12 @@ import dataclasses
 import math
 import os
 import re
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from configs import config_dir, packaged_configs, resolve_config
+from xhc.config import KERNEL_BACKENDS
+from xhc.config_base import ConfigBase, ConfigKeyError, load, set_dotted, split_override, to_plain
 
 __all__ = [
     "BatchConfig",
@@ -65,11 +66,20 @@ def _err(key: str, msg: str) -> ConfigError:
     return ConfigError(f"config key {key}: {msg}")
 
 
+class _Section(ConfigBase):
+    """The pre-training config's flavour of :class:`xhc.config_base.ConfigBase`: values are converted
+    to their fields' types, every error is a :class:`ConfigError` starting ``config key <dotted.key>``."""
+
+    config_error: ClassVar[type] = ConfigError
+    key_format: ClassVar[str] = "config key {key}: {msg}"
+    coerce_values: ClassVar[bool] = True
+
+
 # ================================================================================================
 # Sections
 # ================================================================================================
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     preset: str = "tiny-moe:xhc"
     """Zoo preset ``<file>:<variant>`` (``python -m tools.zoo --list``) or ``path/to/file.yaml:<variant>``."""
     backbone: Dict[str, Any] = field(default_factory=dict)
@@ -110,7 +120,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     tp: int = 1
     """Tensor-parallel size."""
     sp: bool = False
@@ -134,7 +144,7 @@ class ParallelConfig:
 
 
 @dataclass
-class DataSection:
+class DataSection(_Section):
     prefixes: Optional[List[str]] = None
     """Megatron data prefixes (``<prefix>.bin/.idx``, from ``python -m tools.preprocess_data``); blended."""
     weights: Optional[List[float]] = None
@@ -160,7 +170,7 @@ class DataSection:
 
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(_Section):
     path: Optional[str] = None
     """SentencePiece ``.model`` file or HF tokenizer folder (null: the default data's tokenizer)."""
     type: Optional[str] = "auto"
@@ -175,7 +185,7 @@ class TokenizerConfig:
 
 
 @dataclass
-class BatchConfig:
+class BatchConfig(_Section):
     micro_batch_size: int = 8
     """Sequences per micro-batch per data-parallel rank."""
     global_batch_size: int = 16
@@ -185,7 +195,7 @@ class BatchConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     dir: Optional[str] = None
     """Checkpoint root (null: ``<run.dir>/checkpoints``); on a multi-node run a shared filesystem."""
     interval: Optional[int] = 100
@@ -218,7 +228,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(_Section):
     interval: int = 10
     """Console line every K steps (the JSONL and tensorboard get every step)."""
     jsonl: bool = True
@@ -252,7 +262,7 @@ class LoggingConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(_Section):
     name: Optional[str] = None
     """Run name (null: the preset name, ``:`` replaced by ``-``)."""
     dir: Optional[str] = None
@@ -302,7 +312,7 @@ def _schedule_default():
 
 
 @dataclass
-class PretrainConfig:
+class PretrainConfig(_Section):
     """Everything about one pre-training run.  Defaults = the embedded CPU default run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -350,194 +360,53 @@ def _section_type(name: str):
 
 
 # ================================================================================================
-# Typed conversion
+# Typed loading: xhc.config_base (one strict loader for every config dataclass)
 # ================================================================================================
-_NONE_STRINGS = ("null", "none", "~")
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
-    if origin in (list, List):
-        return f"list of {_type_name(typing.get_args(tp)[0])}" if typing.get_args(tp) else "list"
-    if origin in (tuple, Tuple):
-        return "list of " + ", ".join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)
-    if origin in (dict, Dict):
-        return "mapping"
-    if dataclasses.is_dataclass(tp):
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """``value`` converted to the annotation ``tp`` (YAML already gave python types; a few string
-    forms are accepted: ``3e-4`` is a string to PyYAML, ``null`` from a CLI override)."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
-            if type(None) in typing.get_args(tp):
-                return None
-        errors = []
-        for a in args:
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise _err(key, f"{value!r} is not a {_type_name(tp)}")
-    if dataclasses.is_dataclass(tp):
-        if dataclasses.is_dataclass(value) and isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise _err(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
-            return value.strip().lower() in ("true", "yes", "on")
-        raise _err(key, f"{value!r} is not a boolean (true/false)")
-    if tp is int:
-        if isinstance(value, bool):
-            raise _err(key, f"{value!r} is not an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                f = float(value)
-            except ValueError:
-                raise _err(key, f"{value!r} is not an integer") from None
-            if f.is_integer():
-                return int(f)
-        raise _err(key, f"{value!r} is not an integer")
-    if tp is float:
-        if isinstance(value, bool):
-            raise _err(key, f"{value!r} is not a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _err(key, f"{value!r} is not a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _err(key, f"{value!r} is not a string")
-    if origin in (list, List, Sequence, typing.Sequence) or tp in (list, List):
-        args = typing.get_args(tp)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = [value]  # a single prefix / weight
-        if not isinstance(value, (list, tuple)):
-            raise _err(key, f"{value!r} is not a list")
-        return [_coerce(v, args[0], f"{key}[{i}]") if args else v for i, v in enumerate(value)]
-    if origin in (tuple, Tuple):
-        args = [a for a in typing.get_args(tp)]
-        if not isinstance(value, (list, tuple)):
-            raise _err(key, f"{value!r} is not a list")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise _err(key, f"{value!r} needs {len(args)} entries")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin in (dict, Dict) or tp in (dict, Dict):
-        if not isinstance(value, dict):
-            raise _err(key, f"{value!r} is not a mapping")
-        return dict(value)
-    return value  # unannotated / exotic: pass through
-
-
-def _hints(cls) -> Dict[str, Any]:
-    try:
-        return typing.get_type_hints(cls)
-    except Exception:  # pragma: no cover - unresolvable annotations: no conversion
-        return {f.name: Any for f in dataclasses.fields(cls)}
-
-
 def from_dict(cls, data: Optional[dict], prefix: str = "", base: Any = None):
     """An instance of dataclass ``cls`` from ``data``; unknown keys raise naming ``prefix.key``.
 
-    Fields missing from ``data`` keep ``base``'s values (default: ``cls()``).  Nested dataclass
-    fields recurse (for :class:`PretrainConfig`'s sections).
+    Fields missing from ``data`` keep ``base``'s values (default: ``cls()``'s).  Sections load from
+    nested mappings (:func:`xhc.config_base.load`); values are converted to their fields' types.
     """
-    data = data or {}
-    if not isinstance(data, dict):
-        raise _err(prefix or "<root>", f"expected a mapping, got {data!r}")
-    obj = base if base is not None else cls()
-    names = {f.name for f in dataclasses.fields(cls)}
-    hints = _hints(cls)
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            raise _err(key, f"unknown key; known keys of {prefix or 'the config'}: {', '.join(sorted(names))}")
-        tp = hints.get(k, Any)
-        if cls is PretrainConfig:
-            sec = _section_type(k)
-            sub = getattr(obj, k)
-            setattr(obj, k, from_dict(sec, v if v is not None else {}, key, base=sub))
-            continue
-        setattr(obj, k, _coerce(v, tp, key))
-    return obj
+    return load(cls, data, prefix, base=base, root=cls if issubclass(cls, _Section) else PretrainConfig)
 
 
-def config_to_dict(cfg) -> dict:
-    """Plain nested dict (YAML/JSON-safe) of a config dataclass."""
-
-    def conv(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        if isinstance(v, dict):
-            return {str(k): conv(x) for k, x in v.items()}
-        return v
-
-    return conv(cfg)
+config_to_dict = to_plain  # plain nested dict (YAML/JSON-safe) of a config dataclass
 
 
 # ================================================================================================
 # Loading
 # ================================================================================================
-def parse_overrides(items: Sequence[str]) -> List[Tuple[str, Any]]:
-    """``["optimizer.lr=1e-3", "parallel.tp=2"]`` -> ``[("optimizer.lr", 0.001), ("parallel.tp", 2)]``."""
+def parse_overrides(items: Sequence[str], example: str = "optimizer.lr=1e-3", error: type = ConfigError,
+                    strict: bool = False) -> List[Tuple[str, Any]]:
+    """``["optimizer.lr=1e-3", "parallel.tp=2"]`` -> ``[("optimizer.lr", 0.001), ("parallel.tp", 2)]``.
+
+    The one parser of ``section.key=value`` overrides (pre-training and finetuning): values are YAML;
+    one that is not valid YAML is kept as text, or with ``strict`` is an ``error``.  ``example`` is
+    the override the error messages show."""
     import yaml
 
     out = []
     for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: write section.key=value, e.g. optimizer.lr=1e-3")
-        key, text = item.split("=", 1)
-        key = key.strip().lstrip("-")
-        if not key or "." not in key:
-            raise ConfigError(f"override {item!r}: the key must be dotted, section.key (e.g. run.train_steps=50)")
+        try:
+            key, text = split_override(item, example=example)
+        except ValueError as e:
+            raise error(str(e)) from None
         try:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError:
+            if strict:
+                raise error(f"override {item!r}: the value is not valid YAML") from None
             value = text
         out.append((key, value))
     return out
 
 
 def _apply_override(raw: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    if parts[0] not in SECTION_TYPES:
-        raise _err(key, f"unknown section {parts[0]!r}; sections: {', '.join(SECTION_TYPES)}")
-    node = raw
-    for i, p in enumerate(parts[:-1]):
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise _err(".".join(parts[: i + 1]), f"is a value ({nxt!r}), not a section; cannot set {key}")
-        node = nxt
-    node[parts[-1]] = value
+    try:
+        set_dotted(raw, key, value, sections=list(SECTION_TYPES))
+    except ConfigKeyError as e:
+        raise _err(e.key, e.msg) from None
 
 
 def read_yaml(path: str) -> dict:
@@ -620,7 +489,7 @@ def validate_config(cfg: PretrainConfig) -> None:
                    "(list them with `python -m tools.zoo --list`)")
     _choice("model.recompute", m.recompute, ("none", "selective", "full"))
     if m.hc_kernels is not None:
-        _choice("model.hc_kernels", m.hc_kernels, ("auto", "eager", "compile", "triton", "liger"))
+        _choice("model.hc_kernels", m.hc_kernels, KERNEL_BACKENDS)
     if not isinstance(m.compile_hc, bool):
         raise _err("model.compile_hc", f"{m.compile_hc!r} must be true or false")
     if m.hc_recompute is not None and not isinstance(m.hc_recompute, bool):

@@ -37,13 +37,15 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import ClassVar, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from configs import resolve_config
+from training.config import parse_overrides
 from training.metrics import MetricsLogger as _MetricsLogger
 from xhc.config import HCConfig
+from xhc.config_base import ConfigBase, ConfigKeyError, set_dotted
 
 # ================================================================================================
 # Configuration
@@ -55,8 +57,15 @@ class FinetuneConfigError(ValueError):
     """A finetuning configuration value is invalid (the message names the key and the fix)."""
 
 
+class _Section(ConfigBase):
+    """The finetuning config's flavour of :class:`xhc.config_base.ConfigBase` (values pass as given;
+    :meth:`FinetuneConfig.validate` checks them)."""
+
+    config_error: ClassVar[type] = FinetuneConfigError
+
+
 @dataclass
-class ModelArgs:
+class ModelArgs(_Section):
     name_or_path: Optional[str] = None
     """A local model folder (or a hub id where a network exists)."""
     tiny: Optional[dict] = None
@@ -71,7 +80,7 @@ class ModelArgs:
 
 
 @dataclass
-class PeftArgs:
+class PeftArgs(_Section):
     method: str = "none"
     """none | lora | vera (combined with the mHC adapter)."""
     r: int = 8
@@ -84,7 +93,7 @@ class PeftArgs:
 
 
 @dataclass
-class DataArgs:
+class DataArgs(_Section):
     path: Optional[str] = None
     """JSONL/JSON/parquet file, a directory of them, or a hub dataset id."""
     format: str = "auto"
@@ -107,7 +116,7 @@ class DataArgs:
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(_Section):
     seed: int = 34
     lr: float = 1e-3
     """mHC learning rate ([PEFT]: 1e-3; 1e-4 for dynamic Sinkhorn mHC and mHC-lite)."""
@@ -134,7 +143,7 @@ class TrainArgs:
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(_Section):
     model: ModelArgs = field(default_factory=ModelArgs)
     hc: dict = field(default_factory=lambda: {"variant": "identity", "n": 4, "dynamic": True})
     """HCConfig fields.  ``base: peft_paper`` (default) starts from :func:`models.hf.peft_paper_config`
@@ -147,19 +156,14 @@ class FinetuneConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> "FinetuneConfig":
-        cfg = cls()
-        for key, val in (d or {}).items():
-            if key not in cls.SECTIONS:
-                raise FinetuneConfigError(f"{source}: unknown section {key!r}; allowed: {', '.join(cls.SECTIONS)}")
-            if key == "hc":
-                cfg.hc = dict(val or {})
-                continue
-            sub = getattr(cfg, key)
-            names = {f.name for f in dataclasses.fields(sub)}
-            for k, v in (val or {}).items():
-                if k not in names:
-                    raise FinetuneConfigError(f"{source}: unknown key {key}.{k}; known: {', '.join(sorted(names))}")
-                setattr(sub, k, v)
+        """The config of the mapping ``d`` (an unknown key is an error naming ``section.key``), validated;
+        ``source`` (the file) starts every error message."""
+        if isinstance(d, dict) and "hc" in d:
+            d = {**d, "hc": dict(d["hc"] or {})}
+        try:
+            cfg = super().from_dict(d)
+        except FinetuneConfigError as e:
+            raise FinetuneConfigError(f"{source}: {e}") from None
         cfg.validate(source)
         return cfg
 
@@ -186,18 +190,12 @@ class FinetuneConfig:
             if not isinstance(d, dict):
                 raise FinetuneConfigError(f"--config {path}: the top level must be a mapping of sections "
                                           f"(model, hc, peft, data, train), got a {type(d).__name__}")
-        for item in overrides:
-            if "=" not in item or "." not in item.split("=", 1)[0]:
-                raise FinetuneConfigError(f"override {item!r}: write section.key=value, e.g. train.max_steps=100")
-            key, val = item.split("=", 1)
-            section, name = key.split(".", 1)
-            d.setdefault(section, {})
-            if d[section] is None:
-                d[section] = {}
+        for key, value in parse_overrides(overrides, example="train.max_steps=100", error=FinetuneConfigError,
+                                          strict=True):
             try:
-                d[section][name] = yaml.safe_load(val)
-            except yaml.YAMLError:
-                raise FinetuneConfigError(f"override {item!r}: the value is not valid YAML") from None
+                set_dotted(d, key, value)
+            except ConfigKeyError as e:
+                raise FinetuneConfigError(f"override {key}: {e.msg}") from None
         return cls.from_dict(d, source=path or "overrides")
 
     def hc_config(self) -> HCConfig:
@@ -233,9 +231,6 @@ class FinetuneConfig:
         if not isinstance(self.data.max_length, int) or self.data.max_length < 2:
             raise FinetuneConfigError(f"{source}: data.max_length={self.data.max_length!r} must be an integer >= 2")
 
-    def to_dict(self) -> dict:
-        return {"model": dataclasses.asdict(self.model), "hc": dict(self.hc), "peft": dataclasses.asdict(self.peft),
-                "data": dataclasses.asdict(self.data), "train": dataclasses.asdict(self.train)}
 
 
 # ================================================================================================

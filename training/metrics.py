@@ -59,7 +59,7 @@ def model_flops_per_token(preset, seq_length: int, vocab_size: int, convention: 
     ``hc``: the HCConfig actually used (default: the preset's).  The HC part is the documented F_HC =
     6·P_HC·L (§5.2); Sinkhorn iterations and element-wise mixing are not counted.
     """
-    from tools.zoo import backbone_shape
+    from models.zoo import backbone_shape
     from xhc.accounting import training_flops_per_token, vanilla_flops_per_token
 
     shape = dataclasses.replace(backbone_shape(preset), seq_len=int(seq_length), vocab=int(vocab_size))

@@ -45,12 +45,13 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from xhc.config import HCConfig
+from xhc.config_base import ConfigBase
 
 __all__ = [
     "NS_COEFFICIENTS",
@@ -96,7 +97,7 @@ def _is_number(v: Any) -> bool:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(ConfigBase):
     """Optimiser settings; defaults are docs/math.md §6.4 recipe."""
 
     name: str = "adamw"
@@ -171,24 +172,10 @@ class OptimizerConfig:
             raise _err("use_distributed_optimizer", True, "Muon does not support Megatron's distributed "
                        "optimizer; leave it null or set it false")
 
-    def replace(self, **changes) -> "OptimizerConfig":
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "OptimizerConfig":
-        """Build from a mapping (YAML); an unknown key is an error naming it."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
-                raise OptimizerConfigError(
-                    f"optimizer.{key} is not an optimizer setting; known: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        d["muon_ns_coefficients"] = list(self.muon_ns_coefficients)
-        return d
+    # from_dict (an unknown key is an error naming it), to_dict, replace (validated): ConfigBase
+    config_error: ClassVar[type] = OptimizerConfigError
+    key_format: ClassVar[str] = "optimizer.{key}: {msg}"
+    unknown_key_format: ClassVar[str] = "optimizer.{name} is not an optimizer setting; known: {known}"
 
 
 def hc_defaults_for_optimizer(hc: HCConfig, optimizer_name: str, explicit_keys: Iterable[str] = ()) -> HCConfig:

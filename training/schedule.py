@@ -26,10 +26,11 @@ the scheduler to apply it).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+from xhc.config_base import ConfigBase
 
 __all__ = [
     "KINDS",
@@ -59,7 +60,7 @@ def _err(key: str, value: Any, fix: str) -> ScheduleConfigError:
 
 
 @dataclass
-class ScheduleConfig:
+class ScheduleConfig(ConfigBase):
     """Learning-rate schedule.  Defaults: the [xHC] WSD recipe (500 warmup steps, decay to
     0.1 × peak over the last 10 % of training, docs/math.md §6.4 and §8 #30)."""
 
@@ -137,24 +138,10 @@ class ScheduleConfig:
             return float(self.min_lr_ratio)
         return DEFAULT_MIN_LR_RATIO.get(self.kind, 1.0)
 
-    def replace(self, **changes) -> "ScheduleConfig":
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ScheduleConfig":
-        """Build from a mapping (YAML); an unknown key is an error naming it."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
-                raise ScheduleConfigError(
-                    f"schedule.{key} is not a schedule setting; known: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["step_milestones"] = list(self.step_milestones)
-        d["step_factors"] = list(self.step_factors)
-        return d
+    # from_dict (an unknown key is an error naming it), to_dict, replace (validated): ConfigBase
+    config_error: ClassVar[type] = ScheduleConfigError
+    key_format: ClassVar[str] = "schedule.{key}: {msg}"
+    unknown_key_format: ClassVar[str] = "schedule.{name} is not a schedule setting; known: {known}"
 
 
 def scaled_warmup(cfg: ScheduleConfig, reference_warmup: int, reference_total: int) -> int:

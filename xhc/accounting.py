@@ -383,7 +383,7 @@ def sinkhorn_flops(n: int, t_max: int) -> int:
 
 def _res_map_flops(cfg: HCConfig, n: int) -> int:
     """Forward FLOPs of building H_res ∈ R^{n×n} from its logits (per sublayer, per token)."""
-    if cfg.variant in ("mhc", "xhc", "xhc_flash", "xhc_flash4"):
+    if cfg.variant in ("mhc",) + XHC_FAMILY:
         return sinkhorn_flops(n, cfg.sinkhorn_iters)
     if cfg.variant == "mhc_lite":  # softmax over n! logits (≈3 each), then Σ_r a_r P_r (2n² each)
         return math.factorial(n) * (3 + 2 * n * n)
@@ -395,7 +395,7 @@ def _res_map_flops(cfg: HCConfig, n: int) -> int:
 
 def _res_map_mult(cfg: HCConfig) -> int:
     """Sinkhorn with recompute runs its forward once more in backward (§1.4)."""
-    sinkhorn = cfg.variant in ("mhc", "xhc", "xhc_flash", "xhc_flash4")
+    sinkhorn = cfg.variant in ("mhc",) + XHC_FAMILY
     return TRAIN_MULT + (1 if (sinkhorn and cfg.sinkhorn_recompute) else 0)
 
 

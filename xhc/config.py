@@ -20,11 +20,12 @@ Variants (docs/math.md §2–§4):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import ClassVar, Tuple
+
+from xhc.config_base import ConfigBase
 
 class HCConfigWarning(UserWarning):
     """A valid but costly hyper-connection setting (shown once per process and setting)."""
@@ -39,16 +40,22 @@ def _warn_mhc_lite_growth(n: int) -> None:
         HCConfigWarning, stacklevel=5)
 
 
+# The one definition of the variant names (everything else imports these) ...
 VARIANTS = ("none", "hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_flash", "xhc_flash4")
 MHC_FAMILY = ("mhc", "mhc_lite", "kromhc", "identity")
 XHC_FAMILY = ("xhc", "xhc_flash", "xhc_flash4")
+FLASH_FAMILY = ("xhc_flash", "xhc_flash4")  # routing shared by a window of sublayers (§4)
 REDUCTIONS = ("sum", "mean", "softmax")
 READ_INITS = ("auto", "one_hot", "uniform")
 PRESETS = ("spec", "peft_paper")
 ROUTERS = ("sigmoid", "softmax")
 SINKHORN_ORDERS = ("row_last", "col_last")
 CONV_DOC_RESET = ("auto", "always", "never")
-KERNEL_BACKENDS = ("auto", "eager", "compile", "triton", "liger")
+# ... and of the kernel backend names: the implementations of the fused HC ops (xhc/kernels/), and
+# the choices of ``HCConfig.kernels`` (``auto``: resolved per device; ``liger``: Liger-Kernel's mHC
+# coefficient op with the ``triton`` read and write).
+OP_BACKENDS = ("eager", "compile", "triton")
+KERNEL_BACKENDS = ("auto",) + OP_BACKENDS + ("liger",)
 
 
 class HCConfigError(ValueError):
@@ -60,7 +67,7 @@ def _err(field_name: str, value, allowed: str) -> HCConfigError:
 
 
 @dataclass
-class HCConfig:
+class HCConfig(ConfigBase):
     """Configuration of the hyper-connections of one model (all sublayers share it).
 
     Fields are grouped as in docs/math.md; defaults are the documented recommendations.
@@ -232,7 +239,7 @@ class HCConfig:
             raise _err("router", self.router, f"allowed values are {', '.join(ROUTERS)}")
         if self.conv_doc_reset not in CONV_DOC_RESET:
             raise _err("conv_doc_reset", self.conv_doc_reset, f"allowed values are {', '.join(CONV_DOC_RESET)}")
-        if self.variant in ("xhc_flash", "xhc_flash4") and not self.dense_read:
+        if self.variant in FLASH_FAMILY and not self.dense_read:
             raise _err("dense_read", self.dense_read, "Flash variants share one dense read; set dense_read: true")
 
     # ------------------------------------------------------------------------------------------
@@ -258,20 +265,7 @@ class HCConfig:
             return 2 * (self.n.bit_length() - 1)
         raise HCConfigError(f"HCConfig.variant={self.variant!r} has no mHC-family residual logits")
 
-    def replace(self, **changes) -> "HCConfig":
-        """A validated copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HCConfig":
-        """Build from a mapping (e.g. YAML); unknown keys are an error naming the key."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in names:
-                raise HCConfigError(f"HCConfig has no field {key!r}; known fields: {', '.join(sorted(names))}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["kernel_sizes"] = list(self.kernel_sizes)
-        return d
+    # from_dict (unknown keys are an error naming the key), to_dict, replace (validated): ConfigBase
+    config_error: ClassVar[type] = HCConfigError
+    key_format: ClassVar[str] = "HCConfig.{key}: {msg}"
+    unknown_key_format: ClassVar[str] = "HCConfig has no field {name!r}; known fields: {known}"

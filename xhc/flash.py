@@ -60,7 +60,7 @@ import torch
 import torch.nn as nn
 
 from xhc import kernels
-from xhc.config import HCConfig
+from xhc.config import FLASH_FAMILY, HCConfig
 from xhc.kernels.torch_ops import moments_of_rows
 from xhc.norms import fp32, rms_norm_flat
 from xhc.router import StreamRouter
@@ -230,7 +230,7 @@ class XHCFlashLayer(_WindowPart):
 
     def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
-        check_xhc_config(cfg, ("xhc_flash", "xhc_flash4"))
+        check_xhc_config(cfg, FLASH_FAMILY)
         self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
         self.layer_index, self.fused = layer_index, default_fused(cfg, fused)
         self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)

@@ -41,7 +41,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from xhc.config import HCConfig, HCConfigError
+from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
 from xhc.hyper_connection import HyperConnection, StreamReadout, expand_streams
 
 try:  # transformers >= 4.48: the base class that provides per-layer gradient checkpointing
@@ -53,7 +53,7 @@ ADAPTER_WEIGHTS_NAME = "hc_adapter.safetensors"
 ADAPTER_CONFIG_NAME = "hc_adapter_config.json"
 ADAPTER_FORMAT = "xhc-mhc-adapter"
 ADAPTER_FORMAT_VERSION = 1
-WRAPPABLE_VARIANTS = ("mhc", "mhc_lite", "kromhc", "identity")
+WRAPPABLE_VARIANTS = MHC_FAMILY  # the mHC family wraps a Hugging Face model (§2.g)
 
 
 class UnsupportedModelError(TypeError):

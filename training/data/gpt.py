@@ -15,23 +15,23 @@ group.  The position is one integer (global consumed samples), so a run resumes 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
 from training.data._util import DataError
+from xhc.config_base import ConfigBase
 
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES = ("train", "valid", "test")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ConfigBase):
     """Where training data comes from and how GPT samples are formed.
 
     Attributes:
@@ -62,17 +62,17 @@ class DataConfig:
     create_attention_mask: bool = True
     mmap: bool = True
 
+    config_error: ClassVar[type] = DataError
+    key_format: ClassVar[str] = "data config: {key}: {msg}"
+    unknown_key_format: ClassVar[str] = "data config: unknown key {name!r}; known keys are {known}"
+
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DataConfig":
-        """Build from a mapping (e.g. a YAML ``data:`` section); unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise DataError(f"data config: unknown key(s) {unknown}; known keys are {sorted(names)}")
-        d = dict(d)
-        if isinstance(d.get("prefixes"), str):
-            d["prefixes"] = [d["prefixes"]]
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any], prefix: str = "") -> "DataConfig":
+        """Build from a mapping (e.g. a YAML ``data:`` section); an unknown key is an error naming it
+        (:class:`xhc.config_base.ConfigBase`); one prefix may be given as a string."""
+        if isinstance(d, Mapping) and isinstance(d.get("prefixes"), str):
+            d = {**d, "prefixes": [d["prefixes"]]}
+        return super().from_dict(d, prefix)
 
     def validate(self) -> None:
         if self.mock:

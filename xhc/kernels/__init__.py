@@ -42,7 +42,8 @@ from typing import Optional, Union
 
 import torch
 
-BACKENDS = ("eager", "compile", "triton")
+from xhc.config import KERNEL_BACKENDS as KERNEL_CHOICES  # the one definition of the backend names
+from xhc.config import OP_BACKENDS as BACKENDS
 
 # Inductor settings for graphs of HC code (``torch.compile(..., options=INDUCTOR_OPTIONS)``;
 # :func:`compile_options` merges them with a ``mode``).  The xHC write is one loop over the state
@@ -73,7 +74,6 @@ def compile_options(mode: Optional[str] = None) -> dict:
                              'write e.g. XHC_INDUCTOR_OPTIONS=\'{"realize_reads_threshold": 8}\'')
         opts.update(more)
     return opts
-KERNEL_CHOICES = ("auto",) + BACKENDS + ("liger",)
 
 _TRITON_OK: Optional[bool] = None
 

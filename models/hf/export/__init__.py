@@ -1,6 +1,8 @@
-"""Hugging Face export / import of zoo checkpoints (``python -m tools.convert_checkpoint``).
+"""Hugging Face model code of exported zoo checkpoints (``python -m tools.convert_checkpoint``).
 
 - :mod:`models.hf.export.mapping`: parameter names and layouts, Megatron <-> GLM-4.5-MoE.
-- :mod:`models.hf.export.convert`: streaming ``to_hf``, ``from_hf`` (and upcycling).
 - ``remote/``: the ``transformers`` remote code of the hyper-connection variants.
+
+The converter itself (streaming ``to_hf``, ``from_hf`` and upcycling) is :mod:`tools.conversion`: it
+reads training checkpoints, so it lives on the tools floor.
 """

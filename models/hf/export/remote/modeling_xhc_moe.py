@@ -38,7 +38,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
     Glm4MoeRotaryEmbedding,
 )
 
-from xhc.config import HCConfig
+from xhc.config import FLASH_FAMILY, HCConfig
 from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
 from xhc.hyper_connection import HyperConnection, expand_streams, reduce_streams
 from xhc.temporal import SequenceContext
@@ -82,7 +82,7 @@ class XHCMoeDecoderLayer(GradientCheckpointingLayer):
         self.hc = hc
         self.is_last = layer_idx == config.num_hidden_layers - 1
         self.mlp_hyper_connection = None
-        if hc.variant in ("xhc_flash", "xhc_flash4"):
+        if hc.variant in FLASH_FAMILY:
             self.self_attention_hyper_connection = _flash_part(hc, C, layer_idx, config.num_hidden_layers)
         elif hc.variant == "xhc":
             self.self_attention_hyper_connection = XHCSublayer(hc, C, is_mlp=False, layer_index=2 * layer_idx)

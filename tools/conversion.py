@@ -1,4 +1,7 @@
-"""Megatron ``dist_checkpointing`` checkpoints of the zoo <-> Hugging Face folders.
+"""Megatron ``dist_checkpointing`` checkpoints of the zoo <-> Hugging Face folders: the body of
+``xhc-convert`` (:mod:`tools.convert_checkpoint`).  It reads and writes training checkpoints, so it
+lives on the tools floor; the Hugging Face model code it writes (the parameter mapping, the remote
+code) stays in :mod:`models.hf.export`.
 
 ``to_hf``: reads a checkpoint saved under any TP / SP / EP / PP / VPP layout by loading it,
 through Megatron's ``dist_checkpointing.load`` (which reshards), into the sharded state dict of a
@@ -29,11 +32,17 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+import models.hf.export as _export
+import xhc as _xhc
 from models.hf.export import mapping as M
+from models.zoo import CONFIG_DIR, ModelPreset, ZooError, _read_yaml, build_model, build_transformer_config, load_preset
+from xhc.config import FLASH_FAMILY, XHC_FAMILY, HCConfig, HCConfigError
+from xhc.flash import XHCFlashLayer
+from xhc.hyper_connection import HyperConnection
+from xhc.xhc import PostMapping, ReadMapping, ResMapping, XHCSublayer
 
-REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
-XHC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
-                       "xhc")
+REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
+XHC_DIR = os.path.dirname(os.path.abspath(_xhc.__file__))
 MODEL_TYPE_REMOTE = "xhc_moe"
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -98,7 +107,6 @@ def effective_preset(src: Source):
     """The preset with the run's overrides and the optimizer-dependent HC defaults training applied."""
     import yaml
 
-    from models.zoo import ZooError, load_preset
     from training.optim import hc_defaults_for_optimizer
 
     try:
@@ -143,8 +151,6 @@ def single_rank():
 
 def build_single_rank_model(preset, vocab_size: int, seq_length: int, device: str = "meta"):
     """``GPTModel`` of the preset with TP = EP = PP = 1 on ``device`` (``meta``: no memory)."""
-    from models.zoo import build_model, build_transformer_config
-
     cfg = build_transformer_config(preset, cpu=True, perform_initialization=device != "meta",
                                    params_dtype=torch.float32)
     with torch.device(device):
@@ -767,10 +773,6 @@ def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
     Built from a private generator inside ``fork_rng`` (the caller's RNG is untouched)."""
     import statistics
 
-    from xhc.flash import XHCFlashLayer
-    from xhc.hyper_connection import HyperConnection
-    from xhc.xhc import XHCSublayer
-
     C, hc = int(preset.backbone["hidden_size"]), preset.hc
     g = torch.Generator().manual_seed(0)
     X = torch.randn(tokens, 1, hc.n, C, generator=g)
@@ -779,7 +781,7 @@ def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
     for backend in ("eager", "compile"):
         cfg = dataclasses.replace(hc, kernels=backend)
         with torch.random.fork_rng(devices=[]):
-            if hc.variant in ("xhc_flash", "xhc_flash4"):
+            if hc.variant in FLASH_FAMILY:
                 mod = XHCFlashLayer(cfg, C, layer_index=1)
             elif hc.is_xhc:
                 mod = XHCSublayer(cfg, C, is_mlp=True, layer_index=1)
@@ -803,7 +805,7 @@ def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
             run()
             times.append(1e3 * (time.perf_counter() - t0))
         ms[backend] = statistics.median(times)
-    what = "one layer (attention + MLP window)" if hc.variant in ("xhc_flash", "xhc_flash4") else "one sublayer"
+    what = "one layer (attention + MLP window)" if hc.variant in FLASH_FAMILY else "one sublayer"
     return [f"Speed, measured at export on this machine's CPU ({torch.get_num_threads()} threads), {what}'s "
             f"read + write for {tokens} tokens at C = {C}, N = {hc.n}, forward only, median of {reps}:", "",
             "| path | ms |", "|---|---|",
@@ -835,9 +837,6 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def preset_from_hf(cfg: dict, to_variant: Optional[str] = None, hc_overrides: Optional[dict] = None):
     """A :class:`~models.zoo.ModelPreset` for an HF config (ours, or any GLM-4.5-MoE model)."""
-    from models.zoo import CONFIG_DIR, ModelPreset, _read_yaml
-    from xhc.config import HCConfig, HCConfigError
-
     meta = cfg.get("xhc") or {}
     rope = cfg.get("rope_parameters") or {}
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5))) != 1.0:
@@ -895,7 +894,7 @@ def upcycle_overrides(variant: str) -> dict:
     differ): everything flows through the always-active stream 0 (see :func:`upcycle_init`); the
     exit is a softmax readout concentrated on it.
     """
-    if variant in ("xhc", "xhc_flash", "xhc_flash4"):
+    if variant in XHC_FAMILY:
         return {"reduction": "softmax", "read_init": "uniform"}
     return {"reduction": "mean", "read_init": "uniform", "init_noise": 0.0}
 
@@ -907,8 +906,6 @@ def upcycle_init(model, hc) -> None:
     (all up to σ(−UPCYCLE_LOGIT)).  The mHC family needs nothing beyond :func:`upcycle_overrides`."""
     if not hc.is_xhc:
         return
-    from xhc.xhc import PostMapping, ReadMapping, ResMapping
-
     if hc.m < 1:
         raise ConversionError(f"--to-variant {hc.variant}: upcycling needs m >= 1 (an always-active stream 0); got m={hc.m}")
     B = UPCYCLE_LOGIT
@@ -931,8 +928,6 @@ def upcycle_init(model, hc) -> None:
 def _variant_defaults(base_preset: str, variant: str) -> dict:
     """The preset file's own settings for ``variant`` when it has one (e.g. tiny-moe's xhc: n=8 k=4),
     else the HCConfig defaults for that variant."""
-    from models.zoo import CONFIG_DIR, _read_yaml
-
     if ":" in base_preset:
         path = CONFIG_DIR / f"{base_preset.rsplit(':', 1)[0]}.yaml"
         if path.is_file():
