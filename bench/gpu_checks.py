@@ -129,7 +129,6 @@ def make_trainer(ctx: Ctx, overrides: List[str], before_wrap: Optional[Callable]
 
     from training.config import load_config
     from training.pretrain import Trainer
-
     from training.step_runner import MegatronStepRunner
 
     cfg = load_config(None, list(overrides))

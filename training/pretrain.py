@@ -238,6 +238,21 @@ class Trainer:
         s, n = self._all_reduce([total, count])
         return s / n if n > 0 else float("nan")
 
+    @staticmethod
+    def _gathered_sample_ids(iterators) -> List[int]:
+        """The sample indices this step read on every rank (``logging.sample_ids``), sorted."""
+        import torch.distributed as dist
+
+        mine = sorted({i for it in iterators for i in getattr(it, "drawn", ())})
+        for it in iterators:
+            if hasattr(it, "drawn"):
+                it.drawn.clear()
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        parts: List[Optional[List[int]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return sorted({i for part in parts for i in part or ()})
+
     # ----------------------------------------------------------------------------------------
     # Evaluation
     # ----------------------------------------------------------------------------------------
@@ -257,21 +272,6 @@ class Trainer:
         self.log(f"[xhc] validation at step {self.step}: loss {loss:.4f} (ppl {ppl:.1f}) over "
                  f"{self.cfg.run.eval_iters * self.cfg.batch.global_batch_size} sequences")
         return loss
-
-    @staticmethod
-    def _gathered_sample_ids(iterators) -> List[int]:
-        """The sample indices this step read on every rank (``logging.sample_ids``), sorted."""
-        import torch.distributed as dist
-
-        mine = sorted({i for it in iterators for i in getattr(it, "drawn", ())})
-        for it in iterators:
-            if hasattr(it, "drawn"):
-                it.drawn.clear()
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return mine
-        parts: List[Optional[List[int]]] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        return sorted({i for part in parts for i in part or ()})
 
     def evaluate(self) -> Optional[float]:
         """Validation loss over ``run.eval_iters`` global batches (the same batches every time)."""
