@@ -125,21 +125,25 @@ def overrides_for(ctx: Ctx, tag: str, preset: str = "tiny-moe:xhc", steps: int =
 def make_trainer(ctx: Ctx, overrides: List[str], before_wrap: Optional[Callable] = None):
     import contextlib
     import io
+    import unittest.mock
 
     from training.config import load_config
     from training.pretrain import Trainer
 
+    from training.step_runner import MegatronStepRunner
+
     cfg = load_config(None, list(overrides))
     tr = Trainer(cfg)
+    hook = contextlib.nullcontext()
     if before_wrap is not None:
-        original = tr._wrap_gpu
+        original = MegatronStepRunner.wrap
 
-        def wrap(chunks, bf16):
+        def wrap(runner, chunks, bf16):
             before_wrap(chunks)
-            return original(chunks, bf16)
+            return original(runner, chunks, bf16)
 
-        tr._wrap_gpu = wrap
-    with contextlib.redirect_stdout(io.StringIO()):  # the setup banner; the log keeps our lines
+        hook = unittest.mock.patch.object(MegatronStepRunner, "wrap", wrap)
+    with contextlib.redirect_stdout(io.StringIO()), hook:  # the setup banner; the log keeps our lines
         tr.setup()
     return tr
 

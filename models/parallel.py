@@ -44,6 +44,7 @@ __all__ = [
     "free_port",
     "initialize_parallel",
     "launched_by_torchrun",
+    "seed_rng",
     "update_router_expert_bias",
 ]
 
@@ -117,6 +118,13 @@ def initialize_parallel(
         expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
     )
+    seed_rng(seed)
+
+
+def seed_rng(seed: int) -> None:
+    """Seed python, numpy, torch and Megatron's RNG tracker as Megatron's ``_set_random_seed`` does
+    (``seed + 100·pp_rank``; the tracker adds the tensor-/expert-parallel streams).  Called at start-up,
+    and by a resume on another parallel layout, whose per-rank RNG states cannot be carried over."""
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)

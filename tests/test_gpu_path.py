@@ -31,6 +31,7 @@ from tests.test_optim import SEQ, TINY, VOCAB, megatron_scalars_on_cpu, parallel
 from training.config import CheckpointConfig
 from training.optim import OptimizerConfig, build_optimizer
 from training.pretrain import Trainer, float16_module_keep_hc_fp32, params_synced
+from training.step_runner import CpuStepRunner, MegatronStepRunner
 
 pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
 
@@ -65,7 +66,7 @@ def fp32_model(name: str = "tiny-moe:xhc"):
 
 
 def bf16_ddp_model(name: str = "tiny-moe:xhc", distributed_optimizer: bool = False):
-    """What Trainer._wrap_gpu builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads)."""
+    """What MegatronStepRunner.wrap builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     _seed()
@@ -181,17 +182,19 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
 def test_stop_flags_ride_on_the_step_all_reduce():
     """Finding 6 (host syncs): the stop check before a step reuses the flags agreed in the previous
     step's loss all-reduce; only after a save / evaluation (flags cleared) does it all-reduce."""
+    from training.lifecycle import Lifecycle
+
     calls = []
-    fake = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(run=types.SimpleNamespace(exit_at_step=None, train_steps=10,
-                                                            exit_after_minutes=5)),
-        _agreed_flags=[0.0, 0.0], stop_signal=None, step=1,
-        _all_reduce=lambda v: calls.append(list(v)) or [1.0, 0.0], _local_stop_flags=lambda: [0.0, 0.0])
-    assert Trainer.should_stop(fake) is None and calls == []  # agreed in the step: no collective
-    assert fake._agreed_flags is None  # consumed
-    assert Trainer.should_stop(fake) == "signal on another rank" and calls == [[0.0, 0.0]]
-    fake._agreed_flags = [0.0, 1.0]
-    assert Trainer.should_stop(fake) == "run.exit_after_minutes=5" and len(calls) == 1
+    life = Lifecycle(types.SimpleNamespace(run=types.SimpleNamespace(exit_at_step=None, train_steps=10,
+                                                                     exit_after_minutes=5)),
+                     all_reduce=lambda v: calls.append(list(v)) or [1.0, 0.0])
+    life.agreed_flags = [0.0, 0.0]
+    life.local_stop_flags = lambda: [0.0, 0.0]
+    assert life.should_stop(1) is None and calls == []  # agreed in the step: no collective
+    assert life.agreed_flags is None  # consumed
+    assert life.should_stop(1) == "signal on another rank" and calls == [[0.0, 0.0]]
+    life.agreed_flags = [0.0, 1.0]
+    assert life.should_stop(1) == "run.exit_after_minutes=5" and len(calls) == 1
 
 
 def test_megatron_step_computes_the_grad_norm_once(parallel, bf16_megatron_on_cpu):  # noqa: F811
@@ -286,27 +289,29 @@ def test_hc_parameters_keep_their_fp32_values_through_the_bf16_wrap(parallel):  
 # ------------------------------------------------------------------------------------------------
 # Finding 4: evaluation and the router's token counts
 # ------------------------------------------------------------------------------------------------
-def _megatron_trainer_view(model, preset, monkeypatch):
-    """A Trainer stand-in whose GPU-path methods are the real ones, driving Megatron's own
-    (no-pipelining) schedule on CPU: the schedule's few ``device='cuda'`` scalars are redirected."""
+def _step_runner(cls, model, preset):
+    """A step runner (the real one) on ``model``: 3 micro-batches of 2, no CP slice, no document layout."""
     import contextlib
 
+    cfg = types.SimpleNamespace(batch=types.SimpleNamespace(micro_batch_size=2),
+                                parallel=types.SimpleNamespace(cp=1, pp=1),
+                                run=types.SimpleNamespace(precision="fp32"))
+    runner = cls(cfg, seq=SEQ, last_stage=True, num_micro=3)
+    runner.chunks, runner.tf_config, runner.hc = [model], model.config, preset.hc
+    runner._cp_slice = runner.to_device = lambda b: b
+    runner._sequence_context = lambda b: contextlib.nullcontext()
+    return runner
+
+
+def _megatron_step_runner(model, preset, monkeypatch):
+    """The GPU step runner driving Megatron's own (no-pipelining) schedule on CPU: the schedule's
+    few ``device='cuda'`` scalars are redirected."""
     import megatron.core.pipeline_parallel.schedules as schedules
 
     from tests.test_optim import torch_with_cuda_factories_on_cpu
 
     monkeypatch.setattr(schedules, "torch", torch_with_cuda_factories_on_cpu())
-    fake = types.SimpleNamespace(
-        cuda=True, chunks=[model], seq=SEQ, last_stage=True, num_micro=3, tf_config=model.config, hc=preset.hc,
-        cfg=types.SimpleNamespace(batch=types.SimpleNamespace(micro_batch_size=2),
-                                  parallel=types.SimpleNamespace(cp=1, pp=1)))
-    fake._cp_slice = fake._to_device = lambda b: b
-    fake._sequence_context = lambda b: contextlib.nullcontext()
-    fake._model_forward = lambda m, b: Trainer._model_forward(fake, m, b)
-    fake._masked_sum = Trainer._masked_sum
-    fake._forward_backward_megatron = lambda *a: Trainer._forward_backward_megatron(fake, *a)
-    fake._forward_backward_cpu = lambda *a: Trainer._forward_backward_cpu(fake, *a)
-    return fake
+    return _step_runner(MegatronStepRunner, model, preset)
 
 
 def micro_batches():
@@ -319,26 +324,26 @@ def micro_batches():
 
 @cpu_only
 def test_gpu_evaluation_leaves_the_expert_token_counts_alone(parallel, monkeypatch):  # noqa: F811
-    """Trainer.forward_backward on the GPU path, through Megatron's schedule: forward_only leaves
+    """MegatronStepRunner.forward_backward (the GPU path), through Megatron's schedule: forward_only leaves
     every router's ``local_tokens_per_expert`` unchanged (Megatron counts whenever gradients are
     on); a training pass adds exactly tokens x top-k per micro-batch to each.  The (Σ loss·mask,
     Σ mask) it returns equals the CPU path's over the same micro-batches."""
     model = fp32_model("tiny-moe:xhc")
     preset = load_preset("tiny-moe:xhc", backbone_overrides=TINY)
-    fake = _megatron_trainer_view(model, preset, monkeypatch)
+    runner = _megatron_step_runner(model, preset, monkeypatch)
     routers = [m for m in model.modules() if getattr(m, "local_tokens_per_expert", None) is not None]
     assert routers and all(r.enable_expert_bias for r in routers)
     topk = model.config.moe_router_topk
 
     before = [r.local_tokens_per_expert.clone() for r in routers]
-    total, count = Trainer.forward_backward(fake, [micro_batches()], forward_only=True)
+    total, count = runner.forward_backward([micro_batches()], forward_only=True)
     for r, b in zip(routers, before):
         assert torch.equal(r.local_tokens_per_expert, b)
-    want_total, want_count = Trainer._forward_backward_cpu(fake, micro_batches(), True, 3)
+    want_total, want_count = _step_runner(CpuStepRunner, model, preset).forward_backward([micro_batches()], True, 3)
     assert count == want_count == 3 * 2 * SEQ - (0 + 1 + 2)
     assert total == pytest.approx(want_total, rel=1e-12)
 
-    Trainer.forward_backward(fake, [micro_batches()], forward_only=False)
+    runner.forward_backward([micro_batches()], forward_only=False)
     for r, b in zip(routers, before):
         assert float((r.local_tokens_per_expert - b).sum()) == 3 * 2 * SEQ * topk
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -394,8 +399,11 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
             events.append("save")
             return "/nowhere"
 
+    runner = MegatronStepRunner(types.SimpleNamespace(run=types.SimpleNamespace(precision="auto")))
+    runner.chunks = [Chunk()]
     fake = types.SimpleNamespace(
-        chunks=[Chunk()], optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6, ckpt=Ckpt(),
+        chunks=runner.chunks, runner=runner, optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6,
+        ckpt=Ckpt(),
         cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig(),
                                   checkpoint=CheckpointConfig()),
         metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {},
@@ -429,7 +437,7 @@ def test_mlp_gets_packed_seq_params_when_its_forward_takes_them():
 
 
 # ------------------------------------------------------------------------------------------------
-# Trainer._wrap_gpu itself (device moves stubbed out)
+# MegatronStepRunner.wrap itself (device moves stubbed out)
 # ------------------------------------------------------------------------------------------------
 @cpu_only
 @pytest.mark.parametrize("n_chunks,overlap,opt_name,aligned", [
@@ -451,11 +459,11 @@ def test_wrap_gpu(parallel, monkeypatch, n_chunks, overlap, opt_name, aligned): 
             for c in chunks]
     config = chunks[0].config
     config.bf16, config.params_dtype = True, torch.bfloat16
-    fake = types.SimpleNamespace(
-        tf_config=config, dp=1,
-        cfg=types.SimpleNamespace(optimizer=OptimizerConfig(name=opt_name),
-                                  parallel=ParallelConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)))
-    wrapped = Trainer._wrap_gpu(fake, chunks, True)
+    runner = MegatronStepRunner(types.SimpleNamespace(
+        optimizer=OptimizerConfig(name=opt_name), run=types.SimpleNamespace(precision="auto"),
+        parallel=ParallelConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)), dp=1)
+    runner.tf_config = config
+    wrapped = runner.wrap(chunks, True)
     assert len(wrapped) == n_chunks
     for w, hc in zip(wrapped, init):
         assert w.ddp_config.align_param_gather is aligned

@@ -243,7 +243,8 @@ def test_torchrun_sigterm_to_the_launcher_then_exact_resume(tmp_path):
 @pytest.mark.slow
 def test_torchrun_workers_save_and_exit_when_the_launcher_is_killed(tmp_path):
     """``kill -9`` of torchrun: the workers (armed with PR_SET_PDEATHSIG) save and exit 0 instead of
-    training on as orphans; their 2-rank checkpoint on 1 rank is refused in one line."""
+    training on as orphans; with ``checkpoint.reshard=never`` their 2-rank checkpoint on 1 rank is
+    refused in one line (``auto`` reshards it: tests/test_elastic_resume.py)."""
     orphan = str(tmp_path / "orphan")
     p = _launch(orphan, nproc=2, extra=["run.train_steps=100000"])
     _wait_until(_trained_to(orphan, 3), p, timeout=240)
@@ -260,10 +261,11 @@ def test_torchrun_workers_save_and_exit_when_the_launcher_is_killed(tmp_path):
     assert step == status["step"] and verify_checkpoint(path)["world_size"] == 2
 
     r = subprocess.run([sys.executable, "-m", "training.pretrain", *BASE, *STEPS, f"run.dir={tmp_path / 'one'}",
-                        f"checkpoint.load={path}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+                        f"checkpoint.load={path}", "checkpoint.reshard=never"], cwd=REPO, env=ENV,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     err = r.stderr.strip()
-    assert "\n" not in err and "world size 2" in err and "world size 1" in err and "checkpoint.load_rng=false" in err
+    assert "\n" not in err and "world size 2" in err and "world size 1" in err and "checkpoint.reshard=never" in err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -41,15 +41,17 @@ signal killed, giving ``BrokenPipeError``, and that a ``kill -9`` of the trainer
 inspection, never loaded again) with a warning.  A save is verified before any older checkpoint
 is pruned, so the newest good checkpoint always survives.
 
-**Compatibility.**  :func:`check_compatible` compares the manifest's preset, HC config, vocabulary
-and parallel layout with the run about to load it, and raises a one-line error that says what
-differs and how to proceed.
+**Compatibility.**  :func:`check_compatible` compares the manifest's preset, HC config, vocabulary,
+global batch and parallel layout with the run about to load it: what makes it another run raises
+a one-line error that says what differs and how to proceed; another layout is resharded
+(``checkpoint.reshard=auto``) or refused (``never``).
 
 **Contents** (see :func:`build_state`): the model's sharded state dict (reshardable across
-TP/PP/EP), the optimizer (Megatron's sharded optimizer state on GPU; on CPU each rank's torch
-optimizer ``state_dict`` as a per-rank object, so a CPU resume keeps the parallel layout), the
-scheduler, the trainer counters (step, consumed samples and tokens, skipped steps), and per
-rank the python / numpy / torch / CUDA RNG states and Megatron's RNG-tracker states.
+TP/PP/EP/DP), the optimizer (Megatron's sharded optimizer state on GPU; on the torch backend every
+moment and momentum buffer as a sharded tensor that follows its parameter, so it reshards like the
+weights), the scheduler, the trainer counters (step, consumed samples and tokens, skipped steps),
+and per rank the python / numpy / torch / CUDA RNG states and Megatron's RNG-tracker states (the
+one part that does not reshard: a resume on another layout reseeds them).
 """
 
 from __future__ import annotations
@@ -274,13 +276,41 @@ def _preset_key(preset: str) -> str:
     return str(preset)
 
 
+OPTIMIZER_FORMATS = ("torch-sharded", "megatron", "rank")
+"""How a checkpoint holds the optimizer state (manifest ``optimizer_format``): ``torch-sharded``, the
+torch backend's state as sharded tensors that follow their parameters (reshards like the weights);
+``megatron``, Megatron's (distributed) optimizer with the manifest's ``optimizer_sharding``;
+``rank``, one torch ``state_dict`` per rank (checkpoints written before resharding existed: they
+resume on their own layout only)."""
+
+
+def _optimizer_reshard_problem(body: dict, fmt: str, sp: dict, np_: dict) -> Optional[str]:
+    """Why the saved optimizer state cannot follow a change of layout from ``sp`` to ``np_`` (None: it can)."""
+    if fmt == "rank":
+        return ("its optimizer state is one object per rank (a checkpoint written before resharding was "
+                "supported)")
+    if fmt == "megatron" and body.get("optimizer_sharding", "dp_reshardable") == "dp_reshardable":
+        changed = [k for k in _LAYOUT_KEYS if k in sp and k in np_ and sp.get(k) != np_.get(k)]
+        if changed:
+            return ("its distributed-optimizer state was saved with checkpoint.optimizer_sharding=dp_reshardable, "
+                    f"which reshards across data parallelism only (this run changes {', '.join(changed)}; save "
+                    "with checkpoint.optimizer_sharding=fully_reshardable to change those)")
+    return None
+
+
 def check_compatible(directory: str, body: dict, expected: dict, load_optimizer: bool = True,
-                     load_rng: bool = True, sharded_optimizer: bool = False) -> None:
+                     sharded_optimizer: bool = False, reshard: str = "auto") -> Optional[str]:
     """Raise a one-line :class:`CheckpointError` when ``directory`` (manifest ``body``) cannot resume this run.
 
-    ``expected``: this run's ``preset``, ``hc`` (dict), ``vocab_size``, ``world_size``, ``parallel`` (dict);
-    keys the manifest lacks (older checkpoints) are not compared.  The model weights reshard across
-    layouts; per-rank state (the RNG states, and on CPU the optimizer) needs the same layout.
+    ``expected``: this run's ``preset``, ``hc`` (dict), ``vocab_size``, ``world_size``, ``parallel`` (dict),
+    ``global_batch_size``; keys the manifest lacks (older checkpoints) are not compared.
+    ``sharded_optimizer``: this run uses Megatron's optimizer (tells an older manifest's format).
+
+    What makes a run different (preset, HC config, vocabulary, global batch) is refused.  A different
+    parallel layout (world size, tp, pp, ep, cp, etp, vpp) is resharded when ``reshard`` is ``auto``:
+    the weights and the optimizer state (unless :func:`_optimizer_reshard_problem` says its format
+    cannot) follow the new layout; the per-rank RNG states do not (the caller reseeds).  Returns a
+    line naming the old and the new layout when it reshards, None when the layout is the same.
     """
     where = f"checkpoint {directory}"
     fresh = "start a fresh run (another run.dir, or checkpoint.load=none)"
@@ -300,16 +330,29 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
     if sv is not None and nv is not None and int(sv) != int(nv):
         raise CheckpointError(f"{where} has a (padded) vocabulary of {sv} ids, this run {nv}: use the tokenizer and "
                               f"tokenizer.* settings it was trained with, or {fresh}")
+    sg, ng = body.get("global_batch_size"), expected.get("global_batch_size")
+    if sg is not None and ng is not None and int(sg) != int(ng):
+        raise CheckpointError(f"{where} was trained with batch.global_batch_size={sg}, this run has {ng}: resume with "
+                              f"batch.global_batch_size={sg} (the data position and the schedule count samples in "
+                              f"global batches), or {fresh}")
     sw, nw = body.get("world_size"), expected.get("world_size")
     sp, np_ = body.get("parallel") or {}, expected.get("parallel") or {}
     same = (sw is None or nw is None or int(sw) == int(nw)) and all(
         sp.get(k) == np_.get(k) for k in _LAYOUT_KEYS if k in sp and k in np_)
-    per_rank = [name for name, on in (("checkpoint.load_rng", load_rng),
-                                      ("checkpoint.load_optimizer", load_optimizer and not sharded_optimizer)) if on]
-    if not same and per_rank:
-        raise CheckpointError(f"{where} was saved with {_layout(sw, sp)}, this run has {_layout(nw, np_)}: relaunch "
-                              f"with the saved layout to resume exactly, or load the (reshardable) weights only with "
-                              + " ".join(f"{k}=false" for k in per_rank))
+    if same:
+        return None
+    old, new = _layout(sw, sp), _layout(nw, np_)
+    if reshard == "never":
+        raise CheckpointError(f"{where} was saved with {old}, this run has {new}, and checkpoint.reshard=never: "
+                              "relaunch with the saved layout to resume exactly, or set checkpoint.reshard=auto to "
+                              "reshard (losses then continue within floating-point tolerance)")
+    fmt = body.get("optimizer_format") or ("megatron" if sharded_optimizer else "rank")
+    problem = _optimizer_reshard_problem(body, fmt, sp, np_) if load_optimizer else None
+    if problem:
+        raise CheckpointError(f"{where} was saved with {old}, this run has {new}, but {problem}: relaunch with the "
+                              "saved layout to resume exactly, or load the (reshardable) weights only with "
+                              "checkpoint.load_optimizer=false checkpoint.load_rng=false")
+    return f"resharding {where} from {old} to {new}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -485,7 +528,7 @@ def is_megatron_optimizer(optimizer) -> bool:
 
 def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=None, trainer: Optional[dict] = None,
                 rng: bool = True, is_loading: bool = False, extra: Optional[dict] = None,
-                optimizer_sharding: str = "dp_reshardable") -> dict:
+                optimizer_sharding: str = "dp_reshardable", optimizer_format: str = "torch-sharded") -> dict:
     """The sharded state dict of a training run (for :meth:`Checkpointer.save` and ``.load``).
 
     ``trainer``: plain counters, identical on every rank (saved once, as common state).
@@ -493,6 +536,9 @@ def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=Non
     ``optimizer_sharding``: the layout of Megatron's distributed optimizer state
     (``checkpoint.optimizer_sharding``; loading must use the layout of the save).  It is always
     named: megatron-core's own default (``fully_sharded_model_space``) cannot be saved on 0.16 or 0.19.
+    ``optimizer_format``: the torch backend's (CPU) optimizer state as ``torch-sharded`` tensors that
+    follow their parameters (what every save writes) or, to load an older checkpoint, ``rank``
+    (one ``state_dict`` object per rank).
     """
     state = _model_sharded_state(chunks)
     if optimizer is not None:
@@ -502,8 +548,11 @@ def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=Non
             if optimizer_sharding == "fully_reshardable" and not torch.cuda.is_available():
                 metadata["distrib_optim_fully_reshardable_mem_efficient"] = True  # gathers over gloo
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-        else:
+        elif optimizer_format == "rank":
             state["optimizer_rank"] = _rank_object("optimizer_rank_state", optimizer.state_dict())
+        else:
+            model_sd = state["model"] if len(chunks) == 1 else {k: v for k, v in state.items()}
+            state["optimizer_torch"] = optimizer.torch_sharded_state_dict(model_sd, is_loading=is_loading)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if trainer is not None:

@@ -207,7 +207,13 @@ class CheckpointConfig(_Section):
     load_optimizer: bool = True
     """Restore optimizer and scheduler state (false: fresh optimizer on loaded weights)."""
     load_rng: bool = True
-    """Restore python/numpy/torch and Megatron RNG-tracker states."""
+    """Restore python/numpy/torch and Megatron RNG-tracker states (per rank: on a changed layout they
+    are reseeded instead, see ``reshard``)."""
+    reshard: str = "auto"
+    """A checkpoint saved on another parallel layout (world size, tp, pp, ep, cp, vpp): ``auto``
+    resumes on this one (weights, optimizer state, scheduler and data position are carried over; the
+    RNG streams are reseeded; losses continue within floating-point tolerance) with one log line
+    naming both layouts; ``never`` refuses it (exactness guaranteed: relaunch with the saved layout)."""
     save_final: bool = True
     """Save when training finishes."""
     save_on_signal: bool = True
@@ -238,6 +244,10 @@ class LoggingConfig(_Section):
     hc_health_interval: Optional[int] = None
     """Record hyper-connection health (H_res distance from I, router load, Amax gain) every K steps
     (0: off; null: every ``interval`` steps).  Other steps do no health work and no host syncs."""
+    sample_ids: bool = False
+    """Write the global sample indices of every step (gathered over all ranks) into its
+    ``metrics.jsonl`` record as ``sample_ids``: to check the data order, e.g. that a resume on another
+    layout reads the samples the uninterrupted run would have read (one gather per step)."""
 
     @property
     def hc_health_every(self) -> int:
@@ -555,6 +565,7 @@ def validate_config(cfg: PretrainConfig) -> None:
     _positive("checkpoint.keep_last", c.keep_last)
     _choice("checkpoint.checksum", c.checksum, ("auto", "all", "metadata", "none"))
     _choice("checkpoint.optimizer_sharding", c.optimizer_sharding, ("dp_reshardable", "fully_reshardable"))
+    _choice("checkpoint.reshard", c.reshard, ("auto", "never"))
     if c.load is not None and c.load not in ("auto", "none") and not os.path.exists(c.load):
         raise _err("checkpoint.load", f"{c.load!r} does not exist; use auto, none, or a checkpoint directory")
     # ---- logging

@@ -586,6 +586,7 @@ class TrainOptimizer:
         self.backend = backend
         self.megatron_optimizer = megatron_optimizer
         self.chunks = list(chunks)
+        self._loading_keys: Dict[str, List[str]] = {}  # torch backend: state keys of the last load template
 
     @property
     def param_groups(self) -> List[dict]:
@@ -689,9 +690,10 @@ class TrainOptimizer:
         return list(getattr(self.megatron_optimizer, "chained_optimizers", [self.megatron_optimizer]))
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Megatron backend: the optimiser's ``dist_checkpointing`` state dict."""
+        """The optimiser's ``dist_checkpointing`` state dict: Megatron's (distributed) optimizer's own,
+        or on the torch backend :meth:`torch_sharded_state_dict` (reshardable across layouts)."""
         if self.megatron_optimizer is None:
-            raise NotImplementedError("sharded_state_dict needs the Megatron backend; use state_dict()")
+            return self.torch_sharded_state_dict(model_sharded_state_dict, is_loading)
         if is_loading:
             for part in self._megatron_parts():
                 # A distributed optimizer that has not stepped has no state to load into; without
@@ -701,6 +703,88 @@ class TrainOptimizer:
                 if hasattr(part, "_init_optimizer_states_with_dummy_values") and not part.optimizer.state:
                     part._init_optimizer_states_with_dummy_values()
         return self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+
+
+    # -- torch backend: optimizer state that follows its parameters' sharding ------------------
+    def torch_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> Dict[str, Any]:
+        """Torch backend: every state tensor of a parameter's shape (AdamW's ``exp_avg`` and
+        ``exp_avg_sq``, Muon's ``momentum_buffer``) as a ``ShardedTensor`` with the parameter's own
+        sharding (key ``optimizer.<optimizer>.<state>.<parameter key>``, the parameter's global shape,
+        offsets and replica id), so the state loads on any TP/SP/EP/PP/DP layout that the model
+        weights load on; the step counts go into the common state, one per parameter key
+        (gathered from every rank).  A parameter that never got a gradient has no torch state: it
+        is saved as zeros with step 0, which is how torch initialises it at its first update.
+
+        ``is_loading``: the template for ``dist_checkpointing.load`` (same structure); pass what the
+        load returned to :meth:`load_torch_sharded_state_dict`.
+        """
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                make_sharded_optimizer_tensor)
+
+        state: Dict[str, Any] = {}
+        steps: Dict[str, float] = {}
+        for name, opt in self.optimizers.items():
+            params = [p for g in opt.param_groups for p in g["params"]]
+            id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+            names = [n for g in opt.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+            per_param = {}
+            for i, p in enumerate(params):
+                sh = id_map.get(i)
+                if sh is None:
+                    raise ValueError(f"optimizer {name}: parameter {names[i] or i} {tuple(p.shape)} is not in the "
+                                     "model's sharded state dict, so its state cannot be checkpointed")
+                st = opt.state.get(p) or {}
+                if is_loading or not st:
+                    st = _zero_state(name, p)
+                per_param[i] = {k: make_sharded_optimizer_tensor(sh, v, prefix=f"optimizer.{name}.{k}")
+                                for k, v in st.items() if k != "step"}
+                steps[f"{name}.{sh.key}"] = float(st["step"]) if "step" in st else 0.0
+            state[name] = per_param
+            if is_loading:
+                self._loading_keys[name] = [f"{name}.{id_map[i].key}" for i in range(len(params))]
+        if not is_loading and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: List[Optional[Dict[str, float]]] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, steps)
+            merged: Dict[str, float] = {}
+            for part in parts:
+                for k, v in (part or {}).items():
+                    if merged.setdefault(k, v) != v:
+                        raise ValueError(f"optimizer state of {k}: step {v} on one rank, {merged[k]} on another")
+            steps = merged
+        return {"tensors": state, "steps": dict(sorted(steps.items()))}
+
+    def load_torch_sharded_state_dict(self, loaded: Dict[str, Any]) -> None:
+        """Put what ``dist_checkpointing.load`` returned for the template of
+        :meth:`torch_sharded_state_dict` (``is_loading=True``) into the torch optimisers (their param
+        groups stay this run's: the scheduler sets lr and weight decay)."""
+        tensors, steps = loaded["tensors"], loaded["steps"]
+        if set(tensors) != set(self.optimizers) or set(self._loading_keys) != set(self.optimizers):
+            raise ValueError(f"optimizer state holds {sorted(tensors)}, this optimizer has {sorted(self.optimizers)}: "
+                             "was it saved with a different optimizer.name?")
+        for name, opt in self.optimizers.items():
+            params = [p for g in opt.param_groups for p in g["params"]]
+            for i, p in enumerate(params):
+                key = self._loading_keys[name][i]
+                if key not in steps:
+                    raise ValueError(f"optimizer state has no step count for {key}: saved by another model?")
+                st = {k: v.to(device=p.device) for k, v in tensors[name][i].items()}
+                if name != "muon":
+                    st["step"] = torch.tensor(steps[key], dtype=_scalar_dtype())
+                opt.state[p] = st
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype of torch's per-parameter step counts (``torch.optim.optimizer._get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _zero_state(name: str, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The state torch gives ``p`` at its first update (zeros, step 0)."""
+    if name == "muon":
+        return {"momentum_buffer": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return {"step": torch.tensor(0.0, dtype=_scalar_dtype()),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
 def _muon_kwargs(cfg: OptimizerConfig) -> Dict[str, Any]:

@@ -364,6 +364,8 @@ class DataIterator:
                 "ask for more samples or use a smaller batch"
             )
         self.consumed_samples = int(start_sample)
+        self.drawn: list[int] = []
+        """Every sample index this iterator has returned (a caller may read and clear it)."""
 
     def indices(self, consumed_samples: Optional[int] = None) -> Optional[list[int]]:
         """This rank's sample indices for the group starting at ``consumed_samples`` (None: exhausted)."""
@@ -382,6 +384,7 @@ class DataIterator:
             raise StopIteration
         batch = collate([self.dataset[i] for i in idx])
         self.consumed_samples += self.group
+        self.drawn.extend(idx)
         return batch
 
     def state_dict(self) -> dict:
