@@ -61,8 +61,7 @@ import torch.nn as nn
 
 from xhc import kernels
 from xhc.config import HCConfig
-from xhc.kernels.torch_ops import moments_of_rows
-from xhc.norms import fp32, rms_norm_flat
+from xhc.norms import fp32, moments_of_rows, rms_norm_flat
 from xhc.router import StreamRouter
 from xhc.xhc import (
     PostMapping,

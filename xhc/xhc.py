@@ -70,8 +70,7 @@ from xhc.config import HCConfig, HCConfigError
 from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
-from xhc.kernels.torch_ops import layer_scale, moments_of_rows, rms_scale
-from xhc.norms import fp32, rms_norm_flat
+from xhc.norms import fp32, layer_scale, moments_of_rows, rms_norm_flat, rms_scale
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 
 # ================================================================================================
@@ -233,7 +232,7 @@ def fused_entry_projections(
 
     ``x``: ``[..., N·C]``;  ``W_router``: ``[N, N·C]`` or ``None``;  ``W_pres``: list of ``[n_t, N·C]``
     ->  (z_router ``[..., N]`` or ``None``, [x̂ W_t ``[..., n_t]``]), fp32.
-    ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.kernels.torch_ops.moments_of_rows`;
+    ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.norms.moments_of_rows`;
     only ν is used: μ comes out of the GEMM).  ``backend='triton'``: the GEMM is
     :func:`xhc.kernels.triton_ops.linear_stats` (x read once in its dtype, fp32 accumulation).
 
@@ -296,8 +295,8 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
 
 def entry_statistics(X: torch.Tensor, fused: bool, backend: str):
     """(per-row sums, (μ, ν) of vec X) from one pass over the state on the fused backends
-    (:func:`xhc.kernels.torch_ops.stream_moments`; the statistics of any X[I] follow from the sums
-    via :func:`~xhc.kernels.torch_ops.moments_of_rows`), else (None, None): the reference order
+    (:func:`xhc.norms.stream_moments`; the statistics of any X[I] follow from the sums
+    via :func:`~xhc.norms.moments_of_rows`), else (None, None): the reference order
     computes them where it normalises."""
     if not fused or backend == "eager":
         return None, None

@@ -273,7 +273,7 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
 
     ``x`` ``[..., D]``, ``W`` ``[d, D]``, ``gain`` ``[D]`` or None  ->  fp32 ``[..., d]``.
     ``eager`` normalises first (the reference order).  ``moments``: (μ, ν) of x, keepdim, when
-    already known (e.g. from :func:`xhc.kernels.torch_ops.stream_moments`); otherwise computed.
+    already known (e.g. from :func:`xhc.norms.stream_moments`); otherwise computed.
     """
     from xhc.kernels import torch_ops
 
@@ -293,7 +293,7 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
 
 def stream_moments(X: torch.Tensor, backend: str = "compile"):
     """Per-row sums (Σ_c X[..., i, c], Σ_c X[..., i, c]²) ``[..., n]`` each, fp32 (float64 stays), from
-    one pass over ``X`` ``[..., n, C]`` (:func:`xhc.kernels.torch_ops.stream_moments`; the ``triton``
+    one pass over ``X`` ``[..., n, C]`` (:func:`xhc.norms.stream_moments`; the ``triton``
     backend reads X once in its own dtype)."""
     if backend == "triton":
         from xhc.kernels import triton_ops
@@ -301,6 +301,6 @@ def stream_moments(X: torch.Tensor, backend: str = "compile"):
 
         _, s1, s2 = triton_ops.linear_stats(X, fp32(X.new_empty(0, X.shape[-2] * X.shape[-1])))
         return s1, s2
-    from xhc.kernels import torch_ops
+    from xhc.norms import stream_moments as reference
 
-    return torch_ops.stream_moments(X)
+    return reference(X)
