@@ -16,22 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from xhc.norms import flat_moments, fp32, layer_norm_flat, layer_scale, rms_norm_flat, rms_scale
-
-
-def _cdt(*ts) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+from xhc.streams import compute_dtype as _cdt
+from xhc.streams import read_streams, scatter_active, write_streams
 
 
 # ------------------------------------------------------------------------------------------------
 # read: u_t = Σ_j h[t, j] X_j
 # ------------------------------------------------------------------------------------------------
 def read_reference(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Eager form: ``einsum`` on an fp32 copy of X (as :func:`xhc.hyper_connection.read_streams`)."""
-    single = h.dim() == X.dim() - 1
-    hh = h.unsqueeze(-2) if single else h
-    u = torch.einsum("...tn,...nc->...tc", hh.to(_cdt(h, X)), X.to(_cdt(h, X)))
-    u = u.squeeze(-2) if single else u
-    return u if out_dtype is None else u.to(out_dtype)
+    """The eager read: the reference :func:`xhc.streams.read_streams` (what :func:`read` is tested against)."""
+    return read_streams(h, X, out_dtype)
 
 
 UNROLL_MAX = 32  # contractions over at most this many streams/slots run as unrolled pointwise sums
@@ -209,14 +203,12 @@ def _index(I: torch.Tensor, C: int) -> torch.Tensor:
 
 
 def write_reference(X, I, Xa, H, P, V, out_dtype=None):
-    """Eager form of :func:`xhc.kernels.write` (autograd through einsum, gather-free scatter)."""
-    cdt = _cdt(Xa, H, P, V)
-    Xf = Xa.to(cdt)
-    mixed = Xf if H is None else torch.einsum("...jq,...qc->...jc", H.to(cdt), Xf)
-    new = mixed + torch.einsum("...js,...sc->...jc", P.to(cdt), V.to(cdt))
+    """The eager write (:func:`xhc.kernels.write` on ``eager``): the reference
+    :func:`xhc.streams.write_streams` of the rows, scattered into X at ``I`` by
+    :func:`xhc.streams.scatter_active` (autograd through einsum, gather-free scatter)."""
     if I is None:
-        return new.to(out_dtype or Xa.dtype)
-    return X.scatter(-2, _index(I, X.shape[-1]), new.to(X.dtype)).to(out_dtype or X.dtype)
+        return write_streams(Xa, H, P, V, out_dtype or Xa.dtype)
+    return scatter_active(X, I, write_streams(Xa, H, P, V, X.dtype)).to(out_dtype or X.dtype)
 
 
 def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
