@@ -131,7 +131,8 @@ def compare_grads(model, config, ref_grads):
 # ------------------------------------------------------------------------------------------------
 def run_tp_sp():
     from models.hc_layer import sequence_context
-    from xhc.temporal import SequenceContext, pos_in_doc_from_position_ids
+    from models.sequence import distributed_sequence_context
+    from xhc.temporal import pos_in_doc_from_position_ids
 
     tokens, labels, mask, position_ids = U.document_batch(BATCH, SEQ_HALO, eod=0,
                                                           doc_starts=[[9], [], [17, 20], [14, 28]])  # fmt: skip
@@ -168,8 +169,8 @@ def run_tp_sp():
             assert convs and all(hc_params[n].grad.abs().max() > 0 for n in convs), convs
         if hc.variant == "xhc":  # explicit context from Megatron's reset position ids == the mask's
             tp_rank = ps.get_tensor_model_parallel_rank()
-            seq = SequenceContext(pos_in_doc=pos_in_doc_from_position_ids(position_ids, tp_rank, 2),
-                                  group=ps.get_tensor_model_parallel_group())  # fmt: skip
+            seq = distributed_sequence_context(pos_in_doc_from_position_ids(position_ids, tp_rank, 2),
+                                               ps.get_tensor_model_parallel_group())  # fmt: skip
             with torch.no_grad(), sequence_context(seq):
                 explicit = _loss(model, batch)
             with torch.no_grad():
@@ -267,8 +268,8 @@ def run_cp():
     SequenceContext that models.sequence derives from Megatron's parallel state."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from models.parallel import batch_on_this_cp_rank
+    import models.sequence as ms
     from models.sequence import sequence_context_from_megatron
-    import xhc.temporal as xt
     from xhc.temporal import SequenceContext, pos_in_doc_from_cu_seqlens
     from xhc.xhc import XHCSublayer
 
@@ -327,8 +328,8 @@ def run_cp():
         # Every layer of a forward gets the same inputs, hence the same context: the exchange is
         # planned (all-gathers + host sync) once per micro-batch, not once per xHC MLP sublayer.
         plans = []
-        real_plan = xt._exchange_plan
-        xt._exchange_plan = lambda *a, **k: plans.append(1) or real_plan(*a, **k)
+        real_plan = ms._exchange_plan
+        ms._exchange_plan = lambda *a, **k: plans.append(1) or real_plan(*a, **k)
         try:
             for _ in range(3):  # three "layers"
                 again = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
@@ -341,7 +342,7 @@ def run_cp():
                 assert sequence_context_from_megatron(config, None, nxt, len(want_rows), b,
                                                       hc.conv_doc_reset) is not seq
         finally:
-            xt._exchange_plan = real_plan
+            ms._exchange_plan = real_plan
         seq = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
         out = run(X_local, seq)
         _close(f"{layout} output", out.detach(), out_ref.detach()[rows])
