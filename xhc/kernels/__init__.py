@@ -17,9 +17,13 @@ Backends (``HCConfig.kernels``):
            ``torch.compile``, where Liger's op is not used either)
 =========  ============================================================================
 
-Every op here has the signature of its reference and takes ``backend`` (a *resolved* name, from
-:func:`resolve_backend`).  The reference functions stay in :mod:`xhc.doubly_stochastic`,
-:mod:`xhc.hyper_connection`, :mod:`xhc.xhc`; tests compare every backend against them.
+This package is the only place that dispatches an HC op: the maths modules (:mod:`xhc.hyper_connection`,
+:mod:`xhc.xhc`, :mod:`xhc.flash`) call the ops below with a *resolved* backend (from
+:func:`resolve_backend`) and never branch on its name.  Every op has the signature of its
+reference, and ``eager`` runs that reference: :mod:`xhc.streams` (read, write, gather, scatter),
+:mod:`xhc.doubly_stochastic` (Sinkhorn), :mod:`xhc.norms` (norms and their statistics); tests
+compare every backend against them.  Those modules import only torch, so this package imports
+them without a cycle.
 
 ==================  ==========================================================================
 :func:`sinkhorn`    H = Sinkhorn–Knopp(Z) (docs/math.md §1.4), one op, hand-written backward
@@ -31,7 +35,11 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 ==================  ==========================================================================
 
 :func:`stream_moments` gives the per-row Σ X and Σ X² of the state in one pass (the flat norms'
-statistics, §1.5); on ``triton`` :func:`norm_linear` computes them in the GEMM's pass.
+statistics, §1.5); on ``triton`` :func:`norm_linear` computes them in the GEMM's pass, and
+:func:`linear_moment` gives a GEMM with the mean square of its input.  :func:`fused` says whether a
+backend takes the fused coefficient path (norm after the GEMM, Gram–Schmidt folded into the
+write); :func:`liger_runs` / :func:`mhc_coefficients` are Liger-Kernel's mHC op; :func:`compile_module`
+is the one place HC code is put under ``torch.compile``.
 """
 
 from __future__ import annotations
