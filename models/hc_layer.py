@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -48,7 +49,13 @@ def sequence_context(seq):
     """Give every HC layer an explicit :class:`xhc.temporal.SequenceContext` for one forward pass
     (e.g. built from ``reset_position_ids`` position ids).  Without it, layers derive the document
     layout from the attention mask or ``packed_seq_params`` they receive, and the SP/CP layout from
-    Megatron's parallel state."""
+    Megatron's parallel state.  A context with a process ``group`` but no ``exchange`` gets
+    :data:`models.sequence.HALO_EXCHANGE` (the halo exchange over torch.distributed; ``xhc``
+    itself never communicates)."""
+    if seq is not None and seq.group is not None and seq.exchange is None:
+        from models.sequence import HALO_EXCHANGE
+
+        seq = dataclasses.replace(seq, exchange=HALO_EXCHANGE)
     token = _SEQ_OVERRIDE.set(seq)
     try:
         yield seq

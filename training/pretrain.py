@@ -584,14 +584,13 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from models.hc_layer import sequence_context
-        from models.sequence import distributed_sequence_context
-        from xhc.temporal import pos_in_doc_from_position_ids
+        from xhc.temporal import SequenceContext, pos_in_doc_from_position_ids
 
         sp = self.cfg.parallel.tp if self.cfg.parallel.sp else 1
         rank = ps.get_tensor_model_parallel_rank() if sp > 1 else 0
         group = ps.get_tensor_model_parallel_group() if sp > 1 else None
         pos = pos_in_doc_from_position_ids(batch["position_ids"], rank, sp)
-        return sequence_context(distributed_sequence_context(pos, group))
+        return sequence_context(SequenceContext(pos_in_doc=pos, group=group))
 
     def _model_forward(self, model, batch):
         """Per-token loss ``[b, s]`` on the last stage, the hidden state elsewhere."""

@@ -131,8 +131,7 @@ def compare_grads(model, config, ref_grads):
 # ------------------------------------------------------------------------------------------------
 def run_tp_sp():
     from models.hc_layer import sequence_context
-    from models.sequence import distributed_sequence_context
-    from xhc.temporal import pos_in_doc_from_position_ids
+    from xhc.temporal import SequenceContext, pos_in_doc_from_position_ids
 
     tokens, labels, mask, position_ids = U.document_batch(BATCH, SEQ_HALO, eod=0,
                                                           doc_starts=[[9], [], [17, 20], [14, 28]])  # fmt: skip
@@ -169,8 +168,8 @@ def run_tp_sp():
             assert convs and all(hc_params[n].grad.abs().max() > 0 for n in convs), convs
         if hc.variant == "xhc":  # explicit context from Megatron's reset position ids == the mask's
             tp_rank = ps.get_tensor_model_parallel_rank()
-            seq = distributed_sequence_context(pos_in_doc_from_position_ids(position_ids, tp_rank, 2),
-                                               ps.get_tensor_model_parallel_group())  # fmt: skip
+            seq = SequenceContext(pos_in_doc=pos_in_doc_from_position_ids(position_ids, tp_rank, 2),
+                                  group=ps.get_tensor_model_parallel_group())  # fmt: skip
             with torch.no_grad(), sequence_context(seq):
                 explicit = _loss(model, batch)
             with torch.no_grad():
