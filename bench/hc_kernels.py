@@ -404,7 +404,7 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
     compiled = backend == "compile"
     if compiled:
         torch._dynamo.reset()
-        from xhc.kernels import compile_options  # the options models.hc_layer.compile_hc_modules uses
+        from xhc.kernels import compile_options  # the options xhc.kernels.compile_module (model.compile_hc) uses
 
         step = torch.compile(unit.step, fullgraph=True, options=compile_options(compile_mode))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -48,7 +49,13 @@ def sequence_context(seq):
     """Give every HC layer an explicit :class:`xhc.temporal.SequenceContext` for one forward pass
     (e.g. built from ``reset_position_ids`` position ids).  Without it, layers derive the document
     layout from the attention mask or ``packed_seq_params`` they receive, and the SP/CP layout from
-    Megatron's parallel state."""
+    Megatron's parallel state.  A context with a process ``group`` but no ``exchange`` gets
+    :data:`models.sequence.HALO_EXCHANGE` (the halo exchange over torch.distributed; ``xhc``
+    itself never communicates)."""
+    if seq is not None and seq.group is not None and seq.exchange is None:
+        from models.sequence import HALO_EXCHANGE
+
+        seq = dataclasses.replace(seq, exchange=HALO_EXCHANGE)
     token = _SEQ_OVERRIDE.set(seq)
     try:
         yield seq
@@ -468,42 +475,23 @@ def set_hc_recompute(model: torch.nn.Module, enabled: bool = True) -> int:
     return count
 
 
-_HC_METHODS = ("read", "write", "begin", "attn_read", "attn_write", "mlp_read", "mlp_write")
-
-
 def compile_hc_modules(model: torch.nn.Module, fullgraph: bool = False, **compile_kwargs) -> int:
     """Wrap the HC methods (``read``/``write``, Flash ``begin``/``attn_*``/``mlp_*``) of every HC
-    module of ``model`` in ``torch.compile``: the ``compile`` kernel backend's fused ops then run as
-    inductor kernels while the backbone (attention, MoE dispatch) stays eager.  Returns the number of
-    modules wrapped.  ``fullgraph=True`` turns a graph break into an error."""
-    import os
+    module of ``model`` in ``torch.compile`` by :func:`xhc.kernels.compile_module` (the one owner of
+    how HC code is compiled: methods, inductor options, dynamo cache sizes): the ``compile`` kernel
+    backend's fused ops then run as inductor kernels while the backbone (attention, MoE dispatch)
+    stays eager.  Returns the number of modules wrapped.  ``fullgraph=True`` turns a graph break
+    into an error."""
+    from xhc.kernels import check_compile_enabled, compile_module
 
-    import torch._dynamo
-
-    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":  # torch.compile would silently run eagerly
-        raise RuntimeError("compile_hc_modules: torch.compile is switched off in this process "
-                           "(TORCHDYNAMO_DISABLE=1); unset TORCHDYNAMO_DISABLE to compile the HC modules")
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
-    from xhc.kernels import compile_options
-
-    kw = dict(compile_kwargs)
-    if kw.get("backend", "inductor") == "inductor":  # HC graphs get xhc.kernels.INDUCTOR_OPTIONS
-        kw["options"] = {**compile_options(kw.pop("mode", None)), **(kw.get("options") or {})}
+    check_compile_enabled()
     count = 0
     for layer in model.modules():
         if not isinstance(layer, HyperConnectionTransformerLayer) or not layer.hc_enabled:
             continue
         for mod in (layer.self_attention_hyper_connection, layer.mlp_hyper_connection):
-            if mod is None or getattr(mod, "_hc_compiled", False):
-                continue
-            for name in _HC_METHODS:
-                fn = getattr(mod, name, None)
-                if fn is not None:
-                    setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **kw))
-            mod._hc_compiled = True
-            count += 1
+            if mod is not None and compile_module(mod, fullgraph, **compile_kwargs):
+                count += 1
     return count
 
 

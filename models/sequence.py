@@ -11,23 +11,187 @@ a ``TransformerLayer`` receives plus Megatron's parallel state:
 - Documents: ``packed_seq_params`` (THD, ``cu_seqlens``) or an attention mask that resets between
   documents (``reset_attention_mask``); an explicit context from position ids can be installed
   with :func:`models.hc_layer.sequence_context` instead.
+
+The rows other ranks hold travel here too: :class:`DistHaloExchange` (``HALO_EXCHANGE``) is the
+halo exchange over torch.distributed that every distributed context carries (the maths package
+``xhc`` takes the halo rows as tensors and never communicates; docs/math.md §3.6).
 """
 
 from __future__ import annotations
 
+import bisect
 import weakref
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
-from megatron.core import parallel_state as ps
+import torch.distributed as dist
+from torch import Tensor
 
 from xhc.temporal import (
+    Segments,
     SequenceContext,
+    _fit_halo,  # the last H rows of a segment, zero-filled in front
     cp_segments,
     pos_in_doc_from_cu_seqlens,
     take_segments,
     thd_cp_segments,
 )
+
+# ----------------------------------------------------------------------------------------------
+# Halo exchange over torch.distributed (docs/math.md §3.6): the temporal conv's SP / CP rows
+# ----------------------------------------------------------------------------------------------
+class _SPHaloExchange(torch.autograd.Function):
+    """SP layout: forward sends the last H rows to rank+1 and receives H rows from rank−1 (rank 0:
+    zeros); backward sends the halo gradient back to rank−1 and adds what rank+1 returns to dy."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, H: int, group) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.H, ctx.group, ctx.rank, ctx.world, ctx.shape = H, group, rank, world, y.shape
+        tail = y[y.shape[0] - H :].contiguous()
+        halo = torch.zeros_like(tail)
+        ops = []
+        if rank + 1 < world:
+            ops.append(dist.P2POp(dist.isend, tail, dist.get_global_rank(group, rank + 1), group))
+        if rank > 0:
+            ops.append(dist.P2POp(dist.irecv, halo, dist.get_global_rank(group, rank - 1), group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        return halo
+
+    @staticmethod
+    def backward(ctx, d_halo: Tensor):
+        d_halo = d_halo.contiguous()
+        d_tail = torch.zeros_like(d_halo)
+        ops = []
+        if ctx.rank > 0:
+            ops.append(dist.P2POp(dist.isend, d_halo, dist.get_global_rank(ctx.group, ctx.rank - 1), ctx.group))
+        if ctx.rank + 1 < ctx.world:
+            ops.append(dist.P2POp(dist.irecv, d_tail, dist.get_global_rank(ctx.group, ctx.rank + 1), ctx.group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        dy = d_halo.new_zeros(ctx.shape)
+        dy[ctx.shape[0] - ctx.H :] = d_tail
+        return dy, None, None
+
+
+class _AllGatherStack(torch.autograd.Function):
+    """``[...]`` -> ``[world, ...]``; backward all-reduces the gradient and keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group, ctx.rank = group, dist.get_rank(group)
+        x = x.contiguous()
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x, group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def _exchange_plan(segments: Segments, H: int, group, device) -> Tuple[int, Tensor]:
+    """Gather every rank's segments; for each local halo row find the tail row that holds it.
+
+    Returns ``(n_max, idx)``: ``n_max`` = most segments on any rank (tails are padded to it) and
+    ``idx[k, h]`` = flat row of the gathered tails ``[world, n_max, H]`` holding global position
+    ``start_k − H + h``, or ``world·n_max·H`` (an appended zero row) for positions before 0.
+    """
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(segments)], dtype=torch.long, device=device)
+    counts = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(counts, n, group=group)
+    n_max = max(int(c) for c in counts)
+    meta = torch.full((n_max, 2), -1, dtype=torch.long, device=device)
+    meta[: len(segments)] = torch.tensor(segments, dtype=torch.long, device=device).view(-1, 2)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+
+    owners = sorted(
+        (start, start + length, rk, k)
+        for rk, m in enumerate(metas)
+        for k, (start, length) in enumerate(m.tolist())
+        if length > 0
+    )
+    starts = [o[0] for o in owners]
+    for a, b in zip(owners[:-1], owners[1:]):
+        if a[1] > b[0]:
+            raise ValueError(f"SequenceContext.segments overlap across ranks: rows {a[:2]} and {b[:2]}")
+    zero_row = world * n_max * H
+    idx = []
+    for start, _ in segments:
+        row_idx = []
+        for p in range(start - H, start):
+            if p < 0:
+                row_idx.append(zero_row)
+                continue
+            o = bisect.bisect_right(starts, p) - 1
+            if o < 0 or not owners[o][0] <= p < owners[o][1]:
+                raise ValueError(
+                    f"SequenceContext.segments: global row {p} (needed before segment start {start}) "
+                    "is held by no rank of the group; pass every piece's rank in group"
+                )
+            o_start, o_end, rk, k = owners[o]
+            row_idx.append((rk * n_max + k) * H + p - (o_end - H))
+        idx.append(row_idx)
+    return n_max, torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def _segment_halos(y: Tensor, seq: SequenceContext, H: int) -> List[Tensor]:
+    """General layout: one halo ``[H, b, C]`` per local segment, via a tiny all-gather."""
+    s, b, C = y.shape
+    if H not in seq._plans:
+        seq._plans[H] = _exchange_plan(seq.segments, H, seq.group, y.device)
+    n_max, idx = seq._plans[H]
+    tails = [_fit_halo(seg, H, seg) for seg in y.split([n for _, n in seq.segments], 0)]
+    tails += [y.new_zeros(H, b, C)] * (n_max - len(tails))
+    gathered = _AllGatherStack.apply(torch.stack(tails), seq.group)  # [world, n_max, H, b, C]
+    flat = torch.cat([gathered.reshape(-1, b, C), y.new_zeros(1, b, C)], 0)
+    return list(flat[idx.flatten()].view(len(seq.segments), H, b, C))
+
+
+class DistHaloExchange:
+    """The temporal conv's halo exchange over a process group (:data:`xhc.temporal.HaloExchange`):
+    ``exchange(y, H, seq)`` -> the H rows preceding each local segment of ``y`` ``[s, b, C]``.
+
+    * plain SP (``seq.segments`` None): one point-to-point autograd function over ``seq.group``
+      (rank t sends its last H rows to t+1; backward sends the halo gradient back); needs ≥ H local
+      tokens per rank;
+    * general layout (``seq.segments``; CP, CP+SP, THD+CP): one small all-gather of every segment's
+      tail, assembled row by row by a plan computed once per context (``seq._plans``).
+    """
+
+    def __call__(self, y: torch.Tensor, H: int, seq: SequenceContext) -> List[Optional[torch.Tensor]]:
+        if seq.segments is not None:
+            return _segment_halos(y, seq, H)
+        if dist.get_world_size(seq.group) == 1:
+            return [None]
+        if y.shape[0] < H:
+            raise ValueError(
+                f"TemporalAugmentation: the sequence-parallel halo needs >= kappa_max-1 = {H} local tokens "
+                f"per rank, got s={y.shape[0]}; use a longer sequence or fewer SP ranks, or pass "
+                "SequenceContext.segments (the general exchange has no minimum)"
+            )
+        return [_SPHaloExchange.apply(y, H, seq.group)]
+
+
+HALO_EXCHANGE = DistHaloExchange()
+"""The exchange every Megatron-built :class:`~xhc.temporal.SequenceContext` carries."""
+
+
+def distributed_sequence_context(pos_in_doc: Optional[torch.Tensor] = None, group=None,
+                                 segments: Optional[Segments] = None) -> SequenceContext:
+    """A :class:`~xhc.temporal.SequenceContext` whose rows are spread over the process ``group``
+    (plain SP slices, or ``segments``; see :func:`xhc.temporal.sp_segments`, :func:`~xhc.temporal.cp_segments`,
+    :func:`~xhc.temporal.thd_cp_segments`), with :data:`HALO_EXCHANGE` as its exchange.
+    ``group`` None: this rank holds the whole sequence (no exchange)."""
+    return SequenceContext(pos_in_doc=pos_in_doc, group=group, segments=segments,
+                           exchange=HALO_EXCHANGE if group is not None else None)
+
+
 
 _MASK_CACHE: dict = {}
 
@@ -111,6 +275,8 @@ def sequence_context_from_megatron(config, attention_mask, packed_seq_params, s:
 def _layout(config):
     """``(sp, cp, sp_rank, cp_rank, group)`` of the local rows: SP size (TP with sequence
     parallelism, else 1), CP size, ranks in each, and the group holding the sequence's pieces."""
+    from megatron.core import parallel_state as ps  # here, so the halo exchange imports without Megatron
+
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     cp = ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     sp = tp if (config.sequence_parallel and tp > 1) else 1
@@ -163,4 +329,4 @@ def _build_sequence_context(layout, attention_mask, packed_seq_params, s: int, b
     elif sp > 1:
         if segments is not None and packed_seq_params is not None:
             segments = None  # plain SP slices: the consecutive-slice halo is exact
-    return SequenceContext(pos_in_doc=pos, group=group, segments=segments)
+    return distributed_sequence_context(pos, group, segments)

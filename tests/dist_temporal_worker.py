@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from models.sequence import distributed_sequence_context
 from xhc.temporal import (
-    SequenceContext,
     TemporalAugmentation,
     cp_segments,
     sp_segments,
@@ -59,7 +59,7 @@ def _run(rank, world, cases_path, out_dir, init_file):
         m.double()
         y = take_segments(case["y"], segs).clone().requires_grad_(True)
         pos = take_segments(case["pos"], segs) if case.get("pos") is not None else None
-        seq = SequenceContext(pos_in_doc=pos, group=dist.group.WORLD, segments=seq_segs)
+        seq = distributed_sequence_context(pos, dist.group.WORLD, seq_segs)
         result = {"segments": segs}
         try:
             V = m(y, seq)

@@ -27,12 +27,17 @@ Equations (shape legend of :mod:`xhc.xhc`; per token):
 
 ==============================  ==================================================================
 :meth:`XHCFlashLayer.begin`     (I, p), h^A, h^M from X^(0);  inp_A = Σ_i h^A_i X^(0)_i, inp_M likewise
+                                (base readouts: one :func:`~xhc.streams.read_streams` of T = 2 maps)
 :func:`flash_mlp_input`         inp_MLP = inp_M + Σ_t β_t·V^A_t,  β_t = Σ_j h^M[I_j]·p_j·H_post^A[j,t]
-:func:`nonactive_base`          base_t = Σ_{i∉I} h^t_i · X^(0)_i                    (4sub, once)
-:func:`split_read`              u_t = base_t + Σ_j h^t[I_j] · X_a[j]               (4sub)
-:func:`~xhc.xhc.sparse_write`   attention / M1: X_a ← X_a + diag(p)·H_post·V (no H_res);
+:func:`nonactive_weights`       base_t = Σ_{i∉I} h^t_i · X^(0)_i = read_streams(h·[i∉I], X^(0))  (4sub, once)
+:func:`flash4_read`             u_t = base_t + Σ_j h^t[I_j] · X_a[j]    (split read; read_streams on X_a)
+:func:`carried_write`           attention / M1: X_a ← X_a + diag(p)·H_post·V (no H_res);
                                 last MLP: X_a ← H_res·X_a + diag(p)·H_post·V;  then one scatter
+                                (:func:`~xhc.streams.write_streams`, :func:`~xhc.streams.scatter_active`)
 ==============================  ==================================================================
+
+Every read and write runs as :func:`xhc.kernels.read` / :func:`~xhc.kernels.write` on the resolved
+backend (``eager``: the reference functions of :mod:`xhc.streams`; docs/kernels.md).
 
 Every H_post (and the final H_res) is generated from the *current* carried X_a (docs/math.md §8 #24).
 With K_A = 1 (attention, default) the correction is the documented scalar form β·y_A; with
@@ -61,39 +66,29 @@ import torch.nn as nn
 
 from xhc import kernels
 from xhc.config import FLASH_FAMILY, HCConfig
-from xhc.kernels.torch_ops import moments_of_rows
-from xhc.norms import fp32, rms_norm_flat
+from xhc.norms import fp32, moments_of_rows, rms_norm_flat
 from xhc.router import StreamRouter
 from xhc.xhc import (
+    Components,
     PostMapping,
     ReadMapping,
     ResMapping,
     active_mappings,
+    branch_components,
     check_xhc_config,
-    default_fused,
     entry_mappings,
     entry_statistics,
     fold_components,
     make_temporal,
     mapping_diagnostics,
     num_components,
-    scatter_active,
-    sparse_write,
+    resolve_fused,
     write_components,
-    write_components_folded,
 )
 
 # ================================================================================================
 # Equations
 # ================================================================================================
-
-
-def base_readouts(h: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """inp_t = Σ_i h^t_i · X_i for several read maps in one pass (docs/math.md §4.1 base readouts).
-
-    ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``  ->  fp32 ``[..., T, C]``.
-    """
-    return torch.einsum("...tn,...nc->...tc", h, fp32(X))
 
 
 def flash_mlp_input(
@@ -110,69 +105,48 @@ def flash_mlp_input(
     return fp32(inp_M) + torch.einsum("...t,...tc->...c", beta, V_A)
 
 
-def nonactive_base(h: torch.Tensor, X: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
-    """base_t = Σ_{i∉I} h^t_i · X_i  (docs/math.md §4.2 split dense read; computed once at window entry).
+@dataclass(frozen=True)
+class WindowRun:
+    """How a window runs its sublayers: the resolved kernel ``backend``, whether the coefficients take
+    the ``fused`` path (:func:`~xhc.xhc.resolve_fused`) and the mapping norm's ``eps``."""
 
-    ``h``: ``[..., T, N]``;  ``X``: ``[..., N, C]``;  ``I``: ``[..., k]``  ->  fp32 ``[..., T, C]``.
-    """
-    active = I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1])
-    h_inactive = h.scatter(-1, active, torch.zeros_like(active, dtype=h.dtype))
-    return base_readouts(h_inactive, X)
-
-
-def split_read(base: torch.Tensor, h_active: torch.Tensor, Xa: torch.Tensor) -> torch.Tensor:
-    """u_t = base_t + Σ_j h^t[I_j] · X_a[j]  (docs/math.md §4.2).
-
-    ``base``: ``[..., C]``;  ``h_active``: ``[..., k]``;  ``Xa``: ``[..., k, C]``  ->  fp32 ``[..., C]``.
-    """
-    return base + torch.einsum("...j,...jc->...c", h_active, fp32(Xa))
+    backend: str
+    fused: bool
+    eps: float
 
 
-def carried_write(
-    Xa: torch.Tensor,
-    p: torch.Tensor,
-    post: PostMapping,
-    V: torch.Tensor,
-    res: Optional[ResMapping] = None,
-    eps: float = 1e-6,
-    fused: bool = False,
-    backend: str = "eager",
-    X0: Optional[torch.Tensor] = None,
-    I: Optional[torch.Tensor] = None,
-    L: Optional[torch.Tensor] = None,
-    moments=None,
-):
+@dataclass(frozen=True)
+class WindowExit:
+    """The window exit of the last write: scatter the new X_a into the entry state ``X0`` at rows ``I``."""
+
+    X0: torch.Tensor  # [..., N, C] window-entry state, residual dtype
+    I: torch.Tensor  # [..., k] long active streams
+
+
+def nonactive_weights(h: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
+    """h with the active entries zeroed, h^t_i · [i ∉ I] ``[..., T, N]``: read by
+    :func:`xhc.kernels.read`, base_t = Σ_{i∉I} h^t_i · X^(0)_i  (docs/math.md §4.2 split dense read)."""
+    return h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
+
+
+def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping],
+                  comps: Components, run: WindowRun, exit: Optional[WindowExit] = None, moments=None):
     """One window sublayer's write on the carried active streams (docs/math.md §4.1, §4.2 "Writes").
 
     H_post (and H_res when ``res`` is given) come from RMSNorm(vec X_a) of the *current* X_a
-    (docs/math.md §8 #24); X_a ← [H_res·]X_a + diag(p)·H_post·V.  ``fused``: the res/post projections in
-    one GEMM with the norm after it; a non-eager ``backend`` runs the write as one op
-    (:func:`xhc.kernels.write`).
-    ``Xa``: ``[..., k, C]``  ->  (new X_a ``[..., k, C]``, H_res or None, H_post); new X_a is fp32 on
-    ``eager`` and in X_a's dtype otherwise.  With ``X0`` and ``I`` the new X_a is scattered into
-    X0 (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
-    ``L``: Gram–Schmidt coefficients when ``V`` holds the raw components (:func:`write_components_folded`;
-    fused backends only).  ``moments``: (μ, ν) of vec(X_a) when already known.
+    (docs/math.md §8 #24), by :func:`~xhc.xhc.active_mappings`; X_a ← [H_res·]X_a + diag(p)·H_post·V
+    by :func:`xhc.kernels.write` on ``run.backend`` (``eager``: :func:`xhc.streams.write_streams`).
+    ``Xa``: ``[..., k, C]``;  ``comps``: the components (:func:`~xhc.xhc.branch_components`; their
+    Gram–Schmidt coefficients, if any, are folded into the branch weights)  ->  (new X_a
+    ``[..., k, C]`` in X_a's dtype, H_res or None, H_post).  With ``exit`` the new X_a is scattered
+    into ``exit.X0`` (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
+    ``moments``: (μ, ν) of vec(X_a) when already known.
     """
-    H_res, H_post = active_mappings(Xa, [res, post], eps, fused, moments)
-    if backend == "eager":
-        new = sparse_write(Xa, H_res, p, H_post, V)
-        return (new if X0 is None else scatter_active(X0, I, new)), H_res, H_post
-    P = fold_components(p.unsqueeze(-1) * H_post, L)
+    H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
+    P = fold_components(p.unsqueeze(-1) * H_post, comps.L)
+    X0, I = (None, None) if exit is None else (exit.X0, exit.I)
     out_dtype = Xa.dtype if X0 is None else X0.dtype
-    return kernels.write(X0, I, Xa, H_res, P, V, out_dtype, backend=backend), H_res, H_post
-
-
-def _components(y, temporal, cfg: HCConfig, seq, backend: str):
-    """(V, L) for a write: the orthogonalised V and ``None`` on ``eager``; the raw components and
-    their Gram–Schmidt coefficients on the fused backends (folded into P by :func:`carried_write`)."""
-    if backend == "eager":
-        return write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None
-    return write_components_folded(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq)
-
-
-def _backend(module: nn.Module, X: torch.Tensor) -> str:
-    return kernels.resolve_backend(module.cfg.kernels, X.device)
+    return kernels.write(X0, I, Xa, H_res, P, comps.V, out_dtype, backend=run.backend), H_res, H_post
 
 
 def _check_stage(state, expected, what: str) -> None:
@@ -204,7 +178,34 @@ class FlashState:
 
 
 class _WindowPart(nn.Module):
-    """Shared by the Flash window modules: re-initialise every mapping, count HC parameters."""
+    """Shared by the Flash window modules (:class:`XHCFlashLayer`, :class:`Flash4FirstLayer`,
+    :class:`Flash4SecondLayer`): the common settings, how a window runs on the current device,
+    the two-sublayer drive, the last mixing and the diagnostics.
+
+    A part sets ``_res_name`` (the attribute of the window's last H_res mapping it owns, or None)
+    and ``_mixing_stage`` (the state stage at which that mapping is next applied).
+    """
+
+    _res_name: Optional[str] = None
+    _mixing_stage: Optional[str] = None
+
+    def _setup(self, cfg: HCConfig, hidden_size: int, layer_index: int, fused: Optional[bool]) -> None:
+        self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
+        self.layer_index, self.fused = layer_index, fused  # fused None: follow the resolved backend
+        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+
+    def _run(self, X: torch.Tensor) -> WindowRun:
+        """The resolved backend for tensors like ``X``, the fused choice that follows it, the norm ε."""
+        backend = kernels.resolve_backend(self.cfg.kernels, X.device)
+        return WindowRun(backend, resolve_fused(self.fused, backend), self.cfg.norm_eps)
+
+    def _components(self, y: torch.Tensor, temporal: Optional[nn.Module], seq, backend: str) -> Components:
+        return branch_components(y, temporal, self.cfg, seq, backend)
+
+    def _two_sublayers(self, st, attn: Callable, mlp: Callable, seq=None):
+        """attention then MLP on a window state: ``mlp_write(st', mlp(mlp_read(st')))``, st' = attn_write(…)."""
+        st = self.attn_write(st, attn(self.attn_read(st)), seq)
+        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -214,6 +215,21 @@ class _WindowPart(nn.Module):
 
     def hc_parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def mlp_mixing(self, state) -> Optional[torch.Tensor]:
+        """The window's last H_res ``[..., k, k]`` from the state's carried X_a (diagnostics; the state
+        must be at :attr:`_mixing_stage`), None when this part owns none or it is ablated."""
+        res = getattr(self, self._res_name) if self._res_name is not None else None
+        if res is None:
+            return None
+        return res(rms_norm_flat(state.Xa.flatten(-2), self.cfg.norm_eps))
+
+    def diagnostics(self, state) -> dict:
+        """Detached logging tensors (router load ``[N]``, route weight, H_res distance from I, …); the
+        H_res entries need a state at :attr:`_mixing_stage`."""
+        with torch.no_grad():
+            H = self.mlp_mixing(state) if state.stage == self._mixing_stage else None
+        return mapping_diagnostics(state.I, state.p, self.n, H)
 
 
 class XHCFlashLayer(_WindowPart):
@@ -225,15 +241,16 @@ class XHCFlashLayer(_WindowPart):
         hidden_size: C.
         layer_index: global 0-based *transformer layer* index i (sublayers ℓ = 2i, 2i+1); used only
             by ``read_init='one_hot'`` (hot stream ℓ mod N).
-        fused: router and both pre-projections in one GEMM (:func:`~xhc.xhc.fused_entry_projections`).
+        fused: router and both pre-projections in one GEMM (:func:`~xhc.xhc.fused_entry_projections`);
+            default (``None``): what the resolved backend runs (:func:`~xhc.xhc.resolve_fused`).
     """
+
+    _res_name, _mixing_stage = "res_M", "attn_done"
 
     def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
         check_xhc_config(cfg, FLASH_FAMILY)
-        self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
-        self.layer_index, self.fused = layer_index, default_fused(cfg, fused)
-        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        self._setup(cfg, hidden_size, layer_index, fused)
         C, k = hidden_size, cfg.k
         read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
         self.router = StreamRouter(cfg.n, C, k, cfg.m, cfg.router, cfg.norm_eps)
@@ -246,22 +263,21 @@ class XHCFlashLayer(_WindowPart):
         self.post_M = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M = make_temporal(cfg, C, True)
 
-
     # --------------------------------------------------------------------------------------------
     def begin(self, X0: torch.Tensor) -> FlashState:
         """Window entry: routing, h^A and h^M, both base readouts, gather (one pass over X^(0)).
 
         ``X0``: ``[s, b, N, C]`` (any leading dims)  ->  :class:`FlashState`.
         """
-        backend = _backend(self, X0)
-        stats, entry_mom = entry_statistics(X0, self.fused, backend)
-        routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], self.cfg.norm_eps,
-                                              self.fused, entry_mom, backend)
+        run = self._run(X0)
+        stats, entry_mom = entry_statistics(X0, run.fused, run.backend)
+        routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], run.eps, run.fused,
+                                              entry_mom, run.backend)
         h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
-        inp = base_readouts(h, X0) if backend == "eager" else kernels.read(h, X0, fp32(h).dtype, backend=backend)
+        inp = kernels.read(h, X0, fp32(h).dtype, backend=run.backend)  # inp_t = Σ_i h^t_i X^(0)_i
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], routing.I)
-        return FlashState(X0, routing.I, routing.p, routing.score, h, inp, kernels.gather(X0, routing.I, backend),
-                          act_moments=act)
+        return FlashState(X0, routing.I, routing.p, routing.score, h, inp,
+                          kernels.gather(X0, routing.I, run.backend), act_moments=act)
 
     def attn_read(self, state: FlashState) -> torch.Tensor:
         """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
@@ -269,11 +285,13 @@ class XHCFlashLayer(_WindowPart):
         return state.inp[..., 0, :].to(state.X0.dtype)
 
     def attn_write(self, state: FlashState, y: torch.Tensor, seq=None) -> FlashState:
-        """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (docs/math.md §4.1 attention sublayer)."""
+        """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (docs/math.md §4.1 attention sublayer).
+
+        V_A is orthogonalised on every backend: :meth:`mlp_read`'s correction reads it."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
         V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
-        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, V, None, self.cfg.norm_eps, self.fused,
-                                      _backend(self, state.X0), moments=state.act_moments)
+        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, None, Components(V, None), self._run(state.X0),
+                                      moments=state.act_moments)
         return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done",
                                    act_moments=None)
 
@@ -287,31 +305,15 @@ class XHCFlashLayer(_WindowPart):
     def mlp_write(self, state: FlashState, y: torch.Tensor, seq=None) -> torch.Tensor:
         """X_a^(M) = H_res^M·X_a^(A) + diag(p)·H_post^M·V, scattered into X^(0): X^(1) ``[..., N, C]``."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_write")
-        backend = _backend(self, state.X0)
-        V, L = _components(y, self.temporal_M, self.cfg, seq, backend)
-        X1, _, _ = carried_write(state.Xa, state.p, self.post_M, V, self.res_M, self.cfg.norm_eps, self.fused,
-                                 backend, state.X0, state.I, L)
+        run = self._run(state.X0)
+        comps = self._components(y, self.temporal_M, seq, run.backend)
+        X1, _, _ = carried_write(state.Xa, state.p, self.post_M, self.res_M, comps, run,
+                                 WindowExit(state.X0, state.I))
         return X1
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
         """Convenience: the whole window with branch callables ``attn(u)``, ``mlp(u)`` -> X^(1)."""
-        st = self.begin(X0)
-        st = self.attn_write(st, attn(self.attn_read(st)), seq)
-        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
-
-    # --------------------------------------------------------------------------------------------
-    def mlp_mixing(self, state: FlashState) -> Optional[torch.Tensor]:
-        """H_res^M ``[..., k, k]`` for a state after attn_write (diagnostics), None when ablated."""
-        if self.res_M is None:
-            return None
-        return self.res_M(rms_norm_flat(state.Xa.flatten(-2), self.cfg.norm_eps))
-
-    def diagnostics(self, state: FlashState) -> dict:
-        """Detached logging tensors (router load ``[N]``, H_res^M distance from I, …); needs a state
-        after :meth:`attn_write` for the H_res entries."""
-        with torch.no_grad():
-            H = self.mlp_mixing(state) if state.stage == "attn_done" else None
-        return mapping_diagnostics(state.I, state.p, self.n, H)
+        return self._two_sublayers(self.begin(X0), attn, mlp, seq)
 
     def extra_repr(self) -> str:
         c = self.cfg
@@ -350,39 +352,39 @@ class Flash4State:
 
 
 def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
-    """u_t of sublayer ``t`` (0..3) by the split read (docs/math.md §4.2)  ->  ``[..., C]`` residual dtype."""
+    """u_t of sublayer ``t`` (0..3) by the split read u_t = base_t + Σ_j h^t[I_j] · X_a[j]
+    (docs/math.md §4.2)  ->  ``[..., C]`` residual dtype."""
     if state.step != t:
         raise RuntimeError(
             f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
         )
     h_a = state.h_active[..., t, :]
-    if state.backend == "eager":
-        return split_read(state.base[..., t, :], h_a, state.Xa).to(state.X0.dtype)
     u = state.base[..., t, :] + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
     return u.to(state.X0.dtype)
 
 
-def _flash4_write(state: Flash4State, t: int, y, post, temporal, res, cfg: HCConfig, seq, fused: bool,
-                  scatter: bool = False):
-    """Sublayer ``t``'s write; ``scatter`` (M2): the window exit X' ``[..., N, C]`` instead of a state."""
-    if state.step != t:
-        raise RuntimeError(
-            f"Flash-4sub write of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
-            "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
-        )
-    backend = kernels.resolve_backend(cfg.kernels, state.X0.device)
-    V, L = _components(y, temporal, cfg, seq, backend)
-    mom = state.act_moments  # X_a is still X^(0)[I] only before the first write
-    if scatter:
-        X, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, state.X0, state.I, L,
-                                mom)
-        return X
-    Xa, _, _ = carried_write(state.Xa, state.p, post, V, res, cfg.norm_eps, fused, backend, L=L, moments=mom)
-    return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None)
+class _Flash4Part(_WindowPart):
+    """A Flash-4sub half: the in-order write of sublayer t (0..3) on the carried state."""
+
+    def _write(self, state: Flash4State, t: int, y, post, temporal, res, seq, last: bool = False):
+        """Sublayer ``t``'s write; ``last`` (M2): the window exit X' ``[..., N, C]`` instead of a state."""
+        if state.step != t:
+            raise RuntimeError(
+                f"Flash-4sub write of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
+                "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
+            )
+        run = self._run(state.X0)
+        comps = self._components(y, temporal, seq, run.backend)
+        mom = state.act_moments  # X_a is still X^(0)[I] only before the first write
+        if last:
+            X, _, _ = carried_write(state.Xa, state.p, post, res, comps, run, WindowExit(state.X0, state.I), mom)
+            return X
+        Xa, _, _ = carried_write(state.Xa, state.p, post, res, comps, run, moments=mom)
+        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None)
 
 
-class Flash4FirstLayer(_WindowPart):
+class Flash4FirstLayer(_Flash4Part):
     """Flash-4sub parameters and sublayers A1, M1 of a window (Megatron layer 2g; docs/math.md §4.2).
 
     Owns what the window entry generates (router, four pre-mappings) plus H_post^{A1}, H_post^{M1}
@@ -392,9 +394,7 @@ class Flash4FirstLayer(_WindowPart):
     def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 0, fused: Optional[bool] = None):
         super().__init__()
         check_xhc_config(cfg, ("xhc_flash4",))
-        self.cfg, self.n, self.k, self.hidden_size = cfg, cfg.n, cfg.k, hidden_size
-        self.layer_index, self.fused = layer_index, default_fused(cfg, fused)
-        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        self._setup(cfg, hidden_size, layer_index, fused)
         C, k = hidden_size, cfg.k
         read_init = "one_hot" if cfg.read_init == "one_hot" else "uniform"
         self.router = StreamRouter(cfg.n, C, k, cfg.m, cfg.router, cfg.norm_eps)
@@ -406,62 +406,53 @@ class Flash4FirstLayer(_WindowPart):
         self.post_M1 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M1 = make_temporal(cfg, C, True)
 
-
     def begin(self, X0: torch.Tensor) -> Flash4State:
         """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
         pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
-        backend = _backend(self, X0)
-        stats, entry_mom = entry_statistics(X0, self.fused, backend)
-        routing, hs = entry_mappings(X0, self.router, pres, self.cfg.norm_eps, self.fused, entry_mom, backend)
+        run = self._run(X0)
+        stats, entry_mom = entry_statistics(X0, run.fused, run.backend)
+        routing, hs = entry_mappings(X0, self.router, pres, run.eps, run.fused, entry_mom, run.backend)
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I
         h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]
-        if backend == "eager":
-            base = nonactive_base(h, X0, I)
-        else:  # Σ_{i∉I} h_i X_i as one read with the active weights zeroed
-            h_inactive = h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
-            base = kernels.read(h_inactive, X0, fp32(h).dtype, backend=backend)
+        # base_t = Σ_{i∉I} h^t_i X^(0)_i: one read with the active weights zeroed
+        base = kernels.read(nonactive_weights(h, I), X0, fp32(h).dtype, backend=run.backend)
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], I)
-        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, kernels.gather(X0, I, backend),
-                           backend=backend, act_moments=act)
+        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, kernels.gather(X0, I, run.backend),
+                           backend=run.backend, act_moments=act)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 0)
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A1: X_a ← X_a + diag(p)·H_post^{A1}·V."""
-        return _flash4_write(state, 0, y, self.post_A1, self.temporal_A1, None, self.cfg, seq, self.fused)
+        return self._write(state, 0, y, self.post_A1, self.temporal_A1, None, seq)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 1)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """M1: X_a ← X_a + diag(p)·H_post^{M1}·V (no H_res); returns the state for layer 2g+1."""
-        return _flash4_write(state, 1, y, self.post_M1, self.temporal_M1, None, self.cfg, seq, self.fused)
+        return self._write(state, 1, y, self.post_M1, self.temporal_M1, None, seq)
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> Flash4State:
         """Convenience: begin, A1, M1 -> the state to hand to layer 2g+1."""
-        st = self.begin(X0)
-        st = self.attn_write(st, attn(self.attn_read(st)), seq)
-        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
-
-    def diagnostics(self, state: Flash4State) -> dict:
-        return mapping_diagnostics(state.I, state.p, self.n, None)
+        return self._two_sublayers(self.begin(X0), attn, mlp, seq)
 
 
-class Flash4SecondLayer(_WindowPart):
+class Flash4SecondLayer(_Flash4Part):
     """Flash-4sub sublayers A2, M2 of a window (Megatron layer 2g+1; docs/math.md §4.2).
 
     Owns H_post^{A2}, H_res^{M2}, H_post^{M2} and M2's temporal convs; M2 mixes once and scatters
     the carried active streams into X^(0).  ``layer_index``: the global index 2g+1 of this layer.
     """
 
+    _res_name, _mixing_stage = "res_M2", "M2"
+
     def __init__(self, cfg: HCConfig, hidden_size: int, layer_index: int = 1):
         super().__init__()
         check_xhc_config(cfg, ("xhc_flash4",))
-        self.cfg, self.n, self.k, self.hidden_size, self.layer_index = cfg, cfg.n, cfg.k, hidden_size, layer_index
-        self.fused = default_fused(cfg, None)
-        self.K_A, self.K_M = num_components(cfg, cfg.attn_temporal), num_components(cfg, True)
+        self._setup(cfg, hidden_size, layer_index, None)
         C, k = hidden_size, cfg.k
         self.post_A2 = PostMapping(k, self.K_A, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_A2 = make_temporal(cfg, C, cfg.attn_temporal)
@@ -469,38 +460,23 @@ class Flash4SecondLayer(_WindowPart):
         self.post_M2 = PostMapping(k, self.K_M, C, cfg.gate_init, cfg.ablate_post)
         self.temporal_M2 = make_temporal(cfg, C, True)
 
-
     def attn_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 2)
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A2: X_a ← X_a + diag(p)·H_post^{A2}·V."""
-        return _flash4_write(state, 2, y, self.post_A2, self.temporal_A2, None, self.cfg, seq, self.fused)
+        return self._write(state, 2, y, self.post_A2, self.temporal_A2, None, seq)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
         return flash4_read(state, 3)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> torch.Tensor:
         """M2: X_a ← H_res^{M2}·X_a + diag(p)·H_post^{M2}·V, then the window's only scatter -> X ``[..., N, C]``."""
-        return _flash4_write(state, 3, y, self.post_M2, self.temporal_M2, self.res_M2, self.cfg, seq, self.fused,
-                             scatter=True)
+        return self._write(state, 3, y, self.post_M2, self.temporal_M2, self.res_M2, seq, last=True)
 
     def forward(self, state: Flash4State, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
         """Convenience: A2, M2 on the state from layer 2g -> the window's exit state."""
-        st = self.attn_write(state, attn(self.attn_read(state)), seq)
-        return self.mlp_write(st, mlp(self.mlp_read(st)), seq)
-
-    def mlp_mixing(self, state: Flash4State) -> Optional[torch.Tensor]:
-        """H_res^{M2} ``[..., k, k]`` for a state before M2's write (diagnostics), None when ablated."""
-        if self.res_M2 is None:
-            return None
-        return self.res_M2(rms_norm_flat(state.Xa.flatten(-2), self.cfg.norm_eps))
-
-    def diagnostics(self, state: Flash4State) -> dict:
-        """Detached logging tensors; H_res^{M2} entries need a state at stage M2."""
-        with torch.no_grad():
-            H = self.mlp_mixing(state) if state.step == 3 else None
-        return mapping_diagnostics(state.I, state.p, self.n, H)
+        return self._two_sublayers(state, attn, mlp, seq)
 
 
 class Flash4Window(_WindowPart):

@@ -16,10 +16,13 @@ Equations (docs/math.md §1.3 and §2.0), per token, X ∈ R^{N×C}:
 :func:`pre_weights`                h_pre  = σ(z_pre)                          ∈ (0, 1)^N
 :func:`post_weights`               h_post = 2σ(z_post)                        ∈ (0, 2)^N
 :meth:`HyperConnection.mixing`     H_res  = Φ(z_res)  (Sinkhorn / lite / Krom / I; §2.b–§2.e)
-:func:`read_streams`               u   = Σ_j h_pre[j] · X_j
-:func:`write_streams`              X'_i = Σ_j H_res[i,j] · X_j + Σ_q h_post[i,q] · V_q
+:func:`~xhc.streams.read_streams`  u   = Σ_j h_pre[j] · X_j                     (xhc/streams.py)
+:func:`~xhc.streams.write_streams` X'_i = Σ_j H_res[i,j] · X_j + Σ_q h_post[i,q] · V_q  (xhc/streams.py)
 :func:`hc_dynamic_coefficients`    HC tanh form ([HC] Alg. 2, §2.a)
 =================================  ============================================================
+
+The read and the write are computed by :func:`xhc.kernels.read` / :func:`xhc.kernels.write` on the
+resolved kernel backend (``eager`` runs the reference functions above; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xhc import kernels
-from xhc.kernels import liger as liger_op
 from xhc.config import MHC_FAMILY, HCConfig, HCConfigError
-from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix, sinkhorn
+from xhc.doubly_stochastic import clamp_rows, kromhc_mix, mhc_lite_mix
 from xhc.norms import fp32, layer_norm_streams
+from xhc.streams import read_streams, write_streams  # noqa: F401  (the read and write equations, §1.3)
 
 PEFT_READ_LOGIT = 8.0  # [PEFT] one-hot read-in bias (docs/math.md §2.g)
 PEFT_PERM_LOGIT = -12.0  # [PEFT] lite/Krom non-identity logit
@@ -89,29 +92,6 @@ def pre_weights(z_pre: torch.Tensor) -> torch.Tensor:
 def post_weights(z_post: torch.Tensor) -> torch.Tensor:
     """h_post = 2σ(z_post)  ([mHC] Eq. 8).  ``[..., N]``."""
     return 2.0 * torch.sigmoid(z_post)
-
-
-def read_streams(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """u = Σ_j h_pre[j] · X_j, accumulated in fp32, cast once to X's dtype (docs/math.md §1.3, §1.5).
-
-    ``h_pre``: ``[..., N]``;  ``X``: ``[..., N, C]``  ->  ``[..., C]``.
-    """
-    u = torch.einsum("...n,...nc->...c", h_pre, fp32(X))
-    return u.to(X.dtype)
-
-
-def write_streams(
-    X: torch.Tensor, H_res: Optional[torch.Tensor], h_post: torch.Tensor, V: torch.Tensor
-) -> torch.Tensor:
-    """X'_i = Σ_j H_res[i,j] X_j + Σ_q h_post[i,q] V_q  (docs/math.md §1.3; H_res multiplies from the left).
-
-    ``X``: ``[..., N, C]``;  ``H_res``: ``[..., N, N]`` or ``None`` (= I);  ``h_post``: ``[..., N, K]``;
-    ``V``: ``[..., K, C]``  ->  ``[..., N, C]`` in X's dtype (fp32 accumulation, one cast).
-    """
-    Xf = fp32(X)
-    mixed = Xf if H_res is None else torch.einsum("...ij,...jc->...ic", H_res, Xf)
-    out = mixed + torch.einsum("...iq,...qc->...ic", h_post, fp32(V))
-    return out.to(X.dtype)
 
 
 def expand_streams(e: torch.Tensor, n: int) -> torch.Tensor:
@@ -172,14 +152,12 @@ def hc_dynamic_coefficients(
 
 
 def mixing_sinkhorn(Z: torch.Tensor, cfg: HCConfig, backend: str) -> torch.Tensor:
-    """Sinkhorn of the residual logits ``Z`` ``[..., n, n]`` with the config's settings (§1.4).
-
-    ``eager`` follows ``cfg.sinkhorn_recompute`` (unrolled autograd or the recompute op); the fused
-    backends always use the one-op Sinkhorn (:func:`xhc.kernels.sinkhorn`).
+    """Sinkhorn of the residual logits ``Z`` ``[..., n, n]`` with the config's settings (§1.4), by
+    :func:`xhc.kernels.sinkhorn` (``eager`` follows ``cfg.sinkhorn_recompute``: unrolled autograd or
+    the recompute op; the fused backends always use the one-op Sinkhorn).
     """
-    if backend == "eager":
-        return sinkhorn(Z, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order, recompute=cfg.sinkhorn_recompute)
-    return kernels.sinkhorn(Z, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order, backend=backend)
+    return kernels.sinkhorn(Z, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order, backend=backend,
+                            recompute=cfg.sinkhorn_recompute)
 
 
 # ================================================================================================
@@ -258,8 +236,7 @@ class HyperConnection(nn.Module):
                 self.alpha_post = None if cfg.ablate_post else z(1)
                 self.alpha_res = z(1) if R > 0 else None
                 self.norm_weight = nn.Parameter(torch.ones(nc)) if cfg.mapping_norm_affine else None
-        if cfg.kernels == "liger":
-            liger_op.require()  # which configurations Liger covers: HCConfig.validate
+        kernels.check_available(cfg.kernels)  # kernels: liger needs Liger-Kernel
         self.reset_parameters()
 
     # --------------------------------------------------------------------------------------------
@@ -347,7 +324,7 @@ class HyperConnection(nn.Module):
         cfg = self.cfg
         if cfg.variant == "hc":
             return self._hc_coefficients(X)
-        if cfg.kernels == "liger" and liger_op.runnable(X.device):
+        if kernels.liger_runs(cfg.kernels, X.device):
             return self._liger_coefficients(X)
         z_pre, z_post, z_res = self._logits(X)
         h_pre = None if z_pre is None else pre_weights(z_pre)
@@ -358,7 +335,7 @@ class HyperConnection(nn.Module):
     def _liger_coefficients(self, X: torch.Tensor):
         """Dynamic mHC coefficients by Liger-Kernel's fused op (``kernels: liger``, xhc/kernels/liger.py):
         the same maps as :meth:`_logits` + :meth:`mixing` for the configurations HCConfig allows."""
-        h_pre, h_post, H = liger_op.mhc_coefficients(
+        h_pre, h_post, H = kernels.mhc_coefficients(
             X, torch.cat([self.W_pre, self.W_post, self.W_res], 0), torch.cat([self.b_pre, self.b_post, self.b_res]),
             (self.alpha_pre, self.alpha_post, self.alpha_res), self.cfg.sinkhorn_iters, self.cfg.norm_eps,
             self.norm_weight)
@@ -432,8 +409,7 @@ class HyperConnection(nn.Module):
         """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""
         h_pre, h_post, H_res = self.coefficients(X)
         h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, dtype=fp32(X).dtype, device=X.device)
-        backend = self.backend(X)
-        u = read_streams(h_read, X) if backend == "eager" else kernels.read(h_read, X, X.dtype, backend=backend)
+        u = kernels.read(h_read, X, X.dtype, backend=self.backend(X))
         return u, HCContext(h_pre, h_post, H_res)
 
     def write(self, X: torch.Tensor, y: torch.Tensor, ctx: HCContext, seq=None) -> torch.Tensor:
@@ -442,10 +418,8 @@ class HyperConnection(nn.Module):
         ``seq`` is accepted for interface parity with xHC (the mHC family is per token).
         """
         h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], dtype=fp32(X).dtype, device=X.device)
-        backend = self.backend(X)
-        if backend == "eager":
-            return write_streams(X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2))
-        return kernels.write(None, None, X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2), X.dtype, backend=backend)
+        return kernels.write(None, None, X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2), X.dtype,
+                             backend=self.backend(X))
 
     def forward(self, X: torch.Tensor, branch) -> torch.Tensor:
         """Convenience: ``write(X, branch(u), ctx)`` with ``u, ctx = read(X)``."""

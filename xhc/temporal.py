@@ -33,7 +33,9 @@ halo row at distance i is used exactly when the local token is at least i tokens
 Sequence / context parallelism (docs/math.md §3.6 "SP", "CP", "General rule")
 --------------------------------------------------------------------
 Every layout gives, at every global position, exactly the single-rank result (forward and
-gradients).  With H = κ_max − 1:
+gradients).  The convolution takes its halo rows as tensors (:func:`temporal_conv`) and gets them
+from ``SequenceContext.exchange`` (:data:`HaloExchange`); this package never communicates: the
+exchange over process groups below lives in :mod:`models.sequence`.  With H = κ_max − 1:
 
 * **SP** (``SequenceContext.group`` set, ``segments`` None): rank t of the group holds the t-th
   consecutive slice.  One autograd function sends the last H rows to rank t+1 and receives H rows
@@ -54,13 +56,11 @@ Passing ``SequenceContext(decode_cache={})`` makes :meth:`forward` do the same, 
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -72,6 +72,12 @@ DEFAULT_KERNEL_SIZES = (4, 8, 12)
 Segments = Tuple[Tuple[int, int], ...]
 """Contiguous global row ranges ``(start, length)`` held by one rank, in local row order."""
 
+HaloExchange = Callable[[Tensor, int, "SequenceContext"], List[Optional[Tensor]]]
+"""``exchange(y, H, seq) -> halos``: for local rows ``y`` ``[s, b, C]``, the H rows preceding each
+local segment (``seq.segments``; one halo for the plain SP layout), ``[H, b, C]`` each or None for
+zeros, differentiable (the halo gradient flows back to the ranks that own the rows).  This package
+never communicates: the exchange over process groups is :data:`models.sequence.HALO_EXCHANGE`."""
+
 
 # ----------------------------------------------------------------------------------------------
 # Sequence context
@@ -81,22 +87,28 @@ class SequenceContext:
     """Where this rank's local tokens sit in the global sequence (used only by the temporal conv).
 
     Build one per micro-batch and pass the same object to every sublayer (it caches the
-    general-layout exchange plan).
+    general-layout exchange plan in ``_plans``, for ``exchange``).
     """
 
     pos_in_doc: Optional[Tensor] = None
     """``[s, b]`` long: index of each local token inside its document (0 at a document start);
     None = no document resets.  See the ``pos_in_doc_from_*`` helpers."""
-    group: Optional["dist.ProcessGroup"] = None
-    """Ranks holding pieces of the same sequences.  With ``segments=None``: ranks holding
-    consecutive slices in group-rank order (SP: the TP group).  With ``segments``: every rank that
-    holds any piece (CP: the CP group; CP+SP: the TP×CP group).  None = this rank holds all."""
+    group: Optional[object] = None
+    """Ranks holding pieces of the same sequences (an opaque handle, e.g. a process group, that only
+    ``exchange`` reads).  With ``segments=None``: ranks holding consecutive slices in group-rank
+    order (SP: the TP group).  With ``segments``: every rank that holds any piece (CP: the CP group;
+    CP+SP: the TP×CP group).  None = this rank holds all."""
     segments: Optional[Segments] = None
     """Global ``(start, length)`` ranges of the local rows, in local order (see :func:`cp_segments`,
     :func:`thd_cp_segments`); None = the plain SP layout.  Needs ``group``."""
     decode_cache: Optional[dict] = None
     """Decoding: a dict ``{module: [b, H, C] cache}`` the modules read and update; ``{}`` starts a
     sequence.  Incompatible with ``group``."""
+    exchange: Optional[HaloExchange] = None
+    """The halo exchange for ``group`` (:data:`HaloExchange`; needed whenever ``group`` is set):
+    :data:`models.sequence.HALO_EXCHANGE` over torch.distributed, built by
+    :func:`models.sequence.distributed_sequence_context` and
+    :func:`models.sequence.sequence_context_from_megatron`."""
     _plans: Dict[int, Tuple[int, Tensor]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
@@ -389,122 +401,6 @@ def causal_dwconv(
 
 
 # ----------------------------------------------------------------------------------------------
-# Halo exchange (docs/math.md §3.6)
-# ----------------------------------------------------------------------------------------------
-class _SPHaloExchange(torch.autograd.Function):
-    """SP layout: forward sends the last H rows to rank+1 and receives H rows from rank−1 (rank 0:
-    zeros); backward sends the halo gradient back to rank−1 and adds what rank+1 returns to dy."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, H: int, group) -> Tensor:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        ctx.H, ctx.group, ctx.rank, ctx.world, ctx.shape = H, group, rank, world, y.shape
-        tail = y[y.shape[0] - H :].contiguous()
-        halo = torch.zeros_like(tail)
-        ops = []
-        if rank + 1 < world:
-            ops.append(dist.P2POp(dist.isend, tail, dist.get_global_rank(group, rank + 1), group))
-        if rank > 0:
-            ops.append(dist.P2POp(dist.irecv, halo, dist.get_global_rank(group, rank - 1), group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
-        return halo
-
-    @staticmethod
-    def backward(ctx, d_halo: Tensor):
-        d_halo = d_halo.contiguous()
-        d_tail = torch.zeros_like(d_halo)
-        ops = []
-        if ctx.rank > 0:
-            ops.append(dist.P2POp(dist.isend, d_halo, dist.get_global_rank(ctx.group, ctx.rank - 1), ctx.group))
-        if ctx.rank + 1 < ctx.world:
-            ops.append(dist.P2POp(dist.irecv, d_tail, dist.get_global_rank(ctx.group, ctx.rank + 1), ctx.group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
-        dy = d_halo.new_zeros(ctx.shape)
-        dy[ctx.shape[0] - ctx.H :] = d_tail
-        return dy, None, None
-
-
-class _AllGatherStack(torch.autograd.Function):
-    """``[...]`` -> ``[world, ...]``; backward all-reduces the gradient and keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group, ctx.rank = group, dist.get_rank(group)
-        x = x.contiguous()
-        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, x, group=group)
-        return torch.stack(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None
-
-
-def _exchange_plan(segments: Segments, H: int, group, device) -> Tuple[int, Tensor]:
-    """Gather every rank's segments; for each local halo row find the tail row that holds it.
-
-    Returns ``(n_max, idx)``: ``n_max`` = most segments on any rank (tails are padded to it) and
-    ``idx[k, h]`` = flat row of the gathered tails ``[world, n_max, H]`` holding global position
-    ``start_k − H + h``, or ``world·n_max·H`` (an appended zero row) for positions before 0.
-    """
-    world = dist.get_world_size(group)
-    n = torch.tensor([len(segments)], dtype=torch.long, device=device)
-    counts = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(counts, n, group=group)
-    n_max = max(int(c) for c in counts)
-    meta = torch.full((n_max, 2), -1, dtype=torch.long, device=device)
-    meta[: len(segments)] = torch.tensor(segments, dtype=torch.long, device=device).view(-1, 2)
-    metas = [torch.empty_like(meta) for _ in range(world)]
-    dist.all_gather(metas, meta, group=group)
-
-    owners = sorted(
-        (start, start + length, rk, k)
-        for rk, m in enumerate(metas)
-        for k, (start, length) in enumerate(m.tolist())
-        if length > 0
-    )
-    starts = [o[0] for o in owners]
-    for a, b in zip(owners[:-1], owners[1:]):
-        if a[1] > b[0]:
-            raise ValueError(f"SequenceContext.segments overlap across ranks: rows {a[:2]} and {b[:2]}")
-    zero_row = world * n_max * H
-    idx = []
-    for start, _ in segments:
-        row_idx = []
-        for p in range(start - H, start):
-            if p < 0:
-                row_idx.append(zero_row)
-                continue
-            o = bisect.bisect_right(starts, p) - 1
-            if o < 0 or not owners[o][0] <= p < owners[o][1]:
-                raise ValueError(
-                    f"SequenceContext.segments: global row {p} (needed before segment start {start}) "
-                    "is held by no rank of the group; pass every piece's rank in group"
-                )
-            o_start, o_end, rk, k = owners[o]
-            row_idx.append((rk * n_max + k) * H + p - (o_end - H))
-        idx.append(row_idx)
-    return n_max, torch.tensor(idx, dtype=torch.long, device=device)
-
-
-def _segment_halos(y: Tensor, seq: SequenceContext, H: int) -> List[Tensor]:
-    """General layout: one halo ``[H, b, C]`` per local segment, via a tiny all-gather."""
-    s, b, C = y.shape
-    if H not in seq._plans:
-        seq._plans[H] = _exchange_plan(seq.segments, H, seq.group, y.device)
-    n_max, idx = seq._plans[H]
-    tails = [_fit_halo(seg, H, seg) for seg in y.split([n for _, n in seq.segments], 0)]
-    tails += [y.new_zeros(H, b, C)] * (n_max - len(tails))
-    gathered = _AllGatherStack.apply(torch.stack(tails), seq.group)  # [world, n_max, H, b, C]
-    flat = torch.cat([gathered.reshape(-1, b, C), y.new_zeros(1, b, C)], 0)
-    return list(flat[idx.flatten()].view(len(seq.segments), H, b, C))
-
-
-# ----------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------
 class TemporalAugmentation(nn.Module):
@@ -620,18 +516,15 @@ class TemporalAugmentation(nn.Module):
                     f"SequenceContext.segments={seq.segments} cover {total} rows but y has {s}; "
                     "lengths must be >= 1 and sum to the local sequence length"
                 )
-            if H == 0:
-                return self._components(y, [None] * len(seq.segments), [n for _, n in seq.segments], pos)
-            return self._components(y, _segment_halos(y, seq, H), [n for _, n in seq.segments], pos)
-        if H == 0 or dist.get_world_size(seq.group) == 1:
-            return self._components(y, [None], [s], pos)
-        if s < H:
+        lengths = [s] if seq.segments is None else [n for _, n in seq.segments]
+        if H == 0:
+            return self._components(y, [None] * len(lengths), lengths, pos)
+        if seq.exchange is None:
             raise ValueError(
-                f"TemporalAugmentation: the sequence-parallel halo needs >= kappa_max-1 = {H} local tokens "
-                f"per rank, got s={s}; use a longer sequence or fewer SP ranks, or pass "
-                "SequenceContext.segments (the general exchange has no minimum)"
+                "SequenceContext.group needs SequenceContext.exchange, the halo exchange between the ranks "
+                "(build the context with models.sequence.distributed_sequence_context(...))"
             )
-        return self._components(y, [_SPHaloExchange.apply(y, H, seq.group)], [s], pos)
+        return self._components(y, seq.exchange(y, H, seq), lengths, pos)
 
     def component_list(self, y: Tensor, seq: Optional[SequenceContext] = None) -> List[Tensor]:
         """The components of :meth:`forward` as a list ``[y, g_1, …, g_r]`` of fp32 ``[s, b, C]``.

@@ -15,16 +15,21 @@ Equations (docs/math.md §3.4, §3.5), per token, X ∈ R^{N×C}, x = vec(X):
 =================================  ===================================================================
 :func:`~xhc.router.route`          I, p from score = σ(LayerNorm(x) W_router)          (router.py)
 :func:`read_weights`               h_pre  = σ(α_pre · RMSNorm(x) W_pre + b_pre)          ∈ (0,1)^N
-:func:`dense_read`                 u      = Σ_{i<N} h_pre[i] · X_i
-:func:`gather_active`              X_a    = X[I]                                          ∈ R^{k×C}
+:func:`~xhc.streams.read_streams`  u      = Σ_{i<N} h_pre[i] · X_i                  (dense read; xhc/streams.py)
+:func:`~xhc.streams.gather_active` X_a    = X[I]                                          ∈ R^{k×C}
 :func:`res_weights`                H_res  = clamp_rows(sinkhorn(α_res·mat_{k×k}(x̂_a W_res) + b_res))
 :func:`post_weights_active`        H_post = 2σ(α_post · mat_{k×K}(x̂_a W_post) + b_post)  ∈ (0,2)^{k×K}
 :func:`write_components`           V      = GS([y, g_1, …, g_r])  (MLP; attention: V = [y])
-:func:`sparse_write`               X_a'[j] = Σ_q H_res[j,q]·X_a[q] + p_j·Σ_t H_post[j,t]·V_t
-:func:`scatter_active`             X'[I_j] = X_a'[j];  X'[i] = X[i] for i ∉ I   (out-of-place)
+:func:`~xhc.streams.write_streams` X_a'[j] = Σ_q H_res[j,q]·X_a[q] + Σ_t P[j,t]·V_t,  P = diag(p)·H_post
+                                   (the sparse write: p gates only the new write, not the mixing)
+:func:`~xhc.streams.scatter_active` X'[I_j] = X_a'[j];  X'[i] = X[i] for i ∉ I   (out-of-place)
 :func:`entry_mappings`             routing and pre-mappings from one state (shared by Flash windows)
 :func:`fused_entry_projections`    router + pre GEMMs as one GEMM on x (§1.5 reordering, §3.5 fusion)
 =================================  ===================================================================
+
+The read, gather and write run as :func:`xhc.kernels.read` / :func:`~xhc.kernels.gather` /
+:func:`~xhc.kernels.write` on the resolved kernel backend (``eager``: the reference functions of
+:mod:`xhc.streams`; docs/kernels.md).
 
 Routing ties go to the lower stream index (:func:`~xhc.router.topk_stable`, a stable sort).
 ``read`` and ``write`` accept any leading dims ``[..., N, C]``; sublayers with temporal augmentation
@@ -59,7 +64,7 @@ The mHC-family switches ``ablate_pre`` (h_pre ≡ 1/n), ``ablate_res`` (H_res �
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -70,9 +75,9 @@ from xhc.config import HCConfig, HCConfigError
 from xhc.diagnostics import identity_distance_tensor
 from xhc.doubly_stochastic import clamp_rows, sinkhorn
 from xhc.hyper_connection import dynamic_logits, mixing_sinkhorn, near_one_hot_read_bias, uniform_read_bias
-from xhc.kernels.torch_ops import layer_scale, moments_of_rows, rms_scale
-from xhc.norms import fp32, rms_norm_flat
+from xhc.norms import fp32, layer_scale, moments_of_rows, rms_norm_flat, rms_scale
 from xhc.router import Routing, StreamRouter, effective_mixing, router_load
+from xhc.streams import gather_active, read_streams, scatter_active, write_streams  # noqa: F401  (§3.4 equations)
 
 # ================================================================================================
 # Equations (pure functions)
@@ -82,24 +87,6 @@ from xhc.router import Routing, StreamRouter, effective_mixing, router_load
 def read_weights(z_pre: torch.Tensor) -> torch.Tensor:
     """h_pre = σ(z_pre), z_pre = α_pre · RMSNorm(vec X) W_pre + b_pre  (docs/math.md §3.4 dense read).  ``[..., n]``."""
     return torch.sigmoid(z_pre)
-
-
-def dense_read(h_pre: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """u = Σ_i h_pre[i] · X_i over all rows of ``X`` (docs/math.md §3.4 dense read), fp32 accumulation.
-
-    ``h_pre``: ``[..., n]``;  ``X``: ``[..., n, C]``  ->  fp32 ``[..., C]`` (float64 stays float64);
-    the caller casts once to the residual dtype.
-    """
-    return torch.einsum("...n,...nc->...c", h_pre, fp32(X))
-
-
-def gather_active(X: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
-    """X_a = X[I]: the active streams in slot order (docs/math.md §3.4 sparse write, line 1).
-
-    ``X``: ``[..., N, C]``;  ``I``: long ``[..., k]``  ->  ``[..., k, C]`` in X's dtype.
-    """
-    idx = I.unsqueeze(-1).expand(*I.shape, X.shape[-1])
-    return X.gather(-2, idx)
 
 
 def res_weights(
@@ -196,31 +183,6 @@ def fold_components(P: torch.Tensor, L: Optional[torch.Tensor]) -> torch.Tensor:
     return (P.unsqueeze(-1) * L.unsqueeze(-3)).sum(-2)
 
 
-def sparse_write(
-    Xa: torch.Tensor, H_res: Optional[torch.Tensor], p: torch.Tensor, H_post: torch.Tensor, V: torch.Tensor
-) -> torch.Tensor:
-    """X_a'[j] = Σ_q H_res[j,q] · X_a[q] + p_j · Σ_t H_post[j,t] · V_t  (docs/math.md §3.4 sparse write).
-
-    The route weight p gates only the new write, not the residual mixing.
-    ``Xa``: ``[..., k, C]``;  ``H_res``: ``[..., k, k]`` or ``None`` (= I_k, Flash attention);
-    ``p``: ``[..., k]``;  ``H_post``: ``[..., k, K]``;  ``V``: ``[..., K, C]``  ->  fp32 ``[..., k, C]``.
-    """
-    Xa = fp32(Xa)
-    mixed = Xa if H_res is None else torch.einsum("...jq,...qc->...jc", H_res, Xa)
-    return mixed + torch.einsum("...jt,...tc->...jc", p.unsqueeze(-1) * H_post, V)
-
-
-def scatter_active(X: torch.Tensor, I: torch.Tensor, Xa_new: torch.Tensor) -> torch.Tensor:
-    """X'[I_j] = X_a'[j], X'[i] = X[i] for i ∉ I  (docs/math.md §3.4 scatter, §3.5 step 5).
-
-    Out-of-place ``scatter``: inactive streams are copied bit-exactly, and autograd sends no
-    identity-path gradient to the replaced rows (their gradient flows through the gather).
-    ``X``: ``[..., N, C]``;  ``I``: ``[..., k]``;  ``Xa_new``: ``[..., k, C]``  ->  ``[..., N, C]``, X's dtype.
-    """
-    idx = I.unsqueeze(-1).expand(*I.shape, X.shape[-1])
-    return X.scatter(-2, idx, Xa_new.to(X.dtype))
-
-
 def fused_entry_projections(
     x: torch.Tensor, W_router: Optional[torch.Tensor], W_pres: Sequence[torch.Tensor], eps: float = 1e-6,
     moments=None, backend: str = "compile",
@@ -233,9 +195,9 @@ def fused_entry_projections(
 
     ``x``: ``[..., N·C]``;  ``W_router``: ``[N, N·C]`` or ``None``;  ``W_pres``: list of ``[n_t, N·C]``
     ->  (z_router ``[..., N]`` or ``None``, [x̂ W_t ``[..., n_t]``]), fp32.
-    ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.kernels.torch_ops.moments_of_rows`;
-    only ν is used: μ comes out of the GEMM).  ``backend='triton'``: the GEMM is
-    :func:`xhc.kernels.triton_ops.linear_stats` (x read once in its dtype, fp32 accumulation).
+    ``moments``: (μ, ν) ``[..., 1]`` when already computed (:func:`xhc.norms.moments_of_rows`;
+    only ν is used: μ comes out of the GEMM).  The GEMM is :func:`xhc.kernels.linear_moment` on
+    ``backend`` (``triton``: x read once in its dtype, fp32 accumulation).
 
     The LayerNorm's mean is folded into the GEMM as well: x W_rᵀ − μ·W_r1 = x (W_r − W_r1/D 1ᵀ)ᵀ
     (centred router weights, D = N·C), and μ = x·(1/D)1 is one more GEMM column, so the state is
@@ -246,15 +208,9 @@ def fused_entry_projections(
     if W_router is not None:
         Wr = fp32(W_router)
         Ws = [Wr - Wr.mean(-1, keepdim=True)] + Ws + [torch.full((1, D), 1.0 / D, dtype=Wr.dtype, device=Wr.device)]
-    if backend == "triton":  # one pass over x in its own dtype (no fp32 copy of a bf16 state)
-        from xhc.kernels import triton_ops
-
-        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), torch.cat(Ws, 0))
-        nu = s2 / D if moments is None else moments[1]
-    else:
-        x = fp32(x)
-        proj = F.linear(x, torch.cat(Ws, 0))
-        nu = x.pow(2).mean(-1, keepdim=True) if moments is None else moments[1]  # norm statistic once per token
+    # one pass over x (triton: in its own dtype); the norm statistic once per token
+    proj, nu = kernels.linear_moment(x, torch.cat(Ws, 0), backend, second_moment=moments is None)
+    nu = nu if moments is None else moments[1]
     start, z_router = 0, None
     if W_router is not None:
         n = W_router.shape[0]
@@ -270,10 +226,10 @@ def fused_entry_projections(
 
 
 def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: float = 1e-6,
-                    fused: bool = False, moments=None):
+                    fused: bool = False, moments=None, backend: str = "compile"):
     """The mappings generated from the active state, [m(RMSNorm(vec X_a)) for m in maps] (docs/math.md §3.4);
     ``None`` entries stay ``None``.  ``fused``: one GEMM on vec(X_a) for every map's projection with
-    the RMSNorm applied after it (:func:`xhc.kernels.norm_linear`, docs/math.md §1.5).
+    the RMSNorm applied after it (:func:`xhc.kernels.norm_linear` on ``backend``, docs/math.md §1.5).
 
     ``Xa``: ``[..., k, C]``; maps: :class:`ResMapping` / :class:`PostMapping` / :class:`ReadMapping`.
     """
@@ -282,7 +238,7 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
     if not fused or not Ws:
         x_hat = rms_norm_flat(x, eps)
         return [None if m is None else m(x_hat) for m in maps]
-    proj = kernels.norm_linear(x, torch.cat(Ws, 0), eps, "rms", moments=moments)
+    proj = kernels.norm_linear(x, torch.cat(Ws, 0), eps, "rms", backend=backend, moments=moments)
     out, start = [], 0
     for m in maps:
         if m is None or m.weight is None:
@@ -296,10 +252,10 @@ def active_mappings(Xa: torch.Tensor, maps: Sequence[Optional[nn.Module]], eps: 
 
 def entry_statistics(X: torch.Tensor, fused: bool, backend: str):
     """(per-row sums, (μ, ν) of vec X) from one pass over the state on the fused backends
-    (:func:`xhc.kernels.torch_ops.stream_moments`; the statistics of any X[I] follow from the sums
-    via :func:`~xhc.kernels.torch_ops.moments_of_rows`), else (None, None): the reference order
+    (:func:`xhc.kernels.stream_moments`; the statistics of any X[I] follow from the sums
+    via :func:`~xhc.norms.moments_of_rows`), else (None, None): the reference order
     computes them where it normalises."""
-    if not fused or backend == "eager":
+    if not fused or not kernels.fused(backend):
         return None, None
     stats = kernels.stream_moments(X, backend)
     return stats, moments_of_rows(*stats, X.shape[-1])
@@ -398,14 +354,10 @@ class ResMapping(nn.Module):
         """``xa_hat``: ``[..., k·C]`` -> H_res ``[..., k, k]``.  ``proj`` = x̂_a W_res from a fused GEMM
         (then ``xa_hat`` only lends its device); the fused backends run the one-op Sinkhorn."""
         c = self.cfg
-        backend = kernels.resolve_backend(c.kernels, xa_hat.device)
-        if proj is None and backend == "eager":
-            return res_weights(xa_hat, self.weight, self.bias, self.alpha, self.k, c.sinkhorn_iters,
-                               c.sinkhorn_eps, c.sinkhorn_order, c.sinkhorn_recompute)
-        if proj is None:
+        if proj is None:  # the same sums as res_weights: z = α·(x̂_a W_res) + b_res
             proj = F.linear(xa_hat, fp32(self.weight))
         z = (fp32(self.alpha) * proj + fp32(self.bias)).unflatten(-1, (self.k, self.k))
-        return res_weights_from_logits(z, c, backend)
+        return res_weights_from_logits(z, c, kernels.resolve_backend(c.kernels, xa_hat.device))
 
 
 class PostMapping(nn.Module):
@@ -455,9 +407,28 @@ def num_components(cfg: HCConfig, augmented: bool) -> int:
     return len(cfg.kernel_sizes) + 1 if augmented else 1
 
 
-def default_fused(cfg: HCConfig, fused: Optional[bool]) -> bool:
-    """Fused coefficient generation unless asked otherwise: on for every backend but ``eager``."""
-    return cfg.kernels != "eager" if fused is None else bool(fused)
+def resolve_fused(fused: Optional[bool], backend: str) -> bool:
+    """Fused coefficient generation unless asked otherwise: what the *resolved* ``backend`` runs
+    (:func:`xhc.kernels.fused`: on for every backend but ``eager``)."""
+    return kernels.fused(backend) if fused is None else bool(fused)
+
+
+class Components(NamedTuple):
+    """A sublayer's write components as the backend's write takes them: ``V`` and the Gram–Schmidt
+    coefficients ``L`` (None: V is already orthogonalised, or there is nothing to orthogonalise)."""
+
+    V: object  # [..., K, C] fp32, or a list of K [..., C] tensors (compiled, raw components)
+    L: Optional[torch.Tensor]  # [..., K, K] or None
+
+
+def branch_components(y: torch.Tensor, temporal: Optional[nn.Module], cfg: HCConfig, seq, backend: str) -> Components:
+    """The write components on ``backend``: the orthogonalised V (:func:`write_components`, ``L`` None)
+    where the backend runs the reference order, the raw components and their Gram–Schmidt
+    coefficients (:func:`write_components_folded`, folded into P by :func:`fold_components`) on the
+    fused backends (:func:`xhc.kernels.fused`)."""
+    if kernels.fused(backend):
+        return Components(*write_components_folded(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq))
+    return Components(write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None)
 
 
 def check_xhc_config(cfg: HCConfig, variants: Sequence[str]) -> None:
@@ -515,7 +486,8 @@ class XHCSublayer(nn.Module):
         fused: compute the router logits and the pre-projection with one GEMM on vec(X)
             (:func:`fused_entry_projections`), and the res/post projections with one GEMM on
             vec(X_a) (:func:`active_mappings`), norms applied after the GEMMs; same values within
-            fp32 rounding.  Default (``None``): on unless ``cfg.kernels == 'eager'``.
+            fp32 rounding.  Default (``None``): what the resolved backend runs (:func:`resolve_fused`:
+            on unless it resolves to ``eager``).
 
     Parameters: see the module docstring table.  ``read(X)`` -> (u, :class:`XHCContext`);
     ``write(X, y, ctx, seq)`` -> X'.
@@ -527,7 +499,7 @@ class XHCSublayer(nn.Module):
         check_xhc_config(cfg, ("xhc",))
         self.cfg, self.n, self.k, self.m = cfg, cfg.n, cfg.k, cfg.m
         self.hidden_size, self.is_mlp, self.layer_index = hidden_size, is_mlp, layer_index
-        self.fused = default_fused(cfg, fused)
+        self.fused = fused  # None: follow the resolved backend (resolve_fused)
         augmented = is_mlp or cfg.attn_temporal
         self.K = num_components(cfg, augmented)
         self.router = StreamRouter(cfg.n, hidden_size, cfg.k, cfg.m, cfg.router, cfg.norm_eps)
@@ -559,17 +531,18 @@ class XHCSublayer(nn.Module):
         cfg = self.cfg
         dense = cfg.dense_read
         backend = kernels.resolve_backend(cfg.kernels, X.device)
-        stats, entry_mom = entry_statistics(X, self.fused, backend)
+        fused = resolve_fused(self.fused, backend)
+        stats, entry_mom = entry_statistics(X, fused, backend)
         act_mom = None
-        routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, self.fused,
+        routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, fused,
                                          entry_mom, backend)
         Xa = kernels.gather(X, routing.I, backend)  # [..., k, C]
         if stats is not None:
             act_mom = moments_of_rows(*stats, X.shape[-1], routing.I)
         H_res, H_post, h_pre_a = active_mappings(Xa, [self.res, self.post, None if dense else self.pre],
-                                                 cfg.norm_eps, self.fused, act_mom)
+                                                 cfg.norm_eps, fused, act_mom, backend)
         h_pre, src = (h_pres[0], X) if dense else (h_pre_a, Xa)  # ablation: read only the k active streams
-        u = dense_read(h_pre, src).to(X.dtype) if backend == "eager" else kernels.read(h_pre, src, X.dtype, backend)
+        u = kernels.read(h_pre, src, X.dtype, backend)
         ctx = XHCContext(routing.I, routing.p, routing.score, h_pre, Xa, H_res, H_post)
         return u, ctx
 
@@ -584,14 +557,10 @@ class XHCSublayer(nn.Module):
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.
         """
         backend = kernels.resolve_backend(self.cfg.kernels, X.device)
-        if backend == "eager":
-            V = self.components(y, seq)
-            return scatter_active(X, ctx.I, sparse_write(ctx.Xa, ctx.H_res, ctx.p, ctx.H_post, V))
-        c = self.cfg
-        V, L = write_components_folded(y, self.temporal, c.gram_schmidt, c.gs_eps, seq)
-        P = fold_components(ctx.p.unsqueeze(-1) * ctx.H_post, L)
-        # X_a = X[I] here, so the fused write reads the active rows from X itself (Xa=None)
-        return kernels.write(X, ctx.I, None, ctx.H_res, P, V, X.dtype, backend)
+        V, L = branch_components(y, self.temporal, self.cfg, seq, backend)
+        P = fold_components(ctx.p.unsqueeze(-1) * ctx.H_post, L)  # P = diag(p)·H_post (·L)
+        # X_a = X[I] here (rows_of_X): the fused backends read the active rows from X itself
+        return kernels.write(X, ctx.I, ctx.Xa, ctx.H_res, P, V, X.dtype, backend, rows_of_X=True)
 
     def forward(self, X: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor], seq=None) -> torch.Tensor:
         """Convenience: ``write(X, branch(u), ctx, seq)`` with ``u, ctx = read(X)``."""

@@ -267,8 +267,8 @@ def run_cp():
     SequenceContext that models.sequence derives from Megatron's parallel state."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from models.parallel import batch_on_this_cp_rank
+    import models.sequence as ms
     from models.sequence import sequence_context_from_megatron
-    import xhc.temporal as xt
     from xhc.temporal import SequenceContext, pos_in_doc_from_cu_seqlens
     from xhc.xhc import XHCSublayer
 
@@ -327,8 +327,8 @@ def run_cp():
         # Every layer of a forward gets the same inputs, hence the same context: the exchange is
         # planned (all-gathers + host sync) once per micro-batch, not once per xHC MLP sublayer.
         plans = []
-        real_plan = xt._exchange_plan
-        xt._exchange_plan = lambda *a, **k: plans.append(1) or real_plan(*a, **k)
+        real_plan = ms._exchange_plan
+        ms._exchange_plan = lambda *a, **k: plans.append(1) or real_plan(*a, **k)
         try:
             for _ in range(3):  # three "layers"
                 again = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
@@ -341,7 +341,7 @@ def run_cp():
                 assert sequence_context_from_megatron(config, None, nxt, len(want_rows), b,
                                                       hc.conv_doc_reset) is not seq
         finally:
-            xt._exchange_plan = real_plan
+            ms._exchange_plan = real_plan
         seq = sequence_context_from_megatron(config, None, packed, len(want_rows), b, hc.conv_doc_reset)
         out = run(X_local, seq)
         _close(f"{layout} output", out.detach(), out_ref.detach()[rows])

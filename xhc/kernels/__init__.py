@@ -17,9 +17,13 @@ Backends (``HCConfig.kernels``):
            ``torch.compile``, where Liger's op is not used either)
 =========  ============================================================================
 
-Every op here has the signature of its reference and takes ``backend`` (a *resolved* name, from
-:func:`resolve_backend`).  The reference functions stay in :mod:`xhc.doubly_stochastic`,
-:mod:`xhc.hyper_connection`, :mod:`xhc.xhc`; tests compare every backend against them.
+This package is the only place that dispatches an HC op: the maths modules (:mod:`xhc.hyper_connection`,
+:mod:`xhc.xhc`, :mod:`xhc.flash`) call the ops below with a *resolved* backend (from
+:func:`resolve_backend`) and never branch on its name.  Every op has the signature of its
+reference, and ``eager`` runs that reference: :mod:`xhc.streams` (read, write, gather, scatter),
+:mod:`xhc.doubly_stochastic` (Sinkhorn), :mod:`xhc.norms` (norms and their statistics); tests
+compare every backend against them.  Those modules import only torch, so this package imports
+them without a cycle.
 
 ==================  ==========================================================================
 :func:`sinkhorn`    H = Sinkhorn–Knopp(Z) (docs/math.md §1.4), one op, hand-written backward
@@ -31,7 +35,11 @@ Every op here has the signature of its reference and takes ``backend`` (a *resol
 ==================  ==========================================================================
 
 :func:`stream_moments` gives the per-row Σ X and Σ X² of the state in one pass (the flat norms'
-statistics, §1.5); on ``triton`` :func:`norm_linear` computes them in the GEMM's pass.
+statistics, §1.5); on ``triton`` :func:`norm_linear` computes them in the GEMM's pass, and
+:func:`linear_moment` gives a GEMM with the mean square of its input.  :func:`fused` says whether a
+backend takes the fused coefficient path (norm after the GEMM, Gram–Schmidt folded into the
+write); :func:`liger_runs` / :func:`mhc_coefficients` are Liger-Kernel's mHC op; :func:`compile_module`
+is the one place HC code is put under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from typing import Optional, Union
 
 import torch
 
+from xhc import streams
 from xhc.config import KERNEL_BACKENDS as KERNEL_CHOICES  # the one definition of the backend names
 from xhc.config import OP_BACKENDS as BACKENDS
 
@@ -153,17 +162,18 @@ def _interpreting() -> bool:
 # Ops
 # ------------------------------------------------------------------------------------------------
 def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "row_last",
-             backend: str = "compile") -> torch.Tensor:
+             backend: str = "compile", recompute: bool = False) -> torch.Tensor:
     """Sinkhorn–Knopp of ``Z`` ``[..., n, n]`` -> fp32 ``[..., n, n]`` (float64 stays float64).
 
-    ``eager``: :func:`xhc.doubly_stochastic.sinkhorn` with autograd through the unrolled loop;
+    ``eager``: the reference :func:`xhc.doubly_stochastic.sinkhorn`, with autograd through the
+    unrolled loop, or its recompute op when ``recompute`` (``HCConfig.sinkhorn_recompute``);
     ``compile``: one autograd op saving only Z, backward by recomputation and a hand-written
-    adjoint; ``triton``: the same op as two kernels (one program per matrix).
+    adjoint (``recompute`` is implied); ``triton``: the same op as two kernels (one program per matrix).
     """
     from xhc import doubly_stochastic as ds
 
     if backend == "eager":
-        return ds.sinkhorn(Z, t_max, eps, order, recompute=False)
+        return ds.sinkhorn(Z, t_max, eps, order, recompute=recompute)
     if backend == "triton":
         from xhc.kernels import triton_ops
 
@@ -181,7 +191,7 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     from xhc.kernels import torch_ops
 
     if backend == "eager":
-        return torch_ops.read_reference(h, X, out_dtype)
+        return streams.read_streams(h, X, out_dtype)
     if backend == "triton":
         from xhc.kernels import triton_ops
 
@@ -191,7 +201,7 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
 
 def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor, H: Optional[torch.Tensor],
           P: torch.Tensor, V: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
-          backend: str = "compile", inplace: bool = False) -> torch.Tensor:
+          backend: str = "compile", inplace: bool = False, rows_of_X: bool = False) -> torch.Tensor:
     """The hyper-connection write, residual mixing + branch write + scatter in one op.
 
     new_j = Σ_q H[j, q]·Xa[q] + Σ_s P[j, s]·V[s]  (H ``None`` = identity), then
@@ -210,20 +220,27 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     ``V`` may be a sequence of K ``[..., C]`` tensors, the components one by one (the ``compile``
     backend reads them as they are; the others stack them first).
 
+    ``rows_of_X`` (with ``I``): the caller's ``Xa`` is X[I] gathered from this very X (the xHC
+    sublayer); ``eager`` uses it as given (the reference gradient path), the fused backends read the
+    active rows from X themselves (``Xa=None`` above).
+
     ``inplace`` (with ``I``): X itself is updated and returned, rows outside ``I`` are neither read
     nor written.  Only for callers that own X and need no gradient through it afterwards
     (inference, or a state no other op saved for backward); autograd raises otherwise.
+
+    ``eager``: the reference :func:`xhc.streams.write_streams`, then
+    :func:`xhc.streams.scatter_active` (:func:`xhc.kernels.torch_ops.write_reference`).
     """
     from xhc.kernels import torch_ops
 
+    if rows_of_X and I is not None and backend != "eager" and not inplace:
+        Xa = None
     if isinstance(V, (list, tuple)) and (backend != "compile" or inplace):
         V = torch.stack(list(V), -2)
     if Xa is None and I is not None and (backend == "eager" or inplace):  # these take X_a explicitly
-        from xhc.xhc import gather_active
-
-        Xa = gather_active(X, I)
+        Xa = streams.gather_active(X, I)
     if inplace and I is not None and backend != "triton":
-        new = torch_ops.write_reference(None, None, Xa, H, P, V, X.dtype)
+        new = streams.write_streams(Xa, H, P, V, X.dtype)
         return X.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, X.shape[-1]), new)
     if backend == "eager":
         return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
@@ -237,14 +254,12 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
 def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile") -> torch.Tensor:
     """X_a = X[..., I, :] (``X`` ``[..., N, C]``, ``I`` long ``[..., k]``) -> ``[..., k, C]`` in X's dtype.
 
-    ``eager``: :func:`xhc.xhc.gather_active` (``gather``, whose backward is a ``scatter_add``);
-    otherwise one op whose backward writes dX row by row (dX[i] = dX_a[slot(i)] on active rows,
-    0 elsewhere), which ``torch.compile`` fuses with X's other gradient terms.
+    ``eager``: the reference :func:`xhc.streams.gather_active` (``gather``, whose backward is a
+    ``scatter_add``); otherwise one op whose backward writes dX row by row (dX[i] = dX_a[slot(i)] on
+    active rows, 0 elsewhere), which ``torch.compile`` fuses with X's other gradient terms.
     """
     if backend == "eager":
-        from xhc.xhc import gather_active
-
-        return gather_active(X, I)
+        return streams.gather_active(X, I)
     from xhc.kernels import torch_ops
 
     return torch_ops.gather(X, I)
@@ -273,7 +288,7 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
 
     ``x`` ``[..., D]``, ``W`` ``[d, D]``, ``gain`` ``[D]`` or None  ->  fp32 ``[..., d]``.
     ``eager`` normalises first (the reference order).  ``moments``: (μ, ν) of x, keepdim, when
-    already known (e.g. from :func:`xhc.kernels.torch_ops.stream_moments`); otherwise computed.
+    already known (e.g. from :func:`xhc.norms.stream_moments`); otherwise computed.
     """
     from xhc.kernels import torch_ops
 
@@ -293,7 +308,7 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
 
 def stream_moments(X: torch.Tensor, backend: str = "compile"):
     """Per-row sums (Σ_c X[..., i, c], Σ_c X[..., i, c]²) ``[..., n]`` each, fp32 (float64 stays), from
-    one pass over ``X`` ``[..., n, C]`` (:func:`xhc.kernels.torch_ops.stream_moments`; the ``triton``
+    one pass over ``X`` ``[..., n, C]`` (:func:`xhc.norms.stream_moments`; the ``triton``
     backend reads X once in its own dtype)."""
     if backend == "triton":
         from xhc.kernels import triton_ops
@@ -301,6 +316,102 @@ def stream_moments(X: torch.Tensor, backend: str = "compile"):
 
         _, s1, s2 = triton_ops.linear_stats(X, fp32(X.new_empty(0, X.shape[-2] * X.shape[-1])))
         return s1, s2
-    from xhc.kernels import torch_ops
+    from xhc.norms import stream_moments as reference
 
-    return torch_ops.stream_moments(X)
+    return reference(X)
+
+
+def fused(backend: str) -> bool:
+    """Whether ``backend`` (resolved) runs the fused coefficient path: the flat norms applied after
+    one GEMM per state (:func:`norm_linear`, :func:`linear_moment`, docs/math.md §1.5), the state's
+    statistics from one pass (:func:`stream_moments`) and Gram–Schmidt folded into the branch
+    weights of one write (:func:`xhc.xhc.write_components_folded`).  ``eager`` runs the reference
+    order instead: normalise, then project; orthogonalise, then write."""
+    return backend != "eager"
+
+
+def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", second_moment: bool = True):
+    """(x·Wᵀ ``[..., d]`` fp32, ν = mean(x²) ``[..., 1]`` or None) from one pass over ``x`` ``[..., D]``.
+
+    ``W`` is fp32 ``[d, D]``.  ``triton``: :func:`xhc.kernels.triton_ops.linear_stats` (x read once in
+    its own dtype, no fp32 copy of a bf16 state; ν always comes with it); otherwise the GEMM on fp32(x)
+    and, when ``second_moment``, ν from the same fp32 x.
+    """
+    from xhc.norms import fp32
+
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+
+        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), W)
+        return proj, s2 / x.shape[-1]
+    x = fp32(x)
+    proj = torch.nn.functional.linear(x, W)
+    return proj, (x.pow(2).mean(-1, keepdim=True) if second_moment else None)
+
+
+def check_available(kernels: str) -> None:
+    """Raise one clear line when the configured kernels need a package that is missing (``liger``)."""
+    if kernels == "liger":
+        from xhc.kernels import liger
+
+        liger.require()  # which configurations Liger covers: HCConfig.validate
+
+
+def liger_runs(kernels: str, device) -> bool:
+    """``kernels: liger`` and Liger-Kernel's op can run on ``device`` now (:func:`xhc.kernels.liger.runnable`):
+    the mHC coefficients then come from :func:`mhc_coefficients`."""
+    if kernels != "liger":
+        return False
+    from xhc.kernels import liger
+
+    return liger.runnable(torch.device(device) if not isinstance(device, torch.device) else device)
+
+
+def mhc_coefficients(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, alphas, t_max: int, norm_eps: float,
+                     gain: Optional[torch.Tensor] = None):
+    """Dynamic mHC coefficients (h_pre, h_post, H_res) by Liger-Kernel's fused op (``kernels: liger``;
+    :func:`xhc.kernels.liger.mhc_coefficients`): the same maps as
+    :meth:`xhc.hyper_connection.HyperConnection.coefficients` for the configurations HCConfig allows."""
+    from xhc.kernels import liger
+
+    return liger.mhc_coefficients(X, W, b, alphas, t_max, norm_eps, gain)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile of HC code: the one owner
+# ------------------------------------------------------------------------------------------------
+HC_METHODS = ("read", "write", "begin", "attn_read", "attn_write", "mlp_read", "mlp_write")
+"""The methods of an HC module (:class:`~xhc.hyper_connection.HyperConnection`,
+:class:`~xhc.xhc.XHCSublayer`, the Flash window parts) that :func:`compile_module` wraps."""
+
+
+def check_compile_enabled() -> None:
+    """Raise when ``TORCHDYNAMO_DISABLE=1``: ``torch.compile`` would silently run the HC code eagerly."""
+    if os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        raise RuntimeError("compile_hc_modules: torch.compile is switched off in this process "
+                           "(TORCHDYNAMO_DISABLE=1); unset TORCHDYNAMO_DISABLE to compile the HC modules")
+
+
+def compile_module(mod: torch.nn.Module, fullgraph: bool = False, **compile_kwargs) -> bool:
+    """Wrap ``mod``'s HC methods (:data:`HC_METHODS` it has) in ``torch.compile`` with the HC inductor
+    options (:func:`compile_options`); the ``compile`` backend's fused ops then run as inductor
+    kernels.  Returns False when ``mod`` was wrapped already.  Every compiled HC graph of the project
+    goes through here (``models.hc_layer.compile_hc_modules`` walks a model and calls it).
+    ``fullgraph=True`` turns a graph break into an error."""
+    check_compile_enabled()
+    if getattr(mod, "_hc_compiled", False):
+        return False
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    kw = dict(compile_kwargs)
+    if kw.get("backend", "inductor") == "inductor":  # HC graphs get INDUCTOR_OPTIONS
+        kw["options"] = {**compile_options(kw.pop("mode", None)), **(kw.get("options") or {})}
+    for name in HC_METHODS:
+        fn = getattr(mod, name, None)
+        if fn is not None:
+            setattr(mod, name, torch.compile(fn, fullgraph=fullgraph, **kw))
+    mod._hc_compiled = True
+    return True

@@ -15,23 +15,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from xhc.norms import fp32, layer_norm_flat, rms_norm_flat
-
-
-def _cdt(*ts) -> torch.dtype:
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ts) else torch.float32
+from xhc.norms import flat_moments, fp32, layer_norm_flat, layer_scale, rms_norm_flat, rms_scale
+from xhc.streams import compute_dtype as _cdt
+from xhc.streams import read_streams, scatter_active, write_streams
 
 
 # ------------------------------------------------------------------------------------------------
 # read: u_t = Σ_j h[t, j] X_j
 # ------------------------------------------------------------------------------------------------
 def read_reference(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Eager form: ``einsum`` on an fp32 copy of X (as :func:`xhc.hyper_connection.read_streams`)."""
-    single = h.dim() == X.dim() - 1
-    hh = h.unsqueeze(-2) if single else h
-    u = torch.einsum("...tn,...nc->...tc", hh.to(_cdt(h, X)), X.to(_cdt(h, X)))
-    u = u.squeeze(-2) if single else u
-    return u if out_dtype is None else u.to(out_dtype)
+    """The eager read: the reference :func:`xhc.streams.read_streams` (what :func:`read` is tested against)."""
+    return read_streams(h, X, out_dtype)
 
 
 UNROLL_MAX = 32  # contractions over at most this many streams/slots run as unrolled pointwise sums
@@ -209,14 +203,12 @@ def _index(I: torch.Tensor, C: int) -> torch.Tensor:
 
 
 def write_reference(X, I, Xa, H, P, V, out_dtype=None):
-    """Eager form of :func:`xhc.kernels.write` (autograd through einsum, gather-free scatter)."""
-    cdt = _cdt(Xa, H, P, V)
-    Xf = Xa.to(cdt)
-    mixed = Xf if H is None else torch.einsum("...jq,...qc->...jc", H.to(cdt), Xf)
-    new = mixed + torch.einsum("...js,...sc->...jc", P.to(cdt), V.to(cdt))
+    """The eager write (:func:`xhc.kernels.write` on ``eager``): the reference
+    :func:`xhc.streams.write_streams` of the rows, scattered into X at ``I`` by
+    :func:`xhc.streams.scatter_active` (autograd through einsum, gather-free scatter)."""
     if I is None:
-        return new.to(out_dtype or Xa.dtype)
-    return X.scatter(-2, _index(I, X.shape[-1]), new.to(X.dtype)).to(out_dtype or X.dtype)
+        return write_streams(Xa, H, P, V, out_dtype or Xa.dtype)
+    return scatter_active(X, I, write_streams(Xa, H, P, V, X.dtype)).to(out_dtype or X.dtype)
 
 
 def _unbroadcast(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -373,39 +365,6 @@ def gram_of_list(Vs) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # norm folded after the GEMM
 # ------------------------------------------------------------------------------------------------
-def flat_moments(x: torch.Tensor):
-    """(μ, ν) = (mean(x), mean(x²)) over the last dim, fp32, keepdim: the statistics of every
-    flat norm of ``x`` (docs/math.md §1.5), computed once per token."""
-    x = fp32(x)
-    return x.mean(-1, keepdim=True), x.pow(2).mean(-1, keepdim=True)
-
-
-def stream_moments(X: torch.Tensor):
-    """Per-row sums (Σ_c X[..., i, c], Σ_c X[..., i, c]²), fp32 ``[..., n]`` each: one pass over the
-    state from which the flat-norm statistics of vec(X) and of any row subset vec(X[I]) follow
-    without reading X again (:func:`moments_of_rows`; docs/math.md §1.5)."""
-    x = fp32(X)
-    return x.sum(-1), x.pow(2).sum(-1)
-
-
-def moments_of_rows(sums: torch.Tensor, sq_sums: torch.Tensor, C: int, I: Optional[torch.Tensor] = None):
-    """(μ, ν) of vec(X) (``I`` None) or of vec(X[I]) from :func:`stream_moments`, keepdim ``[..., 1]``."""
-    if I is not None:
-        sums, sq_sums = sums.gather(-1, I), sq_sums.gather(-1, I)
-    D = sums.shape[-1] * C
-    return sums.sum(-1, keepdim=True) / D, sq_sums.sum(-1, keepdim=True) / D
-
-
-def rms_scale(nu: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(ν + ε): the RMSNorm factor applied after the GEMM."""
-    return torch.rsqrt(nu + eps)
-
-
-def layer_scale(mu: torch.Tensor, nu: torch.Tensor, eps: float) -> torch.Tensor:
-    """rsqrt(ν − μ² + ε) (variance clamped at 0): the LayerNorm factor applied after the GEMM."""
-    return torch.rsqrt((nu - mu * mu).clamp_min(0.0) + eps)
-
-
 def norm_linear_reference(x, W, eps=1e-6, kind="rms", gain=None):
     """Normalise, then the GEMM (the reference order)."""
     xh = rms_norm_flat(x, eps) if kind == "rms" else layer_norm_flat(x, eps)
@@ -416,7 +375,7 @@ def norm_linear_reference(x, W, eps=1e-6, kind="rms", gain=None):
 
 def norm_linear(x, W, eps=1e-6, kind="rms", gain=None, moments=None):
     """The GEMM on the raw x, the norm applied to its d outputs (docs/math.md §1.5 reordering).
-    ``moments``: (μ, ν) of x when already known (:func:`moments_of_rows`)."""
+    ``moments``: (μ, ν) of x when already known (:func:`xhc.norms.moments_of_rows`)."""
     x = fp32(x)
     Wf = fp32(W) if gain is None else fp32(W) * fp32(gain)
     proj = F.linear(x, Wf)

@@ -619,5 +619,5 @@ def linear_stats(X: torch.Tensor, W: torch.Tensor):
     it is and accumulated in fp32; float64 stays float64); ``W`` ``[d, R·C]``  ->  ``[..., d]``,
     ``[..., R]``, ``[..., R]``.  Backward: dX in one pass (GEMM term + the statistics' terms), dW
     in one pass over X.  The norm statistics of vec X and of any row subset follow from the sums
-    (:func:`xhc.kernels.torch_ops.moments_of_rows`)."""
+    (:func:`xhc.norms.moments_of_rows`)."""
     return _LinearStats.apply(X, W)
