@@ -1,5 +1,5 @@
 """Scaling-law fits and compute multipliers (docs/math.md §5.4, §6.5): the closed-form E-fixed fit of
-xhc.scaling and the robust fits of xhc.scaling_fit (Huber on log residuals, log-sum-exp, L-BFGS
+xhc.scaling and the robust fits of tools.sweep.fit (Huber on log residuals, log-sum-exp, L-BFGS
 from a grid, bootstrap intervals)."""
 
 import math
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from xhc.scaling import (
-    PAPER_E, PAPER_FITS, ScalingFit, compute_multiplier, compute_to_reach, fit_scaling_law, loss_at, plot_fit,
+    PAPER_E, PAPER_FITS, ScalingFit, compute_multiplier, compute_to_reach, fit_scaling_law, loss_at,
 )
+from tools.sweep.plots import plot_fit
 
 
 def test_fit_recovers_known_coefficients_exactly():
@@ -118,9 +119,9 @@ def test_plot_draws_fitted_curves(monkeypatch, tmp_path):
 
 
 # ================================================================================================
-# xhc.scaling_fit
+# tools.sweep.fit
 # ================================================================================================
-from xhc.scaling_fit import (FitError, fit_chinchilla, fit_power_law, fit_power_laws, loss_at_interval,
+from tools.sweep.fit import (FitError, fit_chinchilla, fit_power_law, fit_power_laws, loss_at_interval,
                              multiplier_interval)
 
 # [xHC]'s runs span 1.7e19 to 4.0e20 FLOPs, 4 runs per method (docs/math.md §6.5).

@@ -1,4 +1,4 @@
-"""Scaling-law sweeps (tools.sweep, training.sweep): sweep files, SLURM arrays, collect, fit, and
+"""Scaling-law sweeps (the tools.sweep package): sweep files, SLURM arrays, collect, fit, and
 a killed-then-rerun local sweep that does not redo finished arms."""
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from training.sweep import SweepError, collect, fit_sweep, load_sweep, read_metrics
+from tools.sweep import SweepError, collect, fit_sweep, load_sweep, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,23 +15,30 @@ The fits follow the recipe the scaling-law literature now recommends (Hoffmann e
   of every variant with replacement and refits, starting from the full-data optimum (and, when E is
   fitted, also from E = half the smallest loss).
 
-Compute multipliers (§6.5) and their intervals are evaluated replicate by replicate.  Everything
-here works on plain floats; :mod:`xhc.scaling` keeps the closed-form E-fixed fit and the paper's
-constants.
+Compute multipliers (§6.5) and their intervals are evaluated replicate by replicate.  The maths
+works on plain floats; :mod:`xhc.scaling` keeps the closed-form E-fixed fit and the paper's
+constants.  :func:`fit_sweep` applies it to a collected sweep and writes ``fit.json`` / ``fit.md``.
+(This module needs numpy and scipy, so it lives on the tools floor, not in ``xhc``.)
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from xhc.scaling import ScalingFit
 
+from tools.sweep.collect import _finite
+from tools.sweep.plots import plot_sweep
+from tools.sweep.runner import _write_json
+from tools.sweep.spec import Sweep, SweepError
+
 __all__ = ["FitError", "PowerLawFit", "ChinchillaFit", "fit_power_laws", "fit_power_law", "fit_chinchilla",
-           "multiplier_interval", "loss_at_interval", "HUBER_DELTA"]
+           "multiplier_interval", "loss_at_interval", "HUBER_DELTA", "fit_sweep", "fit_markdown"]
 
 HUBER_DELTA = 1e-3
 """δ of the Huber loss on log-space residuals (Hoffmann et al. 2022)."""
@@ -401,3 +408,127 @@ def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Seque
         th, _ = solve(lp[idx], ld[idx], y[idx], [theta])
         reps.append(unpack(th))
     return ChinchillaFit(*unpack(theta), n_points=n, objective=obj, replicates=reps, level=level)
+
+
+# ================================================================================================
+# Fit
+# ================================================================================================
+def fit_sweep(sweep: Sweep, rows: List[dict], log=print) -> dict:
+    """Fit L(C) per variant, L(N) at a fixed compute, L(P, D) when sizes and budgets both vary, and the
+    compute multipliers against the baselines; write ``fit.json``, ``fit.md`` and the plots."""
+    f = sweep.fit
+    which = f.get("loss", "valid")
+    if which not in ("valid", "train"):
+        raise SweepError(f"sweep file {sweep.path}: fit.loss must be valid or train, got {which!r}")
+    col = f"{which}_loss"
+    used = [r for r in rows if r["state"] == "finished" and _finite(r.get(col))]
+    excluded = [r for r in rows if r not in used]
+    for r in excluded:
+        log(f"[fit] excluded {r['arm']}: {r['reason'] or f'no {col}'}")
+    by_var: Dict[str, tuple] = {}
+    for r in used:
+        c, l = by_var.setdefault(r["variant"], ([], []))
+        c.append(r["compute"])
+        l.append(r[col])
+    if not by_var:
+        raise SweepError("no finished arms with a loss to fit: run the sweep first (`tools.sweep run`)")
+    E = f.get("E", "free")
+    boot = int(f.get("bootstrap", 200))
+    level = float(f.get("level", 0.95))
+    fits = fit_power_laws(by_var, E=E, bootstrap=boot, seed=int(f.get("seed", 0)), level=level)
+    meta = {r["variant"]: r for r in used}
+    result: Dict[str, Any] = {"sweep": sweep.name, "loss": col, "E_mode": fits[next(iter(fits))].E_mode,
+                              "flops_convention": sweep.flops_convention, "level": level, "bootstrap": boot,
+                              "excluded": {r["arm"]: r["reason"] or f"no {col}" for r in excluded},
+                              "laws": {v: fits[v].as_dict() for v in fits}}
+    baselines = [b for b in f.get("baselines", ["vanilla"]) if b in fits]
+    c_ref = f.get("compute")
+    target = f.get("target_loss")
+    mults = []
+    for b in baselines:
+        cb = float(c_ref) if c_ref is not None else max(by_var[b][0])
+        for v in fits:
+            if v == b:
+                continue
+            kw = {"loss": float(target)} if target is not None else {"compute": cb}
+            m, lo, hi = multiplier_interval(fits[b], fits[v], **kw)
+            mults.append({"baseline": b, "variant": v, "at": kw, "multiplier": m, "interval": [lo, hi]})
+    result["multipliers"] = mults
+    # L(N) at a fixed compute
+    c_n = float(c_ref) if c_ref is not None else (max(by_var[baselines[0]][0]) if baselines else
+                                                   math.exp(sum(math.log(r["compute"]) for r in used) / len(used)))
+    ln = []
+    for v, fit in fits.items():
+        L, lo, hi = loss_at_interval(fit, c_n)
+        ln.append({"variant": v, "family": _family(sweep, v), "N": meta[v]["N"], "k": meta[v]["k"],
+                   "loss": L, "interval": [lo, hi]})
+    result["loss_vs_n"] = {"compute": c_n, "points": ln}
+    # Chinchilla L(P, D) per variant where sizes and budgets both vary
+    ch = {}
+    for v in fits:
+        rv = [r for r in used if r["variant"] == v]
+        if len({r["size"] for r in rv}) > 1 and len({r["tokens"] for r in rv}) > 1:
+            try:
+                cf = fit_chinchilla([r["params_activated"] for r in rv], [r["tokens"] for r in rv],
+                                    [r[col] for r in rv], bootstrap=boot, seed=int(f.get("seed", 0)), level=level)
+                ch[v] = cf.as_dict()
+            except FitError as e:
+                ch[v] = {"error": str(e)}
+    if ch:
+        result["chinchilla"] = ch
+    os.makedirs(sweep.summary_dir, exist_ok=True)
+    _write_json(os.path.join(sweep.summary_dir, "fit.json"), result)
+    md = fit_markdown(result)
+    with open(os.path.join(sweep.summary_dir, "fit.md"), "w", encoding="utf-8") as fh:
+        fh.write(md + "\n")
+    result["plots"] = plot_sweep(sweep, used, fits, result)
+    _write_json(os.path.join(sweep.summary_dir, "fit.json"), result)
+    return result
+
+
+def _family(sweep: Sweep, variant: str) -> str:
+    for a in sweep.arms:
+        if a.variant == variant:
+            return a.family
+    return variant
+
+
+def _iv(x, lo, hi, fmt="{:.4g}") -> str:
+    if not (_finite(lo) and _finite(hi)):
+        return fmt.format(x)
+    return f"{fmt.format(x)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def fit_markdown(result: dict) -> str:
+    lvl = int(round(100 * result["level"]))
+    out = [f"L(C) = E + A·C^(−α) on {result['loss']}, E {result['E_mode']}, Huber δ=1e-3 on log residuals, "
+           f"{result['bootstrap']} bootstrap replicates ({lvl}% intervals), FLOPs convention "
+           f"`{result['flops_convention']}`", "",
+           "| variant | E | A | α | runs |", "|---|---|---|---|---|"]
+    for v, d in result["laws"].items():
+        out.append(f"| {v} | {_iv(d['E'], *d['E_interval'])} | {_iv(d['A'], *d['A_interval'])} | "
+                   f"{_iv(d['alpha'], *d['alpha_interval'])} | {d['n_points']} |")
+    if result["multipliers"]:
+        out += ["", "Compute multipliers (compute the baseline needs / compute the variant needs for the same loss):",
+                "", "| baseline | variant | at | multiplier |", "|---|---|---|---|"]
+        for m in result["multipliers"]:
+            at = ", ".join(f"{k}={v:.3g}" for k, v in m["at"].items())
+            out.append(f"| {m['baseline']} | {m['variant']} | {at} | {_iv(m['multiplier'], *m['interval'], '{:.3f}')} |")
+    ln = result["loss_vs_n"]
+    out += ["", f"L(N) at fixed compute C = {ln['compute']:.3g} (fitted):", "", "| variant | family | N | k | loss |",
+            "|---|---|---|---|---|"]
+    for p in ln["points"]:
+        out.append(f"| {p['variant']} | {p['family']} | {p['N']} | {p['k'] if p['k'] is not None else '-'} | "
+                   f"{_iv(p['loss'], *p['interval'], '{:.4f}')} |")
+    if result.get("chinchilla"):
+        out += ["", "L(P, D) = E + A/P^α + B/D^β (P activated parameters, D tokens):", "",
+                "| variant | E | A | α | B | β |", "|---|---|---|---|---|---|"]
+        for v, d in result["chinchilla"].items():
+            if "error" in d:
+                out.append(f"| {v} | {d['error']} | | | | |")
+            else:
+                out.append(f"| {v} | " + " | ".join(_iv(d[p], *d[f'{p}_interval']) for p in
+                                                   ("E", "A", "alpha", "B", "beta")) + " |")
+    if result["excluded"]:
+        out += ["", "Excluded arms: " + "; ".join(f"{k}: {v}" for k, v in result["excluded"].items())]
+    return "\n".join(out)

@@ -12,7 +12,11 @@ the per-arm table (console, ``summary/arms.csv``, ``summary/arms.json``); ``fit`
 L(C) = E + A·C^(−α) per variant (Huber on log residuals, L-BFGS from a grid, bootstrap intervals),
 L(N) at fixed compute, L(P, D) where sizes and budgets both vary, the compute multipliers against
 the baselines, and draws ``summary/frontier.png``, ``loss_vs_n.png``, ``multipliers.png``
-(docs/sweeps.md, docs/math.md §6.5).  Sweep files: see :mod:`training.sweep`.
+(docs/sweeps.md, docs/math.md §6.5).
+
+The package: :mod:`tools.sweep.spec` (sweep files -> arms), :mod:`tools.sweep.runner` (local and
+SLURM executors), :mod:`tools.sweep.collect` (the per-arm table), :mod:`tools.sweep.fit` (the robust
+scaling-law fits and the sweep fit) and :mod:`tools.sweep.plots`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ import argparse
 import os
 import shlex
 import sys
+
+from tools.sweep.collect import COLUMNS, collect, format_table, read_metrics, write_table
+from tools.sweep.fit import FitError, fit_markdown, fit_sweep
+from tools.sweep.runner import ARM_STATE, arm_finished, run_local, slurm_commands
+from tools.sweep.spec import Arm, Sweep, SweepError, load_sweep
+
+__all__ = ["main", "Arm", "Sweep", "SweepError", "load_sweep", "run_local", "slurm_commands", "collect",
+           "read_metrics", "write_table", "format_table", "fit_sweep", "fit_markdown", "FitError", "COLUMNS",
+           "ARM_STATE", "arm_finished"]
 
 # The runner only launches and reads files: keep OpenMP from spinning on a shared machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -45,8 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _print_arms(sweep) -> None:
-    from training.sweep import format_table
-
     rows = [{"arm": a.name, "variant": a.variant, "N": a.n, "k": a.k, "steps": a.steps, "seed": a.seed,
              "params_activated": a.params_activated, "flops_per_token": a.flops_per_token, "tokens": a.tokens,
              "compute": a.compute, "run_dir": a.run_dir} for a in sweep.arms]
@@ -60,10 +71,6 @@ def _print_arms(sweep) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from training.sweep import (COLUMNS, SweepError, collect, fit_markdown, fit_sweep, format_table, load_sweep,
-                                run_local, slurm_commands, write_table)
-    from xhc.scaling_fit import FitError
-
     try:
         sweep = load_sweep(args.config, out_dir=args.out_dir, extra_overrides=args.overrides)
         if args.cmd == "print" or (args.cmd == "run" and args.executor == "print"):
@@ -110,7 +117,3 @@ def main(argv=None) -> int:
     except (SweepError, FitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
