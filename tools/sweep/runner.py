@@ -15,7 +15,7 @@ from training.config import load_config
 
 from tools.sweep.spec import Arm, Sweep, SweepError
 
-__all__ = ["ARM_STATE", "arm_finished", "run_local", "slurm_commands"]
+__all__ = ["ARM_STATE", "arm_finished", "run_local", "slurm_commands", "git_commit"]
 
 ARM_STATE = "sweep_arm.json"
 """Per-arm record of the sweep runner (state, exit code, log, wall time) in the arm's run dir."""
@@ -87,6 +87,21 @@ def _last_error_line(log: str) -> str:
 # ================================================================================================
 # Local executor
 # ================================================================================================
+def git_commit() -> Optional[str]:
+    """The commit of the code that runs (``<hash>`` or ``<hash>-dirty`` with uncommitted changes to
+    tracked files); None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def _deathsig():
     """Child setup: receive SIGTERM when the sweep runner dies (so a killed runner's arms save and
     stop instead of training on unattended)."""
@@ -106,7 +121,7 @@ def _prepare_data(sweep: Sweep, log) -> None:
     from training.data import prepare_default_data
 
     kw = {} if cfg.data.default_target_mb is None else {"target_mb": cfg.data.default_target_mb}
-    prepare_default_data(cfg.data.default_dir, vocab_size=cfg.tokenizer.vocab_size, seed=cfg.run.seed,
+    prepare_default_data(cfg.data.default_dir, vocab_size=cfg.tokenizer.vocab_size, seed=cfg.data.seed,
                          progress=False, log=None, **kw)
 
 
@@ -132,6 +147,7 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
             states[a.name] = "finished"
         else:
             todo.append(a)
+    commit = git_commit()
     total_c = sum(a.compute for a in sweep.arms) or 1.0
     done_c = sum(a.compute for a in sweep.arms if states.get(a.name) == "finished")
     log(f"[sweep] {sweep.name}: {len(sweep.arms)} arms, {len(states)} already finished, {len(todo)} to run "
@@ -196,7 +212,8 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
                 proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                         preexec_fn=_deathsig if sys.platform.startswith("linux") else None)
                 record.update({"name": arm.name, "overrides": arm.overrides, "state": "running", "pid": proc.pid,
-                               "log": logp, "command": shlex.join(cmd), "attempts": record.get("attempts", 0) + 1})
+                               "log": logp, "command": shlex.join(cmd), "attempts": record.get("attempts", 0) + 1,
+                               "commit": commit})
                 _write_json(rec_path, record)
                 states[arm.name] = "running"
                 running[arm.name] = (arm, proc, logf, time.time(), record)
