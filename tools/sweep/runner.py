@@ -148,6 +148,9 @@ def run_local(sweep: Sweep, parallel: int = 1, log=print, poll_s: float = 0.5) -
         else:
             todo.append(a)
     commit = git_commit()
+    # seed by seed: a sweep stopped part-way has every variant and budget at its first seeds
+    seed_rank = {s: i for i, s in enumerate(dict.fromkeys(a.seed for a in sweep.arms))}
+    todo.sort(key=lambda a: seed_rank[a.seed])
     total_c = sum(a.compute for a in sweep.arms) or 1.0
     done_c = sum(a.compute for a in sweep.arms if states.get(a.name) == "finished")
     log(f"[sweep] {sweep.name}: {len(sweep.arms)} arms, {len(states)} already finished, {len(todo)} to run "
