@@ -282,3 +282,63 @@ def test_killed_sweep_resumes_without_redoing_finished_arms(tmp_path):
     for r in rows:
         train, _ = read_metrics(os.path.join(tmp_path / "out" / "arms" / r["arm"], "metrics.jsonl"))
         assert sorted(train) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeds, noise and honest fits (issue #28)
+# ------------------------------------------------------------------------------------------------
+def test_fit_report_marks_no_true_difference_within_noise(tmp_path):
+    """A synthetic sweep (3 budgets x 3 seeds, two variants of the same law plus one clearly better)
+    through the sweep fit: the table has mean ± std per arm, the equal pair is marked within noise
+    in fit.md and fit.json, the better one significant, and fit.json records the commit and the
+    warnings (E shared on a law with E = 1.8 inside: none about E)."""
+    from tools.sweep import Sweep, aggregate
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for variant, m in (("base", 1.0), ("same", 1.0), ("better", 3.0)):
+        for steps, c in zip((40, 80, 160, 320), np.geomspace(1e10, 1e12, 4)):
+            for seed in (1, 2, 3):
+                loss = (1.8 + 400.0 / m ** 0.3 * c ** -0.3) * np.exp(0.004 * rng.standard_normal())
+                rows.append({"arm": f"{variant}-{steps}st-seed{seed}", "cell": f"{variant}-{steps}st",
+                             "variant": variant, "size": "base", "N": 1, "k": None, "steps": steps, "seed": seed,
+                             "state": "finished", "compute": float(c), "tokens": steps * 1024,
+                             "params_activated": 1000, "valid_loss": float(loss), "train_loss": float(loss),
+                             "wall_s": 1.0, "cpu_s": 1.0, "commit": "abc123", "reason": ""})
+    cells = aggregate(rows)
+    assert len(cells) == 12 and all(c["n_seeds"] == 3 and c["seeds"] == "3/3" for c in cells)
+    c0 = [r["valid_loss"] for r in rows[:3]]
+    assert cells[0]["valid_loss_mean"] == pytest.approx(np.mean(c0)) and \
+        cells[0]["valid_loss_std"] == pytest.approx(np.std(c0, ddof=1))
+    sweep = Sweep(name="syn", path="syn.yaml", base=None, out_dir=str(tmp_path), arms=[],
+                  fit={"E": 1.8, "baselines": ["base"], "bootstrap": 20})
+    res = fit_sweep(sweep, rows, log=lambda _m: None, plots=False)
+    sig = {m["variant"]: m["significance"] for m in res["multipliers"]}
+    assert sig == {"same": "within noise", "better": "significant"}
+    dl = {p["variant"]: p.get("significance") for p in res["loss_vs_n"]["points"]}
+    assert dl == {"base": None, "same": "within noise", "better": "significant"}
+    saved = json.loads((tmp_path / "summary" / "fit.json").read_text())
+    assert "commit" in saved and saved["arm_commits"] == ["abc123"] and saved["warnings"] == []
+    md = (tmp_path / "summary" / "fit.md").read_text()
+    assert "| base | same |" in md and "within noise" in md.split("| base | same |")[1].splitlines()[0]
+    assert "± " in md  # the arms over seeds table
+
+
+def test_fit_report_carries_warnings(tmp_path):
+    """A pure power law with E free on 3 budgets: the bound and underdetermination warnings are in
+    the log, fit.json and fit.md, each with its remedy."""
+    from tools.sweep import Sweep
+
+    rows = [{"arm": f"v-{s}st", "cell": f"v-{s}st", "variant": "v", "size": "base", "N": 1, "k": None, "steps": s,
+             "seed": 1, "state": "finished", "compute": float(c), "tokens": s, "params_activated": 1,
+             "valid_loss": float(50.0 * c ** -0.2), "reason": ""}
+            for s, c in zip((1, 2, 3), np.geomspace(1e8, 1e12, 3))]
+    sweep = Sweep(name="w", path="w.yaml", base=None, out_dir=str(tmp_path), arms=[],
+                  fit={"E": "free", "baselines": [], "bootstrap": 10})
+    logs = []
+    res = fit_sweep(sweep, rows, log=logs.append, plots=False)
+    kinds = {w["kind"] for w in res["warnings"]}
+    assert {"bound", "underdetermined"} <= kinds
+    assert any(line.startswith("[fit] warning:") and "remedy:" in line for line in logs)
+    md = (tmp_path / "summary" / "fit.md").read_text()
+    assert "Warnings (the fit cannot tell)" in md and "Remedy: add budgets" in md

@@ -26,13 +26,13 @@ import os
 import shlex
 import sys
 
-from tools.sweep.collect import COLUMNS, collect, format_table, read_metrics, write_table
+from tools.sweep.collect import CELL_COLUMNS, COLUMNS, aggregate, collect, format_table, read_metrics, write_table
 from tools.sweep.fit import FitError, fit_markdown, fit_sweep
 from tools.sweep.runner import ARM_STATE, arm_finished, run_local, slurm_commands
 from tools.sweep.spec import Arm, Sweep, SweepError, load_sweep
 
 __all__ = ["main", "Arm", "Sweep", "SweepError", "load_sweep", "run_local", "slurm_commands", "collect",
-           "read_metrics", "write_table", "format_table", "fit_sweep", "fit_markdown", "FitError", "COLUMNS",
+           "read_metrics", "write_table", "format_table", "aggregate", "fit_sweep", "fit_markdown", "FitError", "COLUMNS",
            "ARM_STATE", "arm_finished"]
 
 # The runner only launches and reads files: keep OpenMP from spinning on a shared machine.
@@ -101,7 +101,10 @@ def main(argv=None) -> int:
             return 1 if any(s == "failed" for s in states.values()) else 0
         rows = collect(sweep)
         if args.cmd == "collect":
-            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "seed", "reason")]))
+            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "steps", "reason", "commit", "cpu_s")]))
+            if any(r.get("cell") != r["arm"] for r in rows):
+                print("\nper arm over seeds (mean ± sample standard deviation):")
+                print(format_table(aggregate(rows), CELL_COLUMNS))
             for r in rows:
                 if r["state"] != "finished":
                     print(f"[collect] {r['arm']}: {r['reason']}")

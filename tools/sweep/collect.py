@@ -11,10 +11,15 @@ from typing import Dict, List, Sequence
 from tools.sweep.runner import ARM_STATE, _last_error_line, _pid_alive, _read_json, _write_json
 from tools.sweep.spec import Arm, Sweep
 
-__all__ = ["COLUMNS", "read_metrics", "collect_arm", "collect", "format_table", "write_table"]
+__all__ = ["COLUMNS", "CELL_COLUMNS", "read_metrics", "collect_arm", "collect", "aggregate", "format_table",
+           "write_table"]
 
-COLUMNS = ("arm", "variant", "size", "N", "k", "seed", "state", "params_total", "params_activated", "params_hc",
-           "flops_per_token", "tokens", "compute", "train_loss", "valid_loss", "wall_s", "tokens_per_s", "reason")
+COLUMNS = ("arm", "variant", "size", "N", "k", "steps", "seed", "state", "params_total", "params_activated",
+           "params_hc", "flops_per_token", "tokens", "compute", "train_loss", "valid_loss", "wall_s", "cpu_s",
+           "tokens_per_s", "commit", "reason")
+CELL_COLUMNS = ("arm", "N", "k", "steps", "params_activated", "compute", "seeds", "train_loss", "valid_loss",
+                "wall_s", "cpu_s")
+"""The per-arm table over seeds (:func:`aggregate`): losses as mean ± standard deviation."""
 
 
 def read_metrics(path: str):
@@ -49,12 +54,16 @@ def read_metrics(path: str):
 
 def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
     """One row of the sweep table (see :data:`COLUMNS`)."""
-    row = {"arm": arm.name, "variant": arm.variant, "size": arm.size, "N": arm.n, "k": arm.k, "seed": arm.seed,
+    row = {"arm": arm.name, "variant": arm.variant, "size": arm.size, "N": arm.n, "k": arm.k, "steps": arm.steps,
+           "seed": arm.seed, "cell": arm.cell,
            "params_total": arm.params_total, "params_activated": arm.params_activated, "params_hc": arm.params_hc,
            "flops_per_token": arm.flops_per_token, "tokens": arm.tokens, "compute": arm.compute,
-           "train_loss": None, "valid_loss": None, "wall_s": None, "tokens_per_s": None, "reason": ""}
+           "train_loss": None, "valid_loss": None, "wall_s": None, "cpu_s": None, "tokens_per_s": None, "commit": None,
+           "reason": ""}
     status = _read_json(os.path.join(arm.run_dir, "status.json"))
     record = _read_json(os.path.join(arm.run_dir, ARM_STATE)) or {}
+    row["cpu_s"] = record.get("cpu_s")
+    row["commit"] = record.get("commit")
     train, evals = read_metrics(os.path.join(arm.run_dir, "metrics.jsonl"))
     if train:
         first = math.floor(arm.steps * (1 - tail_fraction))
@@ -104,17 +113,59 @@ def collect(sweep: Sweep) -> List[dict]:
     return [collect_arm(a, tail) for a in sweep.arms]
 
 
+def _mean_std(xs: List[float]):
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def aggregate(rows: List[dict]) -> List[dict]:
+    """One row per arm over its seeds (same variant, size and budget): each loss as mean and sample
+    standard deviation (``<col>_mean``, ``<col>_std``, over the finished seeds), ``seeds``: finished
+    seeds / all seeds, ``wall_s`` and ``cpu_s`` summed."""
+    cells: Dict[str, List[dict]] = {}
+    for r in rows:
+        cells.setdefault(r.get("cell") or r["arm"], []).append(r)
+    out = []
+    for name, rs in cells.items():
+        done = [r for r in rs if r["state"] == "finished"]
+        first = rs[0]
+        c = {"arm": name, **{k: first.get(k) for k in ("variant", "size", "N", "k", "steps", "params_total",
+                                                      "params_activated", "params_hc", "flops_per_token", "tokens",
+                                                      "compute")},
+             "seeds": f"{len(done)}/{len(rs)}", "n_seeds": len(done), "seed_list": [r["seed"] for r in done]}
+        for col in ("train_loss", "valid_loss"):
+            m, s = _mean_std([r[col] for r in done if _finite(r.get(col))])
+            c[f"{col}_mean"], c[f"{col}_std"] = m, s
+            c[col] = (m, s)
+        for col in ("wall_s", "cpu_s"):
+            vals = [r[col] for r in rs if _finite(r.get(col))]
+            c[col] = sum(vals) if vals else None
+        out.append(c)
+    return out
+
+
 def _fmt(v, col: str) -> str:
     if v is None:
         return "-"
+    if isinstance(v, tuple):  # (mean, std)
+        m, s = v
+        if m is None:
+            return "-"
+        return f"{m:.4f}" + (f" ± {s:.4f}" if s is not None else "")
     if col in ("params_total", "params_activated", "params_hc", "tokens"):
         return _si(v)
     if col in ("flops_per_token", "compute"):
         return f"{v:.3g}"
     if col in ("train_loss", "valid_loss"):
         return f"{v:.4f}"
-    if col == "wall_s":
+    if col in ("wall_s", "cpu_s"):
         return f"{v:.0f}"
+    if col == "commit":
+        return str(v)[:12]
     if col == "tokens_per_s":
         return f"{v:.0f}"
     return str(v)
@@ -148,5 +199,16 @@ def write_table(sweep: Sweep, rows: List[dict]) -> Dict[str, str]:
         for r in rows:
             w.writerow({c: r.get(c) for c in COLUMNS})
     os.replace(paths["csv"] + ".tmp", paths["csv"])
-    _write_json(paths["json"], {"sweep": sweep.name, "flops_convention": sweep.flops_convention, "arms": rows})
+    cells = aggregate(rows)
+    paths["cells_csv"] = os.path.join(sweep.summary_dir, "arms_over_seeds.csv")
+    fields = [k for k in cells[0] if k not in ("train_loss", "valid_loss", "seed_list")] if cells else []
+    with open(paths["cells_csv"] + ".tmp", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for c in cells:
+            w.writerow(c)
+    os.replace(paths["cells_csv"] + ".tmp", paths["cells_csv"])
+    _write_json(paths["json"], {"sweep": sweep.name, "flops_convention": sweep.flops_convention, "arms": rows,
+                                "arms_over_seeds": [{k: v for k, v in c.items() if k not in ("train_loss", "valid_loss")}
+                                                    for c in cells]})
     return paths

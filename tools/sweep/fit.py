@@ -38,7 +38,8 @@ from tools.sweep.runner import _write_json
 from tools.sweep.spec import Sweep, SweepError
 
 __all__ = ["FitError", "PowerLawFit", "ChinchillaFit", "fit_power_laws", "fit_power_law", "fit_chinchilla",
-           "multiplier_interval", "loss_at_interval", "HUBER_DELTA", "fit_sweep", "fit_markdown"]
+           "multiplier_interval", "loss_at_interval", "loss_difference_interval", "fit_warnings", "significance",
+           "HUBER_DELTA", "fit_sweep", "fit_markdown"]
 
 HUBER_DELTA = 1e-3
 """δ of the Huber loss on log-space residuals (Hoffmann et al. 2022)."""
@@ -99,6 +100,9 @@ class PowerLawFit:
     objective: float
     replicates: List[ScalingFit] = field(default_factory=list)
     level: float = 0.95
+    n_budgets: int = 0               # distinct compute values (arms); n_points counts seeds too
+    min_loss: float = math.nan
+    kept_draws: int = 0              # replicates that could not resample (too few distinct arms)
 
     @property
     def A(self) -> float:
@@ -122,7 +126,7 @@ class PowerLawFit:
         return self.fit.loss(compute)
 
     def as_dict(self) -> dict:
-        out = {"name": self.name, "E_mode": self.E_mode, "n_points": self.n_points,
+        out = {"name": self.name, "E_mode": self.E_mode, "n_points": self.n_points, "n_budgets": self.n_budgets,
                "bootstrap": len(self.replicates), "level": self.level}
         for p in ("E", "A", "alpha"):
             out[p] = getattr(self.fit, p)
@@ -230,13 +234,28 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
     x0 = float(np.mean(np.concatenate([np.log(cols[n][0]) for n in names])))
     logs = {n: (np.log(cols[n][0]), np.log(cols[n][1])) for n in names}
     rng = np.random.default_rng(seed)
+    # Runs at the same compute are seeds of one arm: a replicate resamples the arms with replacement
+    # and, within each drawn arm, its seeds with replacement (so the intervals carry seed noise too).
+    cells: Dict[str, List[np.ndarray]] = {}
+    for n in names:
+        order: Dict[float, List[int]] = {}
+        for i, c in enumerate(cols[n][0].tolist()):
+            order.setdefault(c, []).append(i)
+        cells[n] = [np.asarray(v) for v in order.values()]
+    kept: Dict[str, int] = {n: 0 for n in names}
 
     def draw(n: str, need: int):
         x, y = logs[n]
+        groups = cells[n]
         for _ in range(100):
-            idx = rng.integers(0, len(x), len(x))
-            if len(set(x[idx].tolist())) >= need:
+            gi = rng.integers(0, len(groups), len(groups))
+            if len(set(gi.tolist())) >= need:
+                if all(len(g) == 1 for g in groups):
+                    idx = np.array([groups[g][0] for g in gi])
+                else:
+                    idx = np.concatenate([groups[g][rng.integers(0, len(groups[g]), len(groups[g]))] for g in gi])
                 return x[idx], y[idx]
+        kept[n] += 1
         return x, y  # too few distinct points to resample: keep the data (a degenerate replicate)
 
     def rep_starts(theta, ys):
@@ -256,7 +275,8 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
             th, _ = _fit_groups([draw(n, 2) for n in names], x0, None, delta,
                                 starts=rep_starts(theta, [logs[n][1] for n in names]))
             reps.append(_unpack(th, len(names), x0, None))
-        return {n: PowerLawFit(n, fits[i], mode, len(cols[n][0]), obj, [r[i] for r in reps], level)
+        return {n: PowerLawFit(n, fits[i], mode, len(cols[n][0]), obj, [r[i] for r in reps], level,
+                               n_budgets=len(cells[n]), min_loss=float(cols[n][1].min()), kept_draws=kept[n])
                 for i, n in enumerate(names)}
     out = {}
     need = 3 if mode == "free" else 2
@@ -267,7 +287,8 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
         for _ in range(bootstrap):
             th, _ = _fit_groups([draw(n, need)], x0, e_fixed, delta, starts=rep_starts(theta, [logs[n][1]]))
             reps.append(_unpack(th, 1, x0, e_fixed)[0])
-        out[n] = PowerLawFit(n, fit, mode, len(cols[n][0]), obj, reps, level)
+        out[n] = PowerLawFit(n, fit, mode, len(cols[n][0]), obj, reps, level, n_budgets=len(cells[n]),
+                             min_loss=float(cols[n][1].min()), kept_draws=kept[n])
     return out
 
 
@@ -277,6 +298,116 @@ def fit_power_law(compute: Sequence[float], loss: Sequence[float], E: Union[str,
     if E == "shared":
         raise FitError("E='shared' needs several variants: use fit_power_laws")
     return fit_power_laws({name: (compute, loss)}, E=E, **kw)[name]
+
+
+# ================================================================================================
+# Warnings: when the fit cannot tell
+# ================================================================================================
+E_LOW = 1e-6
+"""E below this fraction of the smallest loss is on its lower bound (E → 0: a pure power law)."""
+E_HIGH = 0.999
+"""E above this fraction of the smallest loss is on its upper limit (the curve is flat)."""
+DEGENERATE_SHARE = 0.5
+"""A bootstrap distribution with at least this share of replicates on a bound is degenerate."""
+
+REMEDY_E = ("fix E (fit.E: <value>, e.g. a published irreducible loss), share it across variants "
+            "(fit.E: shared), or add budgets (grid.steps) large enough for the curve to bend")
+REMEDY_POINTS = "add budgets (grid.steps), share E (fit.E: shared) or fix E (fit.E: <value>)"
+REMEDY_BOOT = "add budgets (grid.steps) or seeds (grid.seeds), or fix E (fit.E: <value>)"
+
+
+def _on_bound(param: str, value: float, min_loss: float) -> Optional[str]:
+    if param == "E":
+        if value < E_LOW * min_loss:
+            return f"lower bound (E = {value:.3g} → 0: the fit prefers a pure power law)"
+        if value > E_HIGH * min_loss:
+            return f"upper limit (E = {value:.4g}, at the smallest loss {min_loss:.4g}: the curve is flat)"
+        return None
+    lo, hi = _ALPHA_BOUNDS
+    if value <= lo * (1 + 1e-3):
+        return f"lower bound (α = {value:.3g}, bound {lo:g})"
+    if value >= hi * (1 - 1e-3):
+        return f"upper bound (α = {value:.3g}, bound {hi:g})"
+    return None
+
+
+def fit_warnings(fits: Mapping[str, PowerLawFit]) -> List[dict]:
+    """What the fits cannot tell, each ``{"variant", "kind", "param", "message", "remedy"}``:
+
+    * ``bound``: a fitted parameter sits on its bound (E → 0 or E at the smallest loss, α at a limit
+      of its range): the data do not determine it;
+    * ``underdetermined``: a variant has no more arms (distinct budgets; seeds do not count) than
+      the parameters its curve needs (E free: 3; shared or fixed E: 2), or a shared-E fit has no more
+      arms in all than parameters (1 + 2 per variant): the curve interpolates, its residuals are 0;
+    * ``degenerate_bootstrap``: at least half the replicates of a parameter sit on a bound, the
+      interval has zero width, or replicates could not be resampled: the interval is no
+      confidence interval.
+
+    Silent on a well-posed fit.  A shared E is reported once (variant ``*``)."""
+    out: List[dict] = []
+    if not fits:
+        return out
+    mode = next(iter(fits.values())).E_mode
+    per_variant = 3 if mode == "free" else 2
+    shared_done = False
+    for n, f in fits.items():
+        params = ["A", "alpha"] + (["E"] if mode != "fixed" else [])
+        for p in params:
+            if p == "A":
+                continue
+            if p == "E" and mode == "shared":
+                if shared_done:
+                    continue
+                who = "*"
+                min_loss = min(g.min_loss for g in fits.values())
+            else:
+                who, min_loss = n, f.min_loss
+            b = _on_bound(p, getattr(f, p), min_loss)
+            if b:
+                out.append({"variant": who, "kind": "bound", "param": p,
+                            "message": f"{'shared E' if who == '*' else n + ': ' + p} sits on its {b}",
+                            "remedy": REMEDY_E if p == "E" else "add budgets spanning more compute, or fix E"})
+            reps = [getattr(r, p) for r in f.replicates]
+            if reps:
+                share = sum(1 for v in reps if _on_bound(p, v, min_loss)) / len(reps)
+                lo, hi = f.interval(p)
+                if share >= DEGENERATE_SHARE or (math.isfinite(lo) and math.isfinite(hi)
+                                                 and hi - lo <= 1e-9 * max(abs(getattr(f, p)), 1e-300)):
+                    what = (f"{share:.0%} of the bootstrap replicates sit on a bound" if share >= DEGENERATE_SHARE
+                            else "the bootstrap interval has zero width")
+                    out.append({"variant": who, "kind": "degenerate_bootstrap", "param": p,
+                                "message": f"{'shared E' if who == '*' else n + ': ' + p}: {what}; its interval is "
+                                           "not a confidence interval",
+                                "remedy": REMEDY_BOOT})
+            if p == "E" and mode == "shared":
+                shared_done = True
+        if f.n_budgets <= per_variant:
+            out.append({"variant": n, "kind": "underdetermined", "param": None,
+                        "message": f"{n}: {f.n_budgets} budgets for {per_variant} parameters of its curve "
+                                   f"(E {mode}): the fit interpolates and cannot show misfit",
+                        "remedy": REMEDY_POINTS})
+        if f.replicates and f.kept_draws:
+            out.append({"variant": n, "kind": "degenerate_bootstrap", "param": None,
+                        "message": f"{n}: {f.kept_draws} of {len(f.replicates)} replicates could not resample "
+                                   "(too few distinct budgets)",
+                        "remedy": REMEDY_BOOT})
+    if mode == "shared":
+        total = sum(f.n_budgets for f in fits.values())
+        k = 1 + 2 * len(fits)
+        if total <= k:
+            out.append({"variant": "*", "kind": "underdetermined", "param": None,
+                        "message": f"shared-E fit: {total} arms for {k} parameters", "remedy": REMEDY_POINTS})
+    return out
+
+
+def significance(lo: float, hi: float, null: float) -> str:
+    """``"within noise"`` when the interval [lo, hi] covers the no-difference value ``null`` (1 for a
+    multiplier, 0 for a loss difference), ``"significant"`` when it excludes it, ``"undetermined"``
+    without an interval."""
+    if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and math.isfinite(lo)
+            and math.isfinite(hi)):
+        return "undetermined"
+    return "within noise" if lo <= null <= hi else "significant"
 
 
 # ================================================================================================
@@ -292,8 +423,11 @@ def _multiplier(base: ScalingFit, method: ScalingFit, compute: Optional[float], 
     L = base.loss(compute) if loss is None else loss
     if L <= base.E or L <= method.E:
         return math.nan
-    c_b = compute if loss is None else base.compute_for(L)
-    return c_b / method.compute_for(L)
+    def log_c(f: ScalingFit) -> float:  # log C_f(L), in log space: 1/α can be large in a bootstrap replicate
+        return (math.log(f.A) - math.log(L - f.E)) / f.alpha
+
+    log_m = (math.log(compute) if loss is None else log_c(base)) - log_c(method)
+    return math.exp(min(log_m, 700.0)) if log_m > -745.0 else 0.0
 
 
 def multiplier_interval(baseline: PowerLawFit, method: PowerLawFit, compute: Optional[float] = None,
@@ -310,6 +444,13 @@ def multiplier_interval(baseline: PowerLawFit, method: PowerLawFit, compute: Opt
     vals = [_multiplier(b, x, compute, loss) for b, x in _paired(baseline, method)]
     lo, hi = _percentile_interval(vals, baseline.level)
     return m, lo, hi
+
+
+def loss_difference_interval(base: PowerLawFit, other: PowerLawFit, compute: float) -> Tuple[float, float, float]:
+    """(ΔL, lo, hi) with ΔL = L_other(C) − L_base(C), the interval from paired bootstrap replicates."""
+    d = other.loss(compute) - base.loss(compute)
+    lo, hi = _percentile_interval([x.loss(compute) - b.loss(compute) for b, x in _paired(base, other)], base.level)
+    return d, lo, hi
 
 
 def loss_at_interval(fit: PowerLawFit, compute: float) -> Tuple[float, float, float]:
@@ -413,9 +554,16 @@ def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Seque
 # ================================================================================================
 # Fit
 # ================================================================================================
-def fit_sweep(sweep: Sweep, rows: List[dict], log=print) -> dict:
+def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True) -> dict:
     """Fit L(C) per variant, L(N) at a fixed compute, L(P, D) when sizes and budgets both vary, and the
-    compute multipliers against the baselines; write ``fit.json``, ``fit.md`` and the plots."""
+    compute multipliers against the baselines; write ``fit.json``, ``fit.md`` and the plots.
+
+    Every finished run is a point (seeds of one arm share its compute); the bootstrap resamples arms
+    and, within them, seeds.  Multipliers whose interval covers 1 and loss differences whose interval
+    covers 0 are marked ``within noise``; :func:`fit_warnings` says where the fit cannot tell."""
+    from tools.sweep.collect import aggregate
+    from tools.sweep.runner import git_commit
+
     f = sweep.fit
     which = f.get("loss", "valid")
     if which not in ("valid", "train"):
@@ -437,10 +585,18 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print) -> dict:
     level = float(f.get("level", 0.95))
     fits = fit_power_laws(by_var, E=E, bootstrap=boot, seed=int(f.get("seed", 0)), level=level)
     meta = {r["variant"]: r for r in used}
-    result: Dict[str, Any] = {"sweep": sweep.name, "loss": col, "E_mode": fits[next(iter(fits))].E_mode,
+    warnings = fit_warnings(fits)
+    for w in warnings:
+        log(f"[fit] warning: {w['message']}; remedy: {w['remedy']}")
+    arm_commits = sorted({r["commit"] for r in used if r.get("commit")})
+    result: Dict[str, Any] = {"sweep": sweep.name, "commit": git_commit(), "arm_commits": arm_commits,
+                              "loss": col, "E_mode": fits[next(iter(fits))].E_mode,
                               "flops_convention": sweep.flops_convention, "level": level, "bootstrap": boot,
+                              "bootstrap_unit": "arms, and seeds within each drawn arm",
                               "excluded": {r["arm"]: r["reason"] or f"no {col}" for r in excluded},
-                              "laws": {v: fits[v].as_dict() for v in fits}}
+                              "arms_over_seeds": [{k: v for k, v in c.items() if k not in ("train_loss", "valid_loss")}
+                                                  for c in aggregate(rows)],
+                              "laws": {v: fits[v].as_dict() for v in fits}, "warnings": warnings}
     baselines = [b for b in f.get("baselines", ["vanilla"]) if b in fits]
     c_ref = f.get("compute")
     target = f.get("target_loss")
@@ -452,17 +608,23 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print) -> dict:
                 continue
             kw = {"loss": float(target)} if target is not None else {"compute": cb}
             m, lo, hi = multiplier_interval(fits[b], fits[v], **kw)
-            mults.append({"baseline": b, "variant": v, "at": kw, "multiplier": m, "interval": [lo, hi]})
+            mults.append({"baseline": b, "variant": v, "at": kw, "multiplier": m, "interval": [lo, hi],
+                          "significance": significance(lo, hi, 1.0)})
     result["multipliers"] = mults
     # L(N) at a fixed compute
     c_n = float(c_ref) if c_ref is not None else (max(by_var[baselines[0]][0]) if baselines else
                                                    math.exp(sum(math.log(r["compute"]) for r in used) / len(used)))
     ln = []
+    ref = baselines[0] if baselines else None
     for v, fit in fits.items():
         L, lo, hi = loss_at_interval(fit, c_n)
-        ln.append({"variant": v, "family": _family(sweep, v), "N": meta[v]["N"], "k": meta[v]["k"],
-                   "loss": L, "interval": [lo, hi]})
-    result["loss_vs_n"] = {"compute": c_n, "points": ln}
+        p = {"variant": v, "family": _family(sweep, v), "N": meta[v]["N"], "k": meta[v]["k"],
+             "loss": L, "interval": [lo, hi]}
+        if ref is not None and v != ref:
+            d, dlo, dhi = loss_difference_interval(fits[ref], fit, c_n)
+            p.update({"delta": d, "delta_interval": [dlo, dhi], "significance": significance(dlo, dhi, 0.0)})
+        ln.append(p)
+    result["loss_vs_n"] = {"compute": c_n, "reference": ref, "points": ln}
     # Chinchilla L(P, D) per variant where sizes and budgets both vary
     ch = {}
     for v in fits:
@@ -481,7 +643,7 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print) -> dict:
     md = fit_markdown(result)
     with open(os.path.join(sweep.summary_dir, "fit.md"), "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
-    result["plots"] = plot_sweep(sweep, used, fits, result)
+    result["plots"] = plot_sweep(sweep, used, fits, result) if plots else {}
     _write_json(os.path.join(sweep.summary_dir, "fit.json"), result)
     return result
 
@@ -499,27 +661,56 @@ def _iv(x, lo, hi, fmt="{:.4g}") -> str:
     return f"{fmt.format(x)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
+def _mark(s: Optional[str]) -> str:
+    return {"within noise": "within noise", "significant": "**significant**"}.get(s or "", s or "-")
+
+
 def fit_markdown(result: dict) -> str:
     lvl = int(round(100 * result["level"]))
     out = [f"L(C) = E + A·C^(−α) on {result['loss']}, E {result['E_mode']}, Huber δ=1e-3 on log residuals, "
-           f"{result['bootstrap']} bootstrap replicates ({lvl}% intervals), FLOPs convention "
-           f"`{result['flops_convention']}`", "",
-           "| variant | E | A | α | runs |", "|---|---|---|---|---|"]
+           f"{result['bootstrap']} bootstrap replicates ({lvl}% intervals; "
+           f"{result.get('bootstrap_unit', 'arms')}), FLOPs convention `{result['flops_convention']}`"
+           + (f", commit `{result['commit']}`" if result.get("commit") else "")
+           + (f", arms run at `{', '.join(c[:12] for c in result['arm_commits'])}`" if result.get("arm_commits")
+              else ""), ""]
+    cells = result.get("arms_over_seeds") or []
+    if cells and any(c.get("n_seeds", 1) > 1 for c in cells):
+        col = result["loss"]
+        out += [f"Arms over seeds ({col}, train_loss: mean ± sample standard deviation over the finished seeds):", "",
+                "| arm | N | k | steps | compute | seeds | train_loss | valid_loss |", "|---|---|---|---|---|---|---|---|"]
+        for c in cells:
+            def ms(k):
+                m, s = c.get(f"{k}_mean"), c.get(f"{k}_std")
+                return "-" if m is None else f"{m:.4f}" + (f" ± {s:.4f}" if s is not None else "")
+            out.append(f"| {c['arm']} | {c['N']} | {c['k'] if c['k'] is not None else '-'} | {c['steps']} | "
+                       f"{c['compute']:.3g} | {c['seeds']} | {ms('train_loss')} | {ms('valid_loss')} |")
+        out.append("")
+    out += ["| variant | E | A | α | runs (arms) |", "|---|---|---|---|---|"]
     for v, d in result["laws"].items():
         out.append(f"| {v} | {_iv(d['E'], *d['E_interval'])} | {_iv(d['A'], *d['A_interval'])} | "
-                   f"{_iv(d['alpha'], *d['alpha_interval'])} | {d['n_points']} |")
+                   f"{_iv(d['alpha'], *d['alpha_interval'])} | {d['n_points']} ({d.get('n_budgets', d['n_points'])}) |")
+    if result.get("warnings"):
+        out += ["", "Warnings (the fit cannot tell):", ""]
+        for w in result["warnings"]:
+            out.append(f"- {w['message']}. Remedy: {w['remedy']}.")
     if result["multipliers"]:
-        out += ["", "Compute multipliers (compute the baseline needs / compute the variant needs for the same loss):",
-                "", "| baseline | variant | at | multiplier |", "|---|---|---|---|"]
+        out += ["", "Compute multipliers (compute the baseline needs / compute the variant needs for the same loss; "
+                "*within noise*: the interval covers 1):",
+                "", "| baseline | variant | at | multiplier | difference |", "|---|---|---|---|---|"]
         for m in result["multipliers"]:
             at = ", ".join(f"{k}={v:.3g}" for k, v in m["at"].items())
-            out.append(f"| {m['baseline']} | {m['variant']} | {at} | {_iv(m['multiplier'], *m['interval'], '{:.3f}')} |")
+            out.append(f"| {m['baseline']} | {m['variant']} | {at} | {_iv(m['multiplier'], *m['interval'], '{:.3f}')} "
+                       f"| {_mark(m.get('significance'))} |")
     ln = result["loss_vs_n"]
-    out += ["", f"L(N) at fixed compute C = {ln['compute']:.3g} (fitted):", "", "| variant | family | N | k | loss |",
-            "|---|---|---|---|---|"]
+    ref = ln.get("reference")
+    out += ["", f"L(N) at fixed compute C = {ln['compute']:.3g} (fitted)"
+            + (f"; ΔL against {ref} (*within noise*: the interval covers 0)" if ref else "") + ":", "",
+            "| variant | family | N | k | loss | ΔL | difference |", "|---|---|---|---|---|---|---|"]
     for p in ln["points"]:
+        dl = _iv(p["delta"], *p["delta_interval"], "{:+.4f}") if "delta" in p else "-"
         out.append(f"| {p['variant']} | {p['family']} | {p['N']} | {p['k'] if p['k'] is not None else '-'} | "
-                   f"{_iv(p['loss'], *p['interval'], '{:.4f}')} |")
+                   f"{_iv(p['loss'], *p['interval'], '{:.4f}')} | {dl} | "
+                   f"{_mark(p.get('significance')) if 'delta' in p else 'reference' if p['variant'] == ref else '-'} |")
     if result.get("chinchilla"):
         out += ["", "L(P, D) = E + A/P^α + B/D^β (P activated parameters, D tokens):", "",
                 "| variant | E | A | α | B | β |", "|---|---|---|---|---|---|"]

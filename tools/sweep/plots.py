@@ -69,13 +69,18 @@ def plot_sweep(sweep: Sweep, used: List[dict], fits, result: dict) -> Dict[str, 
         if fam == "vanilla":
             ax.axhline(ys[0], ls="--", color="gray", lw=1, label="vanilla (N=1)")
             continue
-        ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=fam)
-        for x, y in zip(xs, ys):
-            ax.annotate(f"N={x}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        line = ax.errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, label=fam)[0]
+        for p, x, y in zip(pts, xs, ys):
+            noise = p.get("significance") == "within noise"
+            if noise:  # hollow marker: not distinguishable from the reference at this level
+                ax.plot([x], [y], "o", mfc="white", mec=line.get_color(), ms=7, zorder=3)
+            ax.annotate(f"N={x}" + (" (within noise)" if noise else ""), (x, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("streams N")
     ax.set_ylabel(f"fitted {col.replace('_', ' ')} at C = {ln['compute']:.3g}")
-    ax.set_title("loss vs N at fixed compute")
+    ax.set_title("loss vs N at fixed compute" + (f" (hollow: within noise of {ln['reference']})"
+                                                  if ln.get("reference") else ""), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -86,17 +91,19 @@ def plot_sweep(sweep: Sweep, used: List[dict], fits, result: dict) -> Dict[str, 
     if result["multipliers"]:
         ms = result["multipliers"]
         fig, ax = plt.subplots(figsize=(7, 0.35 * len(ms) + 1.5), dpi=110)
-        labels = [f"{m['baseline']} / {m['variant']}" for m in ms]
+        labels = [f"{m['baseline']} / {m['variant']}" + (" (within noise)" if m.get("significance") == "within noise"
+                                                          else "") for m in ms]
         vals = [m["multiplier"] for m in ms]
         lo = [max(0.0, m["multiplier"] - m["interval"][0]) if _finite(m["interval"][0]) else 0.0 for m in ms]
         hi = [max(0.0, m["interval"][1] - m["multiplier"]) if _finite(m["interval"][1]) else 0.0 for m in ms]
-        ax.barh(range(len(ms)), vals, xerr=[lo, hi], capsize=3, color="C0", alpha=0.7)
+        colors = ["0.7" if m.get("significance") == "within noise" else "C0" for m in ms]
+        ax.barh(range(len(ms)), vals, xerr=[lo, hi], capsize=3, color=colors, alpha=0.8)
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_yticks(range(len(ms)))
         ax.set_yticklabels(labels, fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("compute multiplier (baseline compute / variant compute at equal loss)")
-        ax.set_title("compute multipliers with bootstrap intervals")
+        ax.set_title("compute multipliers with bootstrap intervals (grey: within noise, covers 1)", fontsize=9)
         fig.tight_layout()
         paths["multipliers"] = os.path.join(d, "multipliers.png")
         fig.savefig(paths["multipliers"])

@@ -74,6 +74,12 @@ class Arm:
     def compute(self) -> float:
         return self.flops_per_token * self.tokens
 
+    @property
+    def cell(self) -> str:
+        """The arm's name without its seed: the runs that differ only in ``run.seed``."""
+        suffix = f"-seed{self.seed}"
+        return self.name[: -len(suffix)] if self.name.endswith(suffix) else self.name
+
     def command(self, base: Optional[str], python: str = sys.executable, port: Optional[int] = None) -> List[str]:
         """The launch command of this arm (``torchrun`` when it asks for more than one rank)."""
         args = (["--config", base] if base else []) + self.overrides
@@ -170,6 +176,8 @@ def load_sweep(path: str, out_dir: Optional[str] = None, extra_overrides: Sequen
     seeds = grid.get("seeds") or [None]
     if not isinstance(seeds, list) or not all(s is None or isinstance(s, int) for s in seeds):
         raise SweepError(f"{where}: grid.seeds must be a list of integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise SweepError(f"{where}: grid.seeds {seeds!r} repeats a seed; list each run.seed once")
     executor = dict(raw.get("executor") or {})
     for k in executor:
         if k not in EXECUTOR_KEYS:
