@@ -342,3 +342,25 @@ def test_fit_report_carries_warnings(tmp_path):
     assert any(line.startswith("[fit] warning:") and "remedy:" in line for line in logs)
     md = (tmp_path / "summary" / "fit.md").read_text()
     assert "Warnings (the fit cannot tell)" in md and "Remedy: add budgets" in md
+
+
+def test_print_gives_gpu_hours_per_arm_and_seeded_arm_names(tmp_path, capsys):
+    """`print` names seeded arms <arm>-seed<S> with run.seed=S, and gives each arm's GPU-hours as
+    compute / (peak x MFU), computed here independently from the arm's compute."""
+    from tools.sweep import main
+
+    path = write_sweep(tmp_path, {"variants": {"v": {"preset": "tiny-moe:vanilla"}}, "steps": [3, 6],
+                                  "seeds": [1, 2]})
+    sweep = load_sweep(path)
+    assert [a.name for a in sweep.arms] == ["v-3st-seed1", "v-3st-seed2", "v-6st-seed1", "v-6st-seed2"]
+    assert [a.seed for a in sweep.arms] == [1, 2, 1, 2] and {a.cell for a in sweep.arms} == {"v-3st", "v-6st"}
+    assert main(["print", "--config", path, "--mfu", "0.5", "--peak-tflops", "100"]) == 0
+    out = capsys.readouterr().out
+    a = sweep.arms[0]
+    row = next(ln for ln in out.splitlines() if ln.startswith(a.name))
+    assert f"{a.compute / (100e12 * 0.5) / 3600:.4g}" in row.split()
+    total = sum(x.compute for x in sweep.arms) / (100e12 * 0.5) / 3600
+    assert f"{total:.4g} GPU-hours in all at MFU 0.5 of 100 TFLOP/s" in out
+    bad = write_sweep(tmp_path, {"variants": {"v": {"preset": "tiny-moe:vanilla"}}, "steps": [3], "seeds": [1, 1]})
+    with pytest.raises(SweepError, match="repeats a seed"):
+        load_sweep(bad)

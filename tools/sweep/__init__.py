@@ -49,6 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.add_argument("--out-dir", help="override the sweep's out_dir")
         s.add_argument("overrides", nargs="*", metavar="key=value",
                        help="pre-training overrides for every arm (e.g. run.device=cpu)")
+        if name == "print":
+            s.add_argument("--mfu", type=float, default=0.4,
+                           help="model FLOPs utilisation assumed for the GPU-hours column (default %(default)s)")
+            s.add_argument("--peak-tflops", type=float, default=989.0,
+                           help="per-GPU dense bf16 peak, TFLOP/s (default %(default)s: H100/H200, "
+                                "training.metrics.GPU_PEAK_TFLOPS)")
         if name == "run":
             s.add_argument("--executor", choices=("local", "slurm", "print"), default="local")
             s.add_argument("--parallel", type=int, default=None,
@@ -57,14 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _print_arms(sweep) -> None:
+def gpu_hours(compute: float, peak_tflops: float = 989.0, mfu: float = 0.4) -> float:
+    """GPU-hours to train ``compute`` model FLOPs at ``mfu`` of a ``peak_tflops`` GPU."""
+    return compute / (peak_tflops * 1e12 * mfu) / 3600.0
+
+
+def _print_arms(sweep, mfu: float = 0.4, peak_tflops: float = 989.0) -> None:
     rows = [{"arm": a.name, "variant": a.variant, "N": a.n, "k": a.k, "steps": a.steps, "seed": a.seed,
              "params_activated": a.params_activated, "flops_per_token": a.flops_per_token, "tokens": a.tokens,
-             "compute": a.compute, "run_dir": a.run_dir} for a in sweep.arms]
+             "compute": a.compute, "gpu_hours": f"{gpu_hours(a.compute, peak_tflops, mfu):.4g}",
+             "run_dir": a.run_dir} for a in sweep.arms]
     print(format_table(rows, ("arm", "variant", "N", "k", "steps", "seed", "params_activated", "flops_per_token",
-                              "tokens", "compute", "run_dir")))
+                              "tokens", "compute", "gpu_hours", "run_dir")))
+    total = sum(gpu_hours(a.compute, peak_tflops, mfu) for a in sweep.arms)
     print(f"\n{len(sweep.arms)} arms; base {sweep.base or '(built-in default)'}; FLOPs convention "
-          f"{sweep.flops_convention}")
+          f"{sweep.flops_convention}; {total:.4g} GPU-hours in all at MFU {mfu:g} of {peak_tflops:g} TFLOP/s "
+          "(compute / (peak x MFU); --mfu, --peak-tflops)")
     for a in sweep.arms[:1]:
         print(f"arm command, e.g.: {shlex.join(a.command(sweep.base, python='python'))}")
 
@@ -74,7 +88,7 @@ def main(argv=None) -> int:
     try:
         sweep = load_sweep(args.config, out_dir=args.out_dir, extra_overrides=args.overrides)
         if args.cmd == "print" or (args.cmd == "run" and args.executor == "print"):
-            _print_arms(sweep)
+            _print_arms(sweep, getattr(args, "mfu", 0.4), getattr(args, "peak_tflops", 989.0))
             return 0
         if args.cmd == "run":
             if args.executor == "slurm":
