@@ -163,13 +163,34 @@ def test_same_seed_same_losses_across_backends_and_env_vars(tmp_path):
 
 
 def test_no_library_call_draws_from_the_global_rng():
-    """Building HC modules, resolving backends and one forward of an HC layer leave torch's global
-    RNG where it was apart from the modules' own initialisation drawn from it deliberately: resolving
-    ``auto`` draws nothing."""
+    """Resolving a backend draws nothing from torch's global RNG, and building HC modules and running
+    them with ``auto`` leaves the global RNG exactly where the explicit backend ``auto`` resolves to
+    leaves it (same parameters, same outputs, same RNG state afterwards)."""
+    from xhc.config import HCConfig
+    from xhc.hyper_connection import HyperConnection
     from xhc.kernels import resolve_backend
+    from xhc.xhc import XHCSublayer
 
     torch.manual_seed(0)
     before = torch.random.get_rng_state().clone()
     for k in ("auto", "compile", "eager"):
         resolve_backend(k, "cpu")
     assert torch.equal(torch.random.get_rng_state(), before)
+
+    def build_and_run(kernels):
+        torch.manual_seed(3)
+        mods = [HyperConnection(HCConfig(variant="mhc", n=4, kernels=kernels), hidden_size=16, layer_index=0),
+                XHCSublayer(HCConfig(variant="xhc", n=4, k=2, m=1, kernels=kernels), 16, True, 1)]
+        X = torch.randn(3, 2, 4, 16)
+        outs = []
+        for mod in mods:
+            u, ctx = mod.read(X)
+            outs.append(mod.write(X, torch.tanh(u), ctx))
+        params = [p.detach().clone() for mod in mods for p in mod.parameters()]
+        return params, outs, torch.random.get_rng_state().clone()
+
+    p_auto, o_auto, s_auto = build_and_run("auto")
+    p_comp, o_comp, s_comp = build_and_run("compile")
+    assert torch.equal(s_auto, s_comp)
+    assert all(torch.equal(a, b) for a, b in zip(p_auto, p_comp))
+    assert all(torch.equal(a, b) for a, b in zip(o_auto, o_comp))
