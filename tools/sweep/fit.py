@@ -11,8 +11,9 @@ The fits follow the recipe the scaling-law literature now recommends (Hoffmann e
 * E is either free (one per variant), ``shared`` (one E for all variants, fitted jointly: the
   irreducible loss is a property of the data, not of the architecture) or fixed (the paper fixes
   E = 0.72);
-* confidence intervals come from a bootstrap over runs (arms): each replicate resamples the runs
-  of every variant with replacement and refits, starting from the full-data optimum (and, when E is
+* confidence intervals come from a bootstrap over arms and seeds: each replicate resamples the
+  arms (distinct budgets) of every variant with replacement and, within each drawn arm, its seeds
+  with replacement, and refits, starting from the full-data optimum (and, when E is
   fitted, also from E = half the smallest loss).
 
 Compute multipliers (§6.5) and their intervals are evaluated replicate by replicate.  The maths
@@ -312,6 +313,8 @@ DEGENERATE_SHARE = 0.5
 
 REMEDY_E = ("fix E (fit.E: <value>, e.g. a published irreducible loss), share it across variants "
             "(fit.E: shared), or add budgets (grid.steps) large enough for the curve to bend")
+REMEDY_E_SHARED = ("fix E (fit.E: <value>, e.g. a published irreducible loss), or add budgets (grid.steps) large "
+                   "enough for the curve to bend")
 REMEDY_POINTS = "add budgets (grid.steps), share E (fit.E: shared) or fix E (fit.E: <value>)"
 REMEDY_BOOT = "add budgets (grid.steps) or seeds (grid.seeds), or fix E (fit.E: <value>)"
 
@@ -366,7 +369,8 @@ def fit_warnings(fits: Mapping[str, PowerLawFit]) -> List[dict]:
             if b:
                 out.append({"variant": who, "kind": "bound", "param": p,
                             "message": f"{'shared E' if who == '*' else n + ': ' + p} sits on its {b}",
-                            "remedy": REMEDY_E if p == "E" else "add budgets spanning more compute, or fix E"})
+                            "remedy": (REMEDY_E_SHARED if mode == "shared" else REMEDY_E) if p == "E"
+                            else "add budgets spanning more compute, or fix E (fit.E: <value>)"})
             reps = [getattr(r, p) for r in f.replicates]
             if reps:
                 share = sum(1 for v in reps if _on_bound(p, v, min_loss)) / len(reps)
