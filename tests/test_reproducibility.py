@@ -25,6 +25,7 @@ def _env(**extra):
 # ------------------------------------------------------------------------------------------------
 def _datasets(tmp_path, data_dir, run_seed, **data):
     """The (train, valid) datasets a run of the given seed builds, via the Trainer's own set-up code."""
+    from training.builder import Builder
     from training.config import load_config
     from training.pretrain import Trainer
 
@@ -34,10 +35,11 @@ def _datasets(tmp_path, data_dir, run_seed, **data):
                              f"run.dir={tmp_path / f'run{run_seed}'}"]
                       + [f"data.{k}={v}" for k, v in data.items()])
     t = Trainer(cfg)
-    t.is_main, t.log, t._barrier = True, None, (lambda: None)
+    t.is_main, t.log = True, None
     t.paths, t.seq, t.run_dir, t.dp_rank, t.dp = {}, 32, str(tmp_path / f"run{run_seed}"), 0, 1
-    t.setup_data()
-    t.setup_datasets()
+    b = Builder(t)
+    b.data()
+    b.datasets()
     return t, t.train_ds, t.valid_ds
 
 
