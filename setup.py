@@ -38,6 +38,8 @@ setup(
         # first checkpoint save fails in the writer process and the trainer waits forever.
         "psutil>=5.9",
         "scipy>=1.11",
+        # training/data/default.py: one build of the shared default data under concurrency.
+        "filelock>=3.12",
     ],
     extras_require={
         # Transformer Engine needs CUDA.  apex is not on PyPI: see README ("Optional GPU extras").

@@ -92,7 +92,7 @@ def test_finetune_and_diagnose(ws):
 def test_sweep_print_run_fit(ws):
     """docs/sweeps.md: print the tiny sweep, run the smoke sweep's arms, fit them."""
     printed, ran, fit = run_block(ws, "sweep")
-    assert "18 arms" in printed
+    assert "36 arms" in printed  # configs/sweeps/tiny-cpu.yaml: 4 variants x 3 budgets x 3 seeds
     assert "4/4 arms finished, 0 failed" in ran
     fj = json.loads((ws.root / "runs" / "sweeps" / "smoke-cpu" / "summary" / "fit.json").read_text())
     assert fj and "mhc-n4" in json.dumps(fj)

@@ -26,11 +26,6 @@ XHC_THIRD_PARTY = {"torch", "numpy"}
 XHC_KERNEL_LIBRARIES = {"triton", "liger_kernel"}  # only under xhc/kernels/
 STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
-# Temporary: files whose move out of their layer is under way in a parallel change (the sweep to a
-# tools/ package, the scaling-law fit and plot out of xhc/).  Delete this set when that change lands.
-_PENDING_MOVES = {"training/sweep.py", "tools/sweep.py", "xhc/scaling_fit.py", "xhc/scaling.py"}
-
-
 def product_files() -> List[Path]:
     return sorted(p for pkg in LAYERS + (DATA,) for p in (ROOT / pkg).rglob("*.py"))
 
@@ -107,8 +102,6 @@ def layering_violations() -> List[str]:
     out = []
     for path in product_files():
         rel = path.relative_to(ROOT).as_posix()
-        if rel in _PENDING_MOVES:
-            continue
         for line, name in imports_of(path):
             why = violation(rel, name)
             if why:
@@ -119,12 +112,6 @@ def layering_violations() -> List[str]:
 def test_layers_point_one_way():
     bad = layering_violations()
     assert not bad, "imports against the layering (docs/architecture.md):\n" + "\n".join(bad)
-
-
-def test_pending_moves_still_exist():
-    """The temporary exemption names only files that exist (a file moved away leaves the set)."""
-    missing = sorted(p for p in _PENDING_MOVES if not (ROOT / p).is_file())
-    assert not missing, f"_PENDING_MOVES names files that are gone: {missing}; remove them from the set"
 
 
 def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Scaling-law fits and compute multipliers (docs/math.md §5.4, §6.5): the closed-form E-fixed fit of
-xhc.scaling and the robust fits of xhc.scaling_fit (Huber on log residuals, log-sum-exp, L-BFGS
+xhc.scaling and the robust fits of tools.sweep.fit (Huber on log residuals, log-sum-exp, L-BFGS
 from a grid, bootstrap intervals)."""
 
 import math
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from xhc.scaling import (
-    PAPER_E, PAPER_FITS, ScalingFit, compute_multiplier, compute_to_reach, fit_scaling_law, loss_at, plot_fit,
+    PAPER_E, PAPER_FITS, ScalingFit, compute_multiplier, compute_to_reach, fit_scaling_law, loss_at,
 )
+from tools.sweep.plots import plot_fit
 
 
 def test_fit_recovers_known_coefficients_exactly():
@@ -118,9 +119,9 @@ def test_plot_draws_fitted_curves(monkeypatch, tmp_path):
 
 
 # ================================================================================================
-# xhc.scaling_fit
+# tools.sweep.fit
 # ================================================================================================
-from xhc.scaling_fit import (FitError, fit_chinchilla, fit_power_law, fit_power_laws, loss_at_interval,
+from tools.sweep.fit import (FitError, fit_chinchilla, fit_power_law, fit_power_laws, loss_at_interval,
                              multiplier_interval)
 
 # [xHC]'s runs span 1.7e19 to 4.0e20 FLOPs, 4 runs per method (docs/math.md §6.5).
@@ -241,3 +242,95 @@ def test_fewer_points_than_parameters_fail_clearly():
     C3, L3 = _synthetic(0, n=3, sigma=0.0)
     fit = fit_power_law(C3, L3, E="free", bootstrap=0)
     assert all(math.isclose(fit.loss(c), l, rel_tol=1e-6) for c, l in zip(C3, L3))
+
+
+# ================================================================================================
+# Seeds, significance and warnings (issue #28)
+# ================================================================================================
+from tools.sweep.fit import fit_warnings, loss_difference_interval, significance  # noqa: E402
+
+SYN_E, SYN_A, SYN_ALPHA = 1.8, 400.0, 0.3
+SYN_C = np.geomspace(1e10, 1e12, 4)
+
+
+def _seeded_sweep(rng, multipliers, seeds=3, sigma=0.01):
+    """Variants of one law L = E + A·C^(−α) whose compute multiplier against ``base`` is known:
+    A_x = A / M^α gives C_b / C_x(L) = M at every loss.  Each budget has ``seeds`` runs with
+    log-normal noise σ (the seed noise)."""
+    out = {}
+    for name, m in {"base": 1.0, **multipliers}.items():
+        a = SYN_A / m ** SYN_ALPHA
+        cs = np.repeat(SYN_C, seeds)
+        out[name] = (cs, (SYN_E + a * cs ** -SYN_ALPHA) * np.exp(sigma * rng.standard_normal(cs.size)))
+    return out
+
+
+@pytest.mark.slow
+def test_seed_bootstrap_covers_the_true_multiplier():
+    """50 synthetic sweeps (4 budgets x 3 seeds, 1% seed noise, true multiplier 1.25): the 95%
+    interval from the arm-and-seed bootstrap contains 1.25 in at least 45 of 50 (90%)."""
+    covered = 0
+    for r in range(50):
+        fits = fit_power_laws(_seeded_sweep(np.random.default_rng(1000 + r), {"x": 1.25}), E=SYN_E,
+                              bootstrap=50, seed=r)
+        m, lo, hi = multiplier_interval(fits["base"], fits["x"], compute=float(SYN_C[-1]))
+        covered += lo <= 1.25 <= hi
+    assert covered >= 45, f"the true multiplier is inside the interval in {covered}/50 sweeps"
+
+
+def test_seed_bootstrap_resamples_seeds_within_arms():
+    """With 3 seeds per budget the replicates vary even when every budget is drawn once: a replicate
+    that resamples arms only would, on data with no spread between budgets' draws, reproduce the
+    fit; here one budget's seeds disagree, so the intervals are wider than without that spread."""
+    rng = np.random.default_rng(0)
+    tight = _seeded_sweep(rng, {}, sigma=0.0)
+    noisy = {"base": (tight["base"][0], tight["base"][1] * np.tile([0.97, 1.0, 1.03], 4))}
+    w0 = np.diff(fit_power_laws(tight, E=SYN_E, bootstrap=20, seed=1)["base"].interval("alpha"))[0]
+    w1 = np.diff(fit_power_laws(noisy, E=SYN_E, bootstrap=20, seed=1)["base"].interval("alpha"))[0]
+    assert w0 == pytest.approx(0.0, abs=1e-6) and w1 > 1e-3
+
+
+def test_no_true_difference_is_within_noise():
+    """Two variants of the same law with seed noise: the multiplier interval covers 1 and the L(C)
+    difference covers 0, so both are reported as within noise; a clear difference is significant."""
+    data = _seeded_sweep(np.random.default_rng(7), {"same": 1.0})
+    fits = fit_power_laws(data, E=SYN_E, bootstrap=40, seed=0)
+    _, lo, hi = multiplier_interval(fits["base"], fits["same"], compute=float(SYN_C[-1]))
+    assert significance(lo, hi, 1.0) == "within noise"
+    _, dlo, dhi = loss_difference_interval(fits["base"], fits["same"], float(SYN_C[-1]))
+    assert significance(dlo, dhi, 0.0) == "within noise"
+    clear = fit_power_laws(_seeded_sweep(np.random.default_rng(7), {"better": 2.0}, sigma=0.002), E=SYN_E,
+                           bootstrap=40, seed=0)
+    m, lo, hi = multiplier_interval(clear["base"], clear["better"], compute=float(SYN_C[-1]))
+    assert significance(lo, hi, 1.0) == "significant" and lo > 1.0
+    assert significance(float("nan"), 1.0, 1.0) == "undetermined"
+
+
+def _kinds(ws):
+    return sorted({(w["kind"], w["param"]) for w in ws})
+
+
+def test_fit_warnings_fire_on_constructed_cases():
+    C = np.geomspace(1e8, 1e12, 4)
+    # a pure power law (E = 0): E goes to its lower bound, and so does every replicate
+    pure = fit_power_laws({"v": (C, 50.0 * C ** -0.2)}, E="free", bootstrap=20, seed=0)
+    ws = fit_warnings(pure)
+    assert ("bound", "E") in _kinds(ws) and ("degenerate_bootstrap", "E") in _kinds(ws)
+    assert all("fix E" in w["remedy"] or "add budgets" in w["remedy"] for w in ws)
+    # 3 budgets for 3 parameters (E free): interpolation
+    three = fit_power_laws({"v": (C[:3], SYN_E + SYN_A * C[:3] ** -SYN_ALPHA)}, E="free", bootstrap=0)
+    assert ("underdetermined", None) in _kinds(fit_warnings(three))
+    # shared E: 2 budgets per variant for A and α
+    two = {k: (C[:2], SYN_E + a * C[:2] ** -SYN_ALPHA) for k, a in (("a", SYN_A), ("b", 300.0))}
+    ws = fit_warnings(fit_power_laws({**two, "c": (C, SYN_E + 200.0 * C ** -SYN_ALPHA)}, E="shared", bootstrap=0))
+    assert {w["variant"] for w in ws if w["kind"] == "underdetermined"} == {"a", "b"}
+    assert all("budgets" in w["remedy"] for w in ws if w["kind"] == "underdetermined")
+
+
+def test_fit_warnings_silent_on_a_well_posed_fit():
+    """8 budgets over 6 decades, E well inside (0, min loss), 0.3% noise, E free: no warning."""
+    C, L = _synthetic(3, n=8, sigma=0.003)
+    fits = fit_power_laws({"v": (C, L)}, E="free", bootstrap=20, seed=0)
+    assert fit_warnings(fits) == []
+    fixed = fit_power_laws(_seeded_sweep(np.random.default_rng(1), {"x": 1.25}), E=SYN_E, bootstrap=20, seed=0)
+    assert fit_warnings(fixed) == []

@@ -1,4 +1,4 @@
-"""Scaling-law sweeps (tools.sweep, training.sweep): sweep files, SLURM arrays, collect, fit, and
+"""Scaling-law sweeps (the tools.sweep package): sweep files, SLURM arrays, collect, fit, and
 a killed-then-rerun local sweep that does not redo finished arms."""
 
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from training.sweep import SweepError, collect, fit_sweep, load_sweep, read_metrics
+from tools.sweep import SweepError, collect, fit_sweep, load_sweep, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,14 +86,15 @@ def test_cli_reports_one_line_error(tmp_path, capsys):
 def test_shipped_sweeps_resolve():
     """configs/sweeps/*.yaml: the grid of the issue, with the accounting of every arm."""
     tiny = load_sweep(os.path.join(REPO, "configs", "sweeps", "tiny-cpu.yaml"), out_dir="/nonexistent/t")
-    assert {(a.family, a.n) for a in tiny.arms} == {("vanilla", 1), ("mhc", 2), ("mhc", 4), ("xhc", 4), ("xhc", 8),
-                                                    ("xhc", 16)}
-    assert len({a.steps for a in tiny.arms}) == 3 and len(tiny.arms) == 18
+    assert {(a.family, a.n) for a in tiny.arms} == {("vanilla", 1), ("mhc", 4), ("xhc", 4), ("xhc", 16)}
+    assert len({a.steps for a in tiny.arms}) == 3 and len(tiny.arms) == 36
+    assert len({a.seed for a in tiny.arms}) >= 3  # seed noise is measured (issue #28)
+    assert len({a.cell for a in tiny.arms}) == 12
     for a in tiny.arms:
         assert a.compute == a.flops_per_token * a.tokens
         assert a.tokens == a.steps * 8 * 128  # global batch 8, sequence 128
     # at equal steps, compute grows with N within a family (F_HC grows with N)
-    x = sorted((a.n, a.compute) for a in tiny.arms if a.family == "xhc" and a.steps == 50)
+    x = sorted((a.n, a.compute) for a in tiny.arms if a.family == "xhc" and a.steps == 40 and a.seed == 1)
     assert [c for _, c in x] == sorted(c for _, c in x)
     paper = load_sweep(os.path.join(REPO, "configs", "sweeps", "paper-2p5b.yaml"), out_dir="/nonexistent/p")
     assert {a.n for a in paper.arms if a.family == "xhc"} == {2, 4, 8, 16}
@@ -282,3 +283,85 @@ def test_killed_sweep_resumes_without_redoing_finished_arms(tmp_path):
     for r in rows:
         train, _ = read_metrics(os.path.join(tmp_path / "out" / "arms" / r["arm"], "metrics.jsonl"))
         assert sorted(train) == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------------
+# Seeds, noise and honest fits (issue #28)
+# ------------------------------------------------------------------------------------------------
+def test_fit_report_marks_no_true_difference_within_noise(tmp_path):
+    """A synthetic sweep (3 budgets x 3 seeds, two variants of the same law plus one clearly better)
+    through the sweep fit: the table has mean ± std per arm, the equal pair is marked within noise
+    in fit.md and fit.json, the better one significant, and fit.json records the commit and the
+    warnings (E shared on a law with E = 1.8 inside: none about E)."""
+    from tools.sweep import Sweep, aggregate
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for variant, m in (("base", 1.0), ("same", 1.0), ("better", 3.0)):
+        for steps, c in zip((40, 80, 160, 320), np.geomspace(1e10, 1e12, 4)):
+            for seed in (1, 2, 3):
+                loss = (1.8 + 400.0 / m ** 0.3 * c ** -0.3) * np.exp(0.004 * rng.standard_normal())
+                rows.append({"arm": f"{variant}-{steps}st-seed{seed}", "cell": f"{variant}-{steps}st",
+                             "variant": variant, "size": "base", "N": 1, "k": None, "steps": steps, "seed": seed,
+                             "state": "finished", "compute": float(c), "tokens": steps * 1024,
+                             "params_activated": 1000, "valid_loss": float(loss), "train_loss": float(loss),
+                             "wall_s": 1.0, "cpu_s": 1.0, "commit": "abc123", "reason": ""})
+    cells = aggregate(rows)
+    assert len(cells) == 12 and all(c["n_seeds"] == 3 and c["seeds"] == "3/3" for c in cells)
+    c0 = [r["valid_loss"] for r in rows[:3]]
+    assert cells[0]["valid_loss_mean"] == pytest.approx(np.mean(c0)) and \
+        cells[0]["valid_loss_std"] == pytest.approx(np.std(c0, ddof=1))
+    sweep = Sweep(name="syn", path="syn.yaml", base=None, out_dir=str(tmp_path), arms=[],
+                  fit={"E": 1.8, "baselines": ["base"], "bootstrap": 20})
+    res = fit_sweep(sweep, rows, log=lambda _m: None, plots=False)
+    sig = {m["variant"]: m["significance"] for m in res["multipliers"]}
+    assert sig == {"same": "within noise", "better": "significant"}
+    dl = {p["variant"]: p.get("significance") for p in res["loss_vs_n"]["points"]}
+    assert dl == {"base": None, "same": "within noise", "better": "significant"}
+    saved = json.loads((tmp_path / "summary" / "fit.json").read_text())
+    assert "commit" in saved and saved["arm_commits"] == ["abc123"] and saved["warnings"] == []
+    md = (tmp_path / "summary" / "fit.md").read_text()
+    assert "| base | same |" in md and "within noise" in md.split("| base | same |")[1].splitlines()[0]
+    assert "± " in md  # the arms over seeds table
+
+
+def test_fit_report_carries_warnings(tmp_path):
+    """A pure power law with E free on 3 budgets: the bound and underdetermination warnings are in
+    the log, fit.json and fit.md, each with its remedy."""
+    from tools.sweep import Sweep
+
+    rows = [{"arm": f"v-{s}st", "cell": f"v-{s}st", "variant": "v", "size": "base", "N": 1, "k": None, "steps": s,
+             "seed": 1, "state": "finished", "compute": float(c), "tokens": s, "params_activated": 1,
+             "valid_loss": float(50.0 * c ** -0.2), "reason": ""}
+            for s, c in zip((1, 2, 3), np.geomspace(1e8, 1e12, 3))]
+    sweep = Sweep(name="w", path="w.yaml", base=None, out_dir=str(tmp_path), arms=[],
+                  fit={"E": "free", "baselines": [], "bootstrap": 10})
+    logs = []
+    res = fit_sweep(sweep, rows, log=logs.append, plots=False)
+    kinds = {w["kind"] for w in res["warnings"]}
+    assert {"bound", "underdetermined"} <= kinds
+    assert any(line.startswith("[fit] warning:") and "remedy:" in line for line in logs)
+    md = (tmp_path / "summary" / "fit.md").read_text()
+    assert "Warnings (the fit cannot tell)" in md and "Remedy: add budgets" in md
+
+
+def test_print_gives_gpu_hours_per_arm_and_seeded_arm_names(tmp_path, capsys):
+    """`print` names seeded arms <arm>-seed<S> with run.seed=S, and gives each arm's GPU-hours as
+    compute / (peak x MFU), computed here independently from the arm's compute."""
+    from tools.sweep import main
+
+    path = write_sweep(tmp_path, {"variants": {"v": {"preset": "tiny-moe:vanilla"}}, "steps": [3, 6],
+                                  "seeds": [1, 2]})
+    sweep = load_sweep(path)
+    assert [a.name for a in sweep.arms] == ["v-3st-seed1", "v-3st-seed2", "v-6st-seed1", "v-6st-seed2"]
+    assert [a.seed for a in sweep.arms] == [1, 2, 1, 2] and {a.cell for a in sweep.arms} == {"v-3st", "v-6st"}
+    assert main(["print", "--config", path, "--mfu", "0.5", "--peak-tflops", "100"]) == 0
+    out = capsys.readouterr().out
+    a = sweep.arms[0]
+    row = next(ln for ln in out.splitlines() if ln.startswith(a.name))
+    assert f"{a.compute / (100e12 * 0.5) / 3600:.4g}" in row.split()
+    total = sum(x.compute for x in sweep.arms) / (100e12 * 0.5) / 3600
+    assert f"{total:.4g} GPU-hours in all at MFU 0.5 of 100 TFLOP/s" in out
+    bad = write_sweep(tmp_path, {"variants": {"v": {"preset": "tiny-moe:vanilla"}}, "steps": [3], "seeds": [1, 1]})
+    with pytest.raises(SweepError, match="repeats a seed"):
+        load_sweep(bad)

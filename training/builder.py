@@ -173,7 +173,7 @@ class Builder:
             paths = default_paths(d.default_dir)
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one builder per node (the steps are atomic)
                 kw = {} if d.default_target_mb is None else {"target_mb": d.default_target_mb}
-                info = prepare_default_data(d.default_dir, vocab_size=t.vocab_size, seed=cfg.run.seed,
+                info = prepare_default_data(d.default_dir, vocab_size=t.vocab_size, seed=d.seed,
                                             progress=run.is_main, log=run.log if run.is_main else None, **kw)
                 paths = info
             barrier()
@@ -317,14 +317,20 @@ class Builder:
         gbs = cfg.batch.global_batch_size
         n_train = cfg.run.train_steps * gbs
         n_valid = max(cfg.run.eval_iters, 1) * gbs
-        # Megatron builds the index caches on rank 0 first, then the others read them.
+        # Megatron builds the index caches on rank 0 first, then the others read them.  The training
+        # order follows run.seed; the validation samples follow data.seed, so every run seed is
+        # evaluated on the same batches (with run.seed == data.seed one build serves both).
+        def build():
+            train, valid, _ = build_datasets(dcfg, run.tokenizer, run.seq, cfg.run.seed, (n_train, n_valid, None))
+            if d.seed != cfg.run.seed:
+                _, valid, _ = build_datasets(dcfg, run.tokenizer, run.seq, d.seed, (1, n_valid, None))
+            return train, valid
+
         if run.is_main:
-            run.train_ds, run.valid_ds, _ = build_datasets(dcfg, run.tokenizer, run.seq, cfg.run.seed,
-                                                             (n_train, n_valid, None))
+            run.train_ds, run.valid_ds = build()
         barrier()
         if not run.is_main:
-            run.train_ds, run.valid_ds, _ = build_datasets(dcfg, run.tokenizer, run.seq, cfg.run.seed,
-                                                             (n_train, n_valid, None))
+            run.train_ds, run.valid_ds = build()
         run.data_seconds += time.perf_counter() - t0
 
     def write_config(self) -> None:

@@ -159,6 +159,10 @@ class DataSection(_Section):
     """With no prefixes and no mock: build the embedded default corpus, tokenizer and dataset here."""
     default_target_mb: Optional[float] = None
     """Size of the default corpus in MB of text (null: the data pipeline's default, 3 MB)."""
+    seed: int = 1234
+    """Seed of the data itself, independent of ``run.seed``: the default corpus's document order and
+    the tokenizer's line sampling (recorded in their ``.meta.json``), and the order of the validation
+    samples, so every run seed is evaluated on the same validation batches."""
     cache_dir: Optional[str] = None
     """Megatron's sample-index cache (null: ``<run.dir>/data_cache``)."""
     reset_position_ids: bool = False
@@ -268,7 +272,8 @@ class RunConfig(_Section):
     dir: Optional[str] = None
     """Run directory (null: ``runs/<name>-<timestamp>``).  Reuse one to resume."""
     seed: int = 1234
-    """Seed of the initialisation, dropout and data order (Megatron's: + 100 × pipeline rank)."""
+    """Seed of the initialisation, dropout and training-data order only (Megatron's: + 100 × pipeline
+    rank); the data and the validation set follow ``data.seed``."""
     train_steps: int = 300
     """Optimizer steps (global batches)."""
     eval_interval: int = 50

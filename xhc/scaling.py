@@ -5,9 +5,9 @@ log(L − E) = log A − α · log C, solved by least squares.  The compute mult
 relative to a method x is M_b = C_b / C_x(L_b), where C_x(L) = (A_x / (L − E))^(1/α_x) is the
 compute x needs to reach loss L.
 
-Pure Python + math (no numpy, no torch); matplotlib is optional and only used by
-:func:`plot_fit`.  The robust fits used by sweeps (E free, shared or fixed; Huber loss on log
-residuals; bootstrap intervals; Chinchilla's L(P, D)) live in :mod:`xhc.scaling_fit`.
+Pure Python + math (no numpy, no torch).  The robust fits used by sweeps (E free, shared or fixed;
+Huber loss on log residuals; bootstrap intervals; Chinchilla's L(P, D)) live in
+:mod:`tools.sweep.fit`, the plots (:func:`tools.sweep.plots.plot_fit`) in :mod:`tools.sweep.plots`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 __all__ = ["ScalingFit", "fit_scaling_law", "loss_at", "compute_to_reach", "compute_multiplier",
-           "PAPER_FITS", "PAPER_E", "plot_fit"]
+           "PAPER_FITS", "PAPER_E"]
 
 PAPER_E = 0.72
 """The irreducible loss E fixed in [xHC]'s fit (§6.5)."""
@@ -92,42 +92,3 @@ def compute_multiplier(baseline: ScalingFit, method: ScalingFit, compute: float,
     """
     L_b = baseline.loss(compute) if loss is None else loss
     return compute / method.compute_for(L_b)
-
-
-def plot_fit(runs: Dict[str, tuple], fits: Dict[str, ScalingFit], path: str,
-             title: str = "Scaling-law fit  L(C) = A·C^(−α) + E") -> Optional[str]:
-    """Save a log-log PNG of the runs and their fitted curves; returns the path.
-
-    ``runs``: name → (compute list, loss list); ``fits``: name → :class:`ScalingFit`.  If
-    matplotlib is not installed, prints a message and returns ``None`` (the fit itself does not
-    need it).
-    """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: skipping the plot {path} (pip install 'xhc[plot]')")
-        return None
-    all_c = [c for cs, _ in runs.values() for c in cs] or [1e19, 1e21]
-    lo, hi = min(all_c) / 1.5, max(all_c) * 1.5
-    grid = [lo * (hi / lo) ** (i / 99) for i in range(100)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in sorted(set(runs) | set(fits)):
-        color = None
-        if name in runs:
-            (pts,) = ax.plot(runs[name][0], runs[name][1], "o", label=f"{name} runs")
-            color = pts.get_color()
-        if name in fits:
-            f = fits[name]
-            ax.plot(grid, [f.loss(c) for c in grid], "-", color=color,
-                    label=f"{name}: A={f.A:.4g}, α={f.alpha:.4g}")
-    ax.set_xscale("log")
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -2,7 +2,9 @@
 
 :func:`prepare_default_data` runs the three steps into one folder and skips any step whose
 output is already there, complete, and made from the same inputs and parameters (each output
-has a ``.meta.json`` recording that).  Running it twice does the work once.
+has a ``.meta.json`` recording that).  Running it twice does the work once.  It holds a file lock
+(``<out_dir>/.build.lock``) while it checks and builds, so runs started together on one machine
+build the folder once: the others wait (with a progress line) and then reuse it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def default_paths(out_dir: str) -> dict:
     }
 
 
+LOCK_NAME = ".build.lock"
+WAIT_REPORT_S = 30.0
+
+
 def prepare_default_data(
     out_dir: str,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
@@ -62,16 +68,39 @@ def prepare_default_data(
         target_mb: corpus size in MB of text (see :func:`training.data.corpus.build_corpus`).
         model_type: SentencePiece ``bpe`` or ``unigram``.
         workers: tokenizer processes for preprocessing (and trainer threads).
-        seed: corpus order and tokenizer line sampling.
+        seed: the data's seed (``data.seed``, not ``run.seed``): corpus order and tokenizer line
+            sampling, recorded in the corpus's and the tokenizer's ``.meta.json``.
         progress: show the preprocessing progress bar.
 
     Returns:
         ``{"out_dir", "corpus", "tokenizer", "data_prefix", "vocab_size", "documents", "tokens",
-        "built": [steps run this time], "seconds": {step: s}}``.
+        "seed", "built": [steps run this time], "seconds": {step: s}}``.
     """
+    from filelock import FileLock, Timeout
+
     log = log or (lambda _msg: None)
     paths = default_paths(out_dir)
     os.makedirs(paths["out_dir"], exist_ok=True)
+    lock = FileLock(os.path.join(paths["out_dir"], LOCK_NAME))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        t_wait = time.perf_counter()
+        log(f"[data] another process is building {paths['out_dir']}: waiting for it, then reusing its result")
+        while True:
+            try:
+                lock.acquire(timeout=WAIT_REPORT_S)
+                break
+            except Timeout:
+                log(f"[data] still waiting for {paths['out_dir']} ({time.perf_counter() - t_wait:.0f}s)")
+    try:
+        return _prepare_locked(paths, vocab_size, target_mb, model_type, workers, seed, progress, log)
+    finally:
+        lock.release()
+
+
+def _prepare_locked(paths: dict, vocab_size: int, target_mb: Optional[float], model_type: str, workers: int,
+                    seed: int, progress: bool, log: Log) -> dict:
     built: list[str] = []
     seconds: dict[str, float] = {}
     t_all = time.perf_counter()
@@ -127,6 +156,7 @@ def prepare_default_data(
         "vocab_size": tok_meta["vocab_size"],
         "documents": data_meta["documents"],
         "tokens": data_meta["tokens"],
+        "seed": seed,
         "built": built,
         "seconds": seconds,
     }
@@ -149,9 +179,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--target-mb", type=float, default=DEFAULT_TARGET_MB)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234, help="the data's seed (data.seed)")
     args = p.parse_args(argv)
     try:
-        prepare_default_data(args.out_dir, vocab_size=args.vocab_size, target_mb=args.target_mb, workers=args.workers)
+        prepare_default_data(args.out_dir, vocab_size=args.vocab_size, target_mb=args.target_mb, workers=args.workers,
+                             seed=args.seed)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

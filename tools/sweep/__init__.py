@@ -12,7 +12,11 @@ the per-arm table (console, ``summary/arms.csv``, ``summary/arms.json``); ``fit`
 L(C) = E + A·C^(−α) per variant (Huber on log residuals, L-BFGS from a grid, bootstrap intervals),
 L(N) at fixed compute, L(P, D) where sizes and budgets both vary, the compute multipliers against
 the baselines, and draws ``summary/frontier.png``, ``loss_vs_n.png``, ``multipliers.png``
-(docs/sweeps.md, docs/math.md §6.5).  Sweep files: see :mod:`training.sweep`.
+(docs/sweeps.md, docs/math.md §6.5).
+
+The package: :mod:`tools.sweep.spec` (sweep files -> arms), :mod:`tools.sweep.runner` (local and
+SLURM executors), :mod:`tools.sweep.collect` (the per-arm table), :mod:`tools.sweep.fit` (the robust
+scaling-law fits and the sweep fit) and :mod:`tools.sweep.plots`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ import argparse
 import os
 import shlex
 import sys
+
+from tools.sweep.collect import CELL_COLUMNS, COLUMNS, aggregate, collect, format_table, read_metrics, write_table
+from tools.sweep.fit import FitError, fit_markdown, fit_sweep
+from tools.sweep.runner import ARM_STATE, arm_finished, run_local, slurm_commands
+from tools.sweep.spec import Arm, Sweep, SweepError, load_sweep
+
+__all__ = ["main", "Arm", "Sweep", "SweepError", "load_sweep", "run_local", "slurm_commands", "collect",
+           "read_metrics", "write_table", "format_table", "aggregate", "fit_sweep", "fit_markdown", "FitError", "COLUMNS",
+           "ARM_STATE", "arm_finished"]
 
 # The runner only launches and reads files: keep OpenMP from spinning on a shared machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -36,6 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         s.add_argument("--out-dir", help="override the sweep's out_dir")
         s.add_argument("overrides", nargs="*", metavar="key=value",
                        help="pre-training overrides for every arm (e.g. run.device=cpu)")
+        if name == "print":
+            s.add_argument("--mfu", type=float, default=0.4,
+                           help="model FLOPs utilisation assumed for the GPU-hours column (default %(default)s)")
+            s.add_argument("--peak-tflops", type=float, default=989.0,
+                           help="per-GPU dense bf16 peak, TFLOP/s (default %(default)s: H100/H200, "
+                                "training.metrics.GPU_PEAK_TFLOPS)")
         if name == "run":
             s.add_argument("--executor", choices=("local", "slurm", "print"), default="local")
             s.add_argument("--parallel", type=int, default=None,
@@ -44,30 +63,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _print_arms(sweep) -> None:
-    from training.sweep import format_table
+def gpu_hours(compute: float, peak_tflops: float = 989.0, mfu: float = 0.4) -> float:
+    """GPU-hours to train ``compute`` model FLOPs at ``mfu`` of a ``peak_tflops`` GPU."""
+    return compute / (peak_tflops * 1e12 * mfu) / 3600.0
 
+
+def _print_arms(sweep, mfu: float = 0.4, peak_tflops: float = 989.0) -> None:
     rows = [{"arm": a.name, "variant": a.variant, "N": a.n, "k": a.k, "steps": a.steps, "seed": a.seed,
              "params_activated": a.params_activated, "flops_per_token": a.flops_per_token, "tokens": a.tokens,
-             "compute": a.compute, "run_dir": a.run_dir} for a in sweep.arms]
+             "compute": a.compute, "gpu_hours": f"{gpu_hours(a.compute, peak_tflops, mfu):.4g}",
+             "run_dir": a.run_dir} for a in sweep.arms]
     print(format_table(rows, ("arm", "variant", "N", "k", "steps", "seed", "params_activated", "flops_per_token",
-                              "tokens", "compute", "run_dir")))
+                              "tokens", "compute", "gpu_hours", "run_dir")))
+    total = sum(gpu_hours(a.compute, peak_tflops, mfu) for a in sweep.arms)
     print(f"\n{len(sweep.arms)} arms; base {sweep.base or '(built-in default)'}; FLOPs convention "
-          f"{sweep.flops_convention}")
+          f"{sweep.flops_convention}; {total:.4g} GPU-hours in all at MFU {mfu:g} of {peak_tflops:g} TFLOP/s "
+          "(compute / (peak x MFU); --mfu, --peak-tflops)")
     for a in sweep.arms[:1]:
         print(f"arm command, e.g.: {shlex.join(a.command(sweep.base, python='python'))}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from training.sweep import (COLUMNS, SweepError, collect, fit_markdown, fit_sweep, format_table, load_sweep,
-                                run_local, slurm_commands, write_table)
-    from xhc.scaling_fit import FitError
-
     try:
         sweep = load_sweep(args.config, out_dir=args.out_dir, extra_overrides=args.overrides)
         if args.cmd == "print" or (args.cmd == "run" and args.executor == "print"):
-            _print_arms(sweep)
+            _print_arms(sweep, getattr(args, "mfu", 0.4), getattr(args, "peak_tflops", 989.0))
             return 0
         if args.cmd == "run":
             if args.executor == "slurm":
@@ -94,7 +115,10 @@ def main(argv=None) -> int:
             return 1 if any(s == "failed" for s in states.values()) else 0
         rows = collect(sweep)
         if args.cmd == "collect":
-            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "seed", "reason")]))
+            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "steps", "reason", "commit", "cpu_s")]))
+            if any(r.get("cell") != r["arm"] for r in rows):
+                print("\nper arm over seeds (mean ± sample standard deviation):")
+                print(format_table(aggregate(rows), CELL_COLUMNS))
             for r in rows:
                 if r["state"] != "finished":
                     print(f"[collect] {r['arm']}: {r['reason']}")
@@ -110,7 +134,3 @@ def main(argv=None) -> int:
     except (SweepError, FitError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m tools.sweep``: see :mod:`tools.sweep`."""
+
+import sys
+
+from tools.sweep import main
+
+sys.exit(main())
