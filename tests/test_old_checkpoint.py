@@ -1,5 +1,8 @@
-"""Old artifacts keep loading: a checkpoint written by the code before the Trainer split (commit
-``e30daa9``, pinned) resumes under today's code bit-identically.
+"""Old artifacts keep loading: a checkpoint written by the code before the renovations (commit
+``e30daa9``, pinned: before the Trainer split, the config base and the moves of the conversion
+code) resumes under today's code bit-identically, and a Hugging Face folder that code exported
+still loads: in ``transformers`` with the same logits as today's export, and back into a
+checkpoint with today's ``from-hf``.
 
 The old code is extracted from the git history (``git archive``) and run in a subprocess with
 ``PYTHONPATH`` on the extracted tree: it trains to step 3 and stops (``run.exit_at_step``), writing
@@ -68,15 +71,22 @@ def _after_resume(run_dir: str):
     return records[start], train, evals
 
 
-def test_checkpoint_of_the_pre_split_code_resumes_bit_identically(tmp_path):
-    old = _extract_old_tree(str(tmp_path / "old"))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("old")
+    old = _extract_old_tree(str(root / "old"))
     assert not os.path.exists(os.path.join(old, "training", "step_runner.py"))  # really the old layout
-    ref, new = str(tmp_path / "ref"), str(tmp_path / "new")
+    ref, new = str(root / "ref"), str(root / "new")
     _pretrain(old, ref, "run.exit_at_step=3")  # old code: steps 1..3, checkpoint step_00000003
     assert [n for n in sorted(os.listdir(os.path.join(ref, "checkpoints"))) if "step" in n] == ["step_00000003"]
     shutil.copytree(ref, new)
     _pretrain(old, ref)  # the reference: the old code continues its own run to step 6
     _pretrain(REPO, new)  # today's code continues the copy
+    return root, old, ref, new
+
+
+def test_checkpoint_of_the_pre_split_code_resumes_bit_identically(runs):
+    _, _, ref, new = runs
     resume_ref, train_ref, eval_ref = _after_resume(ref)
     resume_new, train_new, eval_new = _after_resume(new)
     assert resume_new["step"] == resume_ref["step"] == 3
@@ -85,3 +95,45 @@ def test_checkpoint_of_the_pre_split_code_resumes_bit_identically(tmp_path):
     for step in (4, 5, 6):  # exact float equality (JSON round-trips a float exactly)
         assert train_new[step] == train_ref[step], f"step {step}: {train_new[step]} != {train_ref[step]}"
     assert eval_ref and eval_new == eval_ref
+
+
+def _convert(code_root: str, *args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", *args, "--quiet"], cwd=code_root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_hugging_face_folder_of_the_old_code_still_loads(runs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root, old, ref, _ = runs
+    checkpoint = os.path.join(ref, "checkpoints", "step_00000006")
+    old_hf, new_hf, back = str(root / "old-hf"), str(root / "new-hf"), str(root / "back")
+    _convert(old, "to-hf", "--checkpoint", checkpoint, "--output", old_hf, "--dtype", "fp32")
+    _convert(REPO, "to-hf", "--checkpoint", checkpoint, "--output", new_hf, "--dtype", "fp32")
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for folder in (old_hf, new_hf):
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert logits[0].shape[:2] == (2, 16) and logits[0].shape[2] >= 64  # the padded vocabulary
+    assert torch.equal(logits[0], logits[1])
+    # today's from-hf reads the old folder back into a checkpoint holding the same weights
+    _convert(REPO, "from-hf", "--hf", old_hf, "--output", back)
+    from safetensors.torch import load_file
+
+    exported = {}
+    for name in sorted(os.listdir(old_hf)):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(os.path.join(old_hf, name)))
+    assert exported and os.path.isdir(os.path.join(back, "checkpoints"))
+    _convert(REPO, "to-hf", "--run", back, "--output", str(root / "again"), "--dtype", "fp32")
+    again = {}
+    for name in sorted(os.listdir(root / "again")):
+        if name.endswith(".safetensors"):
+            again.update(load_file(os.path.join(root / "again", name)))
+    assert again.keys() == exported.keys()
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
