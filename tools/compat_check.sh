@@ -39,6 +39,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 stamp="$venv/.xhc-compat-installed"
+# No pip cache: 2.7 GB of CUDA wheels would stay on disk beside the 5.6 GB venv.
+export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
 want="$(sha1sum < "$root/setup.py" | cut -c1-12)-$mcore-$torch_spec"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[compat] installing $torch_spec, $mcore and xhc[test,hf] into $venv" >&2

@@ -25,6 +25,8 @@ fi
 source "$venv/bin/activate"
 
 stamp="$venv/.xhc-installed"
+# No pip cache: the wheels would take as much disk again as the venv (CI machines share their disk).
+export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
 want="$(cat "$root/setup.py" | sha1sum | cut -c1-12)-${XHC_EXTRAS:-test,hf,plot,kernels}-${XHC_TORCH_SPEC:-torch==2.13.0}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[xhc] installing dependencies into $venv (once)" >&2
