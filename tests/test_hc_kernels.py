@@ -443,6 +443,77 @@ def test_module_triton_backend_equals_eager(device, kind, kw, n):
 
 
 # ================================================================================================
+# triton: one write of the state's gradient per sublayer (xhc/kernels/triton_ops.py, docstring)
+# ================================================================================================
+def _spy_state_grad(monkeypatch, ops):
+    """Record the terms the read and the write hand over, and each one-pass dX launch."""
+    log = []
+    hand_over, state_grad = ops._hand_over, ops._state_grad
+    monkeypatch.setattr(ops, "_hand_over", lambda owner, slot, terms: (log.append(slot), hand_over(owner, slot, terms)))
+    monkeypatch.setattr(ops, "_state_grad", lambda *a: (log.append("dX"), state_grad(*a))[1])
+    return log
+
+
+@pytest.mark.parametrize("kind, kw, per_sublayer", [
+    pytest.param("hc", dict(variant="mhc"), 1, id="mhc"),
+    pytest.param("hc", dict(variant="kromhc"), 1, id="kromhc"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,)), 1, id="xhc_mlp"),
+    pytest.param("flash", dict(variant="xhc_flash", kernel_sizes=(2,)), 1, id="xhc_flash"),
+])
+@pytest.mark.slow
+def test_triton_state_gradient_written_once(monkeypatch, kind, kw, per_sublayer):
+    """The read and the write hand their dX terms to the coefficient op, which writes dX in one pass;
+    every gradient still equals the float64 eager reference."""
+    ops = _triton_ops()
+    cfg = _cfg(kw, 4)
+    ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
+    log = _spy_state_grad(monkeypatch, ops)
+    got = _forward_backward(kind, cfg.replace(kernels="triton"), "cpu")
+    _compare(ref, got, f"triton {kind}")
+    assert log.count("read") >= per_sublayer and log.count("write") >= per_sublayer, log
+    assert log.count("dX") >= per_sublayer, log
+
+
+@pytest.mark.slow
+def test_triton_state_gradient_falls_back_and_survives_partial_backward(monkeypatch):
+    """Ops whose coefficients do not come from a linear_stats op on the same state write their own dX;
+    a second read of the state (its slot taken) too; and a backward that stops before the coefficient
+    op (torch.autograd.grad w.r.t. h only) leaves nothing stale for the next full backward."""
+    ops = _triton_ops()
+    log = _spy_state_grad(monkeypatch, ops)
+    g = torch.Generator().manual_seed(7)
+    T, n, Cs = 3, 4, 16
+    X = torch.randn(T, n, Cs, generator=g, dtype=F64, requires_grad=True)
+    W = torch.randn(n, n * Cs, generator=g, dtype=F64, requires_grad=True)
+    Gu, Gv = torch.randn(T, Cs, generator=g, dtype=F64), torch.randn(T, Cs, generator=g, dtype=F64)
+    Go = torch.randn(T, n, Cs, generator=g, dtype=F64)
+
+    def run(read, write):
+        proj, _, s2 = read(X.flatten(-2).unsqueeze(-2), W)
+        h = torch.sigmoid(proj * torch.rsqrt(s2 / (n * Cs) + 1e-6))  # [T, n]
+        H = torch.softmax(proj.unsqueeze(-1) * proj.unsqueeze(-2), -1)  # [T, n, n]
+        u = write[0](h, X)
+        u2 = write[0](h.detach() * 0.5, X)  # coefficients cut from the owner: no hand-over
+        u3 = write[0](h.flip(-1), X)  # a second read of the same state: the read slot is taken
+        out = write[1](None, None, X, H, h.unsqueeze(-1), u.unsqueeze(-2))
+        return (u * Gu).sum() + (u2 * Gv).sum() + (u3 * Gu).sum() + (out * Go).sum(), h
+
+    def ref_ops():
+        def linear_stats(x, w):
+            return x.flatten(-2) @ w.T, x.sum(-1), (x * x).sum(-1)
+        return linear_stats, (torch_ops.read_reference, torch_ops.write_reference)
+
+    ref_loss, _ = run(*ref_ops())
+    ref = torch.autograd.grad(ref_loss, [X, W])
+    loss, h = run(ops.linear_stats, (ops.read, ops.write))
+    torch.autograd.grad(loss, h, retain_graph=True)  # stops before linear_stats: the hand-over is stale
+    got = torch.autograd.grad(loss, [X, W])
+    for a, b, w in zip(got, ref, ("dX", "dW")):
+        _close(a, b, what=w)
+    assert log.count("read") == 2 and log.count("write") == 2 and log.count("dX") == 1, log
+
+
+# ================================================================================================
 # torch.compile: zero graph breaks, and the compiled fused path equals eager
 # ================================================================================================
 @pytest.fixture

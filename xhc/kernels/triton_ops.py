@@ -10,7 +10,21 @@ C in blocks, fp32 accumulation in registers (float64 inputs compute in float64, 
 :func:`read`           u[t] = Σ_j h[t, j]·X_j;  backward: dX and dh in one pass over X
 :func:`write`          new = H·Xa + P·V (+ scatter into X at rows I, the other rows copied in
                        the same pass);  backward: dXa, dH, dP, dV (and dX) in one pass
+:func:`linear_stats`   vec(X)·Wᵀ with X's row sums and sums of squares in one pass;  backward: dX
+                       (and every deferred term below) in one pass, dW in one pass
 =====================  =================================================================
+
+**One write of the state's gradient per sublayer.**  A sublayer reads its state X three times:
+the coefficient GEMM (:func:`linear_stats`, the first), the read and the write.  Left to autograd,
+each op writes its own N·C gradient of X and autograd adds them (two extra N·C tensors written and
+read back).  Here the read and the write *defer* their X-gradient term to the sublayer's
+:func:`linear_stats` op on the same X: in the forward they find it among the ancestors of their
+coefficients (h for the read, H or P for the write; :func:`_claim`), in the backward they compute
+only their coefficient gradients and hand (h, du) or (dout, H, I) to it, and its backward writes
+dX = GEMM term + statistics terms + read term + write term in one pass
+(:func:`_state_grad_kernel`).  The order is safe by construction: the coefficients are computed
+from that op's outputs, so autograd runs its backward after theirs.  Where no such op is found (a
+static mapping, coefficients computed elsewhere) the ops return their dX to autograd as before.
 
 The kernels take contiguous ``[T, ...]`` tensors; the wrappers flatten the token dims and
 expand broadcast inputs.  ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests).
@@ -200,6 +214,149 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
 
 
 # ================================================================================================
+# One write of the state's gradient per sublayer (module docstring)
+# ================================================================================================
+_OWNER_SEARCH = 256  # autograd nodes visited at most when looking for the state's linear_stats op
+
+
+def _state_key(X: torch.Tensor):
+    """What identifies a state across views of it: its memory, size, dtype and in-place version."""
+    if not X.is_contiguous():
+        return None
+    return (X.data_ptr(), X.numel(), X.dtype, X.device, X._version)
+
+
+def _claim(X: Optional[torch.Tensor], slot: str, coefs) -> Optional[object]:
+    """The backward node of the :func:`linear_stats` op that first read the state ``X`` (``[..., N, C]``)
+    among the ancestors of ``coefs``, with its ``slot`` ("read" / "write") taken for this op; None when
+    there is none (the op then writes its own dX).  Called in the forward of the deferring op."""
+    if X is None or not X.requires_grad:  # (inside a Function's forward grad mode is always off)
+        return None
+    key = _state_key(X)
+    if key is None:
+        return None
+    stop = {id(X.grad_fn)} if X.grad_fn is not None else set()  # the state's own history is not searched
+    base = X._base
+    if base is not None and base.grad_fn is not None:
+        stop.add(id(base.grad_fn))
+    owner_cls = _LinearStats._backward_cls
+    queue = [t.grad_fn for t in coefs if t is not None and t.grad_fn is not None]
+    seen, best, i = set(), None, 0
+    while i < len(queue) and len(seen) < _OWNER_SEARCH:
+        node = queue[i]
+        i += 1
+        if id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        if isinstance(node, owner_cls):  # a linear_stats op: the owner if it read this state
+            if getattr(node, "_x_key", None) == key and (best is None or node._sequence_nr() < best._sequence_nr()):
+                best = node
+            continue
+        queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    if best is None or slot in best._claims:
+        return None
+    N, C = X.shape[-2:]
+    R, Co = best._x_rows
+    if not (R == 1 or (R == N and Co == C)):
+        return None
+    best._claims[slot] = (N, C)
+    return best
+
+
+def _hand_over(owner, slot: str, terms) -> None:
+    """In the deferring op's backward: give the owner the inputs of this op's dX term for this pass."""
+    owner._pending[slot] = (torch._C._current_graph_task_id(), terms)
+
+
+@triton.jit
+def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DX, N, C, d, RR, k, HAS_W: tl.constexpr,
+                       STATS_PER_ROW: tl.constexpr, HAS_READ: tl.constexpr, HAS_WRITE: tl.constexpr,
+                       WRITE_I: tl.constexpr, WRITE_H: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                       RP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    """dX[t, j, c] = Σ_m G[t, m]·W[m, jC + c] + dS1[t, r] + 2·dS2[t, r]·X[t, j, c]   (linear_stats; r = j or 0)
+                   + Σ_r HR[t, r, j]·DU[t, r, c]                                  (the read)
+                   + Σ_i HW[t, i, q]·DOUT[t, I_i, c] on the row j = I_q, DOUT[t, j, c] elsewhere  (the write;
+                     without I: Σ_i HW[t, i, j]·DOUT[t, i, c]; without HW: DOUT)
+    in one pass over the state, one program per token."""
+    t = tl.program_id(0).to(tl.int64)
+    D = N * C
+    jr = tl.arange(0, NP)[:, None]  # the state's rows
+    rowm = jr < N
+    if STATS_PER_ROW:
+        ds1 = tl.load(DS1 + t * N + jr, mask=rowm, other=0.0).to(CDT)  # [NP, 1]
+        ds2 = tl.load(DS2 + t * N + jr, mask=rowm, other=0.0).to(CDT)
+    else:
+        ds1 = tl.load(DS1 + t).to(CDT)
+        ds2 = tl.load(DS2 + t).to(CDT)
+    if HAS_W:
+        m = tl.arange(0, DP)
+        g = tl.load(G + t * d + m, mask=m < d, other=0.0).to(CDT)  # [DP]
+    if HAS_READ:
+        rr = tl.arange(0, RP)[:, None]
+        nc = tl.arange(0, NP)[None, :]
+        hr = tl.load(HR + t * RR * N + rr * N + nc, mask=(rr < RR) & (nc < N), other=0.0).to(CDT)  # [RP, NP]
+    if HAS_WRITE:
+        qr = tl.arange(0, KP)[:, None]
+        qc = tl.arange(0, KP)[None, :]
+        if WRITE_H:
+            hw = tl.load(HW + t * k * k + qr * k + qc, mask=(qr < k) & (qc < k), other=0.0).to(CDT)  # [KP(i), KP(q)]
+        if WRITE_I:
+            rows = tl.load(I + t * k + qr, mask=qr < k, other=0)  # [KP, 1]: the row of slot i
+            idx = tl.load(I + t * k + qc, mask=qc < k, other=-1)  # [1, KP]
+            S = tl.where(jr == idx, 1.0, 0.0).to(CDT)  # [NP, KP]: row j holds slot q
+            active = tl.sum(S, 1)[:, None] > 0  # [NP, 1]
+        else:
+            rows = qr
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)[None, :]
+        cm = c < C
+        msk = rowm & cm
+        x = tl.load(X + t * D + jr * C + c, mask=msk, other=0.0).to(CDT)  # [NP, BC]
+        acc = ds1 + 2.0 * ds2 * x
+        if HAS_W:
+            w = tl.load(W + m[:, None, None] * D + jr[None, :, :] * C + c[None, :, :],
+                        mask=(m[:, None, None] < d) & msk[None, :, :], other=0.0).to(CDT)  # [DP, NP, BC]
+            acc += tl.sum(g[:, None, None] * w, 0)
+        if HAS_READ:
+            du = tl.load(DU + t * RR * C + rr * C + c, mask=(rr < RR) & cm, other=0.0).to(CDT)  # [RP, BC]
+            acc += tl.sum(hr[:, :, None] * du[:, None, :], 0)
+        if HAS_WRITE:
+            dna = tl.load(DOUT + t * D + rows * C + c, mask=(qr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
+            if WRITE_H:
+                mixed = tl.sum(hw[:, :, None] * dna[:, None, :], 0)  # [KP(q), BC]
+            else:
+                mixed = dna
+            if WRITE_I:
+                acc += tl.sum(S[:, :, None] * mixed[None, :, :], 1)
+                acc += tl.load(DOUT + t * D + jr * C + c, mask=msk & (active == 0), other=0.0).to(CDT)
+            else:
+                acc += mixed
+        tl.store(DX + t * D + jr * C + c, _cast(acc, DX), mask=msk)
+
+
+def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt) -> torch.Tensor:
+    """Launch :func:`_state_grad_kernel` for the owner's X (``[T, R, D/R]``) seen as ``[T, N, C]``."""
+    T = X.shape[0]
+    d = W.shape[0]
+    Xs = X.reshape(T, N, C)
+    dX = torch.empty_like(Xs)
+    NP = _np2(N)
+    hr, du = read if read is not None else (None, None)
+    RR = 1 if hr is None else hr.shape[1]
+    dout, hw, Iw, k = write if write is not None else (None, None, None, N)
+    KP = NP if Iw is None else _np2(k)
+    RP = _np2(RR)
+    DP = max(16, triton.next_power_of_2(int(d))) if d > 0 else 16
+    BC = max(16, min(triton.next_power_of_2(C), 8192 // (DP * NP), 8192 // (NP * KP), 8192 // (RP * NP)))
+    if T > 0:
+        _state_grad_kernel[(T,)](Xs, W.to(cdt).contiguous() if d > 0 else None, G if d > 0 else None, dS1, dS2,
+                                 hr, du, dout, hw, Iw, dX, N, C, d, RR, k, HAS_W=d > 0, STATS_PER_ROW=R > 1,
+                                 HAS_READ=hr is not None, HAS_WRITE=dout is not None, WRITE_I=Iw is not None,
+                                 WRITE_H=hw is not None, NP=NP, KP=KP, RP=RP, DP=DP, BC=BC, CDT=_tl(cdt))
+    return dX
+
+
+# ================================================================================================
 # read: u[t, r, :] = Σ_j h[t, r, j] X[t, j, :]
 # ================================================================================================
 def _block_c(C: int, rows: int, inner: int) -> int:
@@ -223,7 +380,7 @@ def _read_fwd_kernel(H, X, U, R, n, C, RP: tl.constexpr, NP: tl.constexpr, BC: t
 
 @triton.jit
 def _read_bwd_kernel(H, X, DU, DH, DX, R, n, C, RP: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr,
-                     CDT: tl.constexpr):
+                     CDT: tl.constexpr, NEED_DX: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, RP)[:, None]
     j = tl.arange(0, NP)[None, :]
@@ -237,8 +394,9 @@ def _read_bwd_kernel(H, X, DU, DH, DX, R, n, C, RP: tl.constexpr, NP: tl.constex
         x = tl.load(X + t * n * C + jr * C + c, mask=(jr < n) & (c < C), other=0.0).to(CDT)  # [NP, BC]
         du = tl.load(DU + t * R * C + rr * C + c, mask=(rr < R) & (c < C), other=0.0).to(CDT)  # [RP, BC]
         dh += tl.sum(du[:, None, :] * x[None, :, :], 2)
-        dx = tl.sum(h[:, :, None] * du[:, None, :], 0)  # [NP, BC]
-        tl.store(DX + t * n * C + jr * C + c, _cast(dx, DX), mask=(jr < n) & (c < C))
+        if NEED_DX:  # (else the term is deferred to the state's linear_stats op)
+            dx = tl.sum(h[:, :, None] * du[:, None, :], 0)  # [NP, BC]
+            tl.store(DX + t * n * C + jr * C + c, _cast(dx, DX), mask=(jr < n) & (c < C))
     tl.store(DH + t * R * n + r * n + j, _cast(dh, DH), mask=hmask)
 
 
@@ -254,6 +412,7 @@ class _Read(torch.autograd.Function):
         if T > 0:
             _read_fwd_kernel[(T,)](hc, Xc, U, R, n, C, RP=RP, NP=NP, BC=_block_c(C, RP, NP), CDT=_tl(_cdt(h, X)))
         ctx.save_for_backward(h, X)
+        ctx.owner = _claim(X, "read", (h,))
         return U.view(*X.shape[:-2], R, C)
 
     @staticmethod
@@ -263,11 +422,17 @@ class _Read(torch.autograd.Function):
         R = h.shape[-2]
         hc, Xc = h.reshape(-1, R, n).contiguous(), X.reshape(-1, n, C).contiguous()
         T = Xc.shape[0]
-        dh, dX = torch.empty_like(hc), torch.empty_like(Xc)
+        dUc = dU.reshape(T, R, C).contiguous()
+        defer = ctx.owner is not None and ctx.needs_input_grad[1]
+        dh = torch.empty_like(hc)
+        dX = None if defer else torch.empty_like(Xc)
         RP, NP = _np2(R), _np2(n)
         if T > 0:
-            _read_bwd_kernel[(T,)](hc, Xc, dU.reshape(T, R, C).contiguous(), dh, dX, R, n, C, RP=RP, NP=NP,
-                                   BC=_block_c(C, RP, NP), CDT=_tl(_cdt(h, X)))
+            _read_bwd_kernel[(T,)](hc, Xc, dUc, dh, dX, R, n, C, RP=RP, NP=NP, BC=_block_c(C, RP, NP),
+                                   CDT=_tl(_cdt(h, X)), NEED_DX=not defer)
+        if defer:  # dX[t, j] += Σ_r h[t, r, j]·du[t, r]: written by the state's linear_stats op
+            _hand_over(ctx.owner, "read", (hc, dUc))
+            return dh.view(h.shape), None, None
         return dh.view(h.shape), dX.view(X.shape), None
 
 
@@ -329,7 +494,8 @@ def _write_fwd_kernel(X, I, XA, H, P, V, OUT, N, k, K, C, HAS_I: tl.constexpr, H
 @triton.jit
 def _write_bwd_kernel(DOUT, X, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, HAS_I: tl.constexpr,
                       HAS_H: tl.constexpr, NEED_DX: tl.constexpr, XA_FROM_X: tl.constexpr, NP: tl.constexpr,
-                      KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+                      KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr,
+                      NEED_DXA: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
     jr = tl.arange(0, KP)[:, None]
     qc = tl.arange(0, KP)[None, :]
@@ -369,7 +535,7 @@ def _write_bwd_kernel(DOUT, X, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, 
         if XA_FROM_X:  # dX[I[q]] = dX_a[q]; the other rows below (disjoint rows: no ordering needed)
             if NEED_DX:
                 tl.store(DX + t * N * C + rows * C + c, _cast(dxa, DX), mask=(jr < k) & cm)
-        else:
+        elif NEED_DXA:
             tl.store(DXA + t * k * C + jr * C + c, _cast(dxa, DXA), mask=(jr < k) & cm)
         dv = tl.sum(p[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
         tl.store(DV + t * K * C + sr * C + c, _cast(dv, DV), mask=(sr < K) & cm)
@@ -432,6 +598,11 @@ class _Write(torch.autograd.Function):
                                     BC=BC, CDT=cdt)
         ctx.save_for_backward(I, X if own else Xa, H, P, V)
         ctx.meta = (None if X is None else X.dtype, N, own, k, lead)
+        # the state's gradient term can be deferred when the mixed rows are the state itself: the
+        # mHC-family write (Xa = X, no I) or the xHC write reading X_a from X (I, own)
+        ctx.owner = None
+        if not inplace and (own or I is None):
+            ctx.owner = _claim(X if own else Xa, "write", (H, P))
         if inplace:
             ctx.mark_dirty(X)
             return X
@@ -449,18 +620,22 @@ class _Write(torch.autograd.Function):
         Hc = None if H is None else H.reshape(T, k, k).contiguous()
         Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
         Ic = None if I is None else I.reshape(T, k).contiguous()
-        need_dx = I is not None and ctx.needs_input_grad[0]
-        dXa = None if own else torch.empty_like(Xac)
+        defer = ctx.owner is not None and ctx.needs_input_grad[0 if own else 2]
+        need_dx = I is not None and ctx.needs_input_grad[0] and not defer
+        dXa = None if own or defer else torch.empty_like(Xac)
         dV = torch.empty_like(Vc)
         dH = None if H is None else torch.empty_like(Hc)
         dP = torch.empty_like(Pc)
         dX = torch.empty(T, N, C, dtype=x_dtype, device=dout.device) if need_dx else None
         NP, KP, SP, BC = _write_meta(N, k, K, C)
+        doutc = dout.reshape(T, N, C).contiguous()
         if T > 0:
-            _write_bwd_kernel[(T,)](dout.reshape(T, N, C).contiguous(), Xc, Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP,
+            _write_bwd_kernel[(T,)](doutc, Xc, Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP,
                                     dV, N, k, K, C, HAS_I=I is not None, HAS_H=H is not None, NEED_DX=need_dx,
                                     XA_FROM_X=own, NP=NP, KP=KP, SP=SP, BC=BC,
-                                    CDT=_tl(_cdt(XorXa, H, P, V)))
+                                    CDT=_tl(_cdt(XorXa, H, P, V)), NEED_DXA=not defer)
+        if defer:  # the state's term (Hᵀ·dout on the mixed rows, dout on the others): linear_stats writes it
+            _hand_over(ctx.owner, "write", (doutc, Hc, Ic, k))
         return (None if dX is None else dX.view(*lead, N, C), None,
                 None if dXa is None else dXa.view(*lead, k, C),
                 None if dH is None else dH.view(H.shape), dP.view(P.shape), dV.view(V.shape), None, None)
@@ -579,6 +754,8 @@ class _LinearStats(torch.autograd.Function):
         if T > 0:
             _linear_stats_fwd_kernel[(T,)](Xc, Wc, proj, s1, s2, R, C, d, DP=DP, BC=BC, CDT=_tl(cdt))
         ctx.save_for_backward(X, W)
+        # the owner of the state's gradient for the read and write that use these outputs (_claim)
+        ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending = _state_key(X), (R, C), {}, {}
         lead = X.shape[:-2]
         return proj.view(*lead, d), s1.view(*lead, R), s2.view(*lead, R)
 
@@ -596,7 +773,13 @@ class _LinearStats(torch.autograd.Function):
         dS2 = z(T, R) if ds2 is None else ds2.reshape(T, R).to(cdt).contiguous()
         DP, BC = _linear_stats_meta(C, d)
         dX = dW = None
-        if ctx.needs_input_grad[0]:
+        task = torch._C._current_graph_task_id()
+        terms = {slot: v[1] for slot, v in ctx._pending.items() if v[0] == task}
+        ctx._pending.clear()
+        if ctx.needs_input_grad[0] and ctx._claims:  # this op writes the sublayer's whole dX
+            N, Cs = next(iter(ctx._claims.values()))
+            dX = _state_grad(Xc, W, G, dS1, dS2, R, N, Cs, terms.get("read"), terms.get("write"), cdt).view(X.shape)
+        elif ctx.needs_input_grad[0]:
             dX = torch.empty_like(Xc)
             if T > 0:
                 _linear_stats_dx_kernel[(T,)](Xc, W.to(cdt).contiguous(), G, dS1, dS2, dX, R, C, d, DP=DP, BC=BC,
