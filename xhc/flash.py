@@ -277,7 +277,7 @@ class XHCFlashLayer(_WindowPart):
         inp = kernels.read(h, X0, fp32(h).dtype, backend=run.backend)  # inp_t = Σ_i h^t_i X^(0)_i
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], routing.I)
         return FlashState(X0, routing.I, routing.p, routing.score, h, inp,
-                          kernels.gather(X0, routing.I, run.backend), act_moments=act)
+                          kernels.gather(X0, routing.I, run.backend, after=routing.p), act_moments=act)
 
     def attn_read(self, state: FlashState) -> torch.Tensor:
         """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
@@ -418,7 +418,7 @@ class Flash4FirstLayer(_Flash4Part):
         # base_t = Σ_{i∉I} h^t_i X^(0)_i: one read with the active weights zeroed
         base = kernels.read(nonactive_weights(h, I), X0, fp32(h).dtype, backend=run.backend)
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], I)
-        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, kernels.gather(X0, I, run.backend),
+        return Flash4State(X0, I, routing.p, routing.score, h, h_active, base, kernels.gather(X0, I, run.backend, after=routing.p),
                            backend=run.backend, act_moments=act)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:

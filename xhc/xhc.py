@@ -209,7 +209,8 @@ def fused_entry_projections(
         Wr = fp32(W_router)
         Ws = [Wr - Wr.mean(-1, keepdim=True)] + Ws + [torch.full((1, D), 1.0 / D, dtype=Wr.dtype, device=Wr.device)]
     # one pass over x (triton: in its own dtype); the norm statistic once per token
-    proj, nu = kernels.linear_moment(x, torch.cat(Ws, 0), backend, second_moment=moments is None)
+    proj, nu = kernels.linear_moment(x, torch.cat(Ws, 0), backend, second_moment=moments is None,
+                                     after=None if moments is None else moments[1])
     nu = nu if moments is None else moments[1]
     start, z_router = 0, None
     if W_router is not None:
@@ -536,7 +537,7 @@ class XHCSublayer(nn.Module):
         act_mom = None
         routing, h_pres = entry_mappings(X, self.router, [self.pre] if dense else [], cfg.norm_eps, fused,
                                          entry_mom, backend)
-        Xa = kernels.gather(X, routing.I, backend)  # [..., k, C]
+        Xa = kernels.gather(X, routing.I, backend, after=routing.p)  # [..., k, C]
         if stats is not None:
             act_mom = moments_of_rows(*stats, X.shape[-1], routing.I)
         H_res, H_post, h_pre_a = active_mappings(Xa, [self.res, self.post, None if dense else self.pre],

@@ -251,15 +251,22 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
 
 
-def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile") -> torch.Tensor:
+def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile",
+           after: Optional[torch.Tensor] = None) -> torch.Tensor:
     """X_a = X[..., I, :] (``X`` ``[..., N, C]``, ``I`` long ``[..., k]``) -> ``[..., k, C]`` in X's dtype.
 
     ``eager``: the reference :func:`xhc.streams.gather_active` (``gather``, whose backward is a
     ``scatter_add``); otherwise one op whose backward writes dX row by row (dX[i] = dX_a[slot(i)] on
     active rows, 0 elsewhere), which ``torch.compile`` fuses with X's other gradient terms.
+    ``triton``: with ``after`` (a tensor computed from the state's coefficient GEMM, e.g. the routing
+    weights) dX_a joins the one-pass state gradient of :mod:`xhc.kernels.triton_ops`.
     """
     if backend == "eager":
         return streams.gather_active(X, I)
+    if backend == "triton" and after is not None:
+        from xhc.kernels import triton_ops
+
+        return triton_ops.gather(X, I, after)
     from xhc.kernels import torch_ops
 
     return torch_ops.gather(X, I)
@@ -330,19 +337,22 @@ def fused(backend: str) -> bool:
     return backend != "eager"
 
 
-def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", second_moment: bool = True):
+def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", second_moment: bool = True,
+                  after: Optional[torch.Tensor] = None):
     """(x·Wᵀ ``[..., d]`` fp32, ν = mean(x²) ``[..., 1]`` or None) from one pass over ``x`` ``[..., D]``.
 
     ``W`` is fp32 ``[d, D]``.  ``triton``: :func:`xhc.kernels.triton_ops.linear_stats` (x read once in
     its own dtype, no fp32 copy of a bf16 state; ν always comes with it); otherwise the GEMM on fp32(x)
-    and, when ``second_moment``, ν from the same fp32 x.
+    and, when ``second_moment``, ν from the same fp32 x.  ``after`` (``triton``): the statistics of an
+    earlier one-pass op on the same state (:func:`stream_moments`); x's gradient term then joins that
+    op's one-pass state gradient.
     """
     from xhc.norms import fp32
 
     if backend == "triton":
         from xhc.kernels import triton_ops
 
-        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), W)
+        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), W, after)
         return proj, s2 / x.shape[-1]
     x = fp32(x)
     proj = torch.nn.functional.linear(x, W)

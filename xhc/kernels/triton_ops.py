@@ -253,10 +253,17 @@ def _claim(X: Optional[torch.Tensor], slot: str, coefs) -> Optional[object]:
                 best = node
             continue
         queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    while best is not None and getattr(best, "_owner", None) is not None:
+        best = best._owner  # that op hands its own term on to the first one
     if best is None or slot in best._claims:
         return None
-    N, C = X.shape[-2:]
     R, Co = best._x_rows
+    if slot == "linear":  # another linear_stats op on the same state: its rows are 1 or the owner's R
+        if X.shape[-2] not in (1, R):
+            return None
+        best._claims[slot] = None
+        return best
+    N, C = X.shape[-2:]
     if not (R == 1 or (R == N and Co == C)):
         return None
     best._claims[slot] = (N, C)
@@ -269,14 +276,16 @@ def _hand_over(owner, slot: str, terms) -> None:
 
 
 @triton.jit
-def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DX, N, C, d, RR, k, HAS_W: tl.constexpr,
-                       STATS_PER_ROW: tl.constexpr, HAS_READ: tl.constexpr, HAS_WRITE: tl.constexpr,
-                       WRITE_I: tl.constexpr, WRITE_H: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C, d, RR, k, ka,
+                       HAS_W: tl.constexpr, STATS_PER_ROW: tl.constexpr, HAS_READ: tl.constexpr,
+                       HAS_WRITE: tl.constexpr, WRITE_I: tl.constexpr, WRITE_H: tl.constexpr,
+                       HAS_ROWS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, KAP: tl.constexpr,
                        RP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     """dX[t, j, c] = Σ_m G[t, m]·W[m, jC + c] + dS1[t, r] + 2·dS2[t, r]·X[t, j, c]   (linear_stats; r = j or 0)
                    + Σ_r HR[t, r, j]·DU[t, r, c]                                  (the read)
                    + Σ_i HW[t, i, q]·DOUT[t, I_i, c] on the row j = I_q, DOUT[t, j, c] elsewhere  (the write;
                      without I: Σ_i HW[t, i, j]·DOUT[t, i, c]; without HW: DOUT)
+                   + DXA[t, q, c] on the row j = IA_q                             (the gather X_a = X[IA])
     in one pass over the state, one program per token."""
     t = tl.program_id(0).to(tl.int64)
     D = N * C
@@ -307,6 +316,11 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DX, N, C, d, RR, 
             active = tl.sum(S, 1)[:, None] > 0  # [NP, 1]
         else:
             rows = qr
+    if HAS_ROWS:
+        ac = tl.arange(0, KAP)[None, :]
+        ar = tl.arange(0, KAP)[:, None]
+        aidx = tl.load(IA + t * ka + ac, mask=ac < ka, other=-1)  # [1, KAP]
+        SA = tl.where(jr == aidx, 1.0, 0.0).to(CDT)  # [NP, KAP]: row j holds gathered slot q
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)[None, :]
         cm = c < C
@@ -331,12 +345,28 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DX, N, C, d, RR, 
                 acc += tl.load(DOUT + t * D + jr * C + c, mask=msk & (active == 0), other=0.0).to(CDT)
             else:
                 acc += mixed
+        if HAS_ROWS:
+            dxa = tl.load(DXA + t * ka * C + ar * C + c, mask=(ar < ka) & cm, other=0.0).to(CDT)  # [KAP, BC]
+            acc += tl.sum(SA[:, :, None] * dxa[None, :, :], 1)
         tl.store(DX + t * D + jr * C + c, _cast(acc, DX), mask=msk)
 
 
-def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt) -> torch.Tensor:
-    """Launch :func:`_state_grad_kernel` for the owner's X (``[T, R, D/R]``) seen as ``[T, N, C]``."""
+def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt, linear=None, rows=None) -> torch.Tensor:
+    """Launch :func:`_state_grad_kernel` for the owner's X (``[T, R, D/R]``) seen as ``[T, N, C]``.
+    ``linear``: another linear_stats op's (G, W, dS1, dS2) on the same state (its R: 1 or the owner's);
+    ``rows``: a gather's (dX_a, I)."""
     T = X.shape[0]
+    if linear is not None:  # one GEMM term over the concatenated weights, statistics added row-wise
+        G2, W2, dS1b, dS2b = linear
+        W = torch.cat([W.to(cdt), W2.to(cdt)], 0)
+        G = torch.cat([G, G2], 1).contiguous()
+        if dS1b.shape[1] != dS1.shape[1]:  # one per token and one per row: both per row
+            rows_n = max(dS1b.shape[1], dS1.shape[1])
+            dS1, dS2, dS1b, dS2b = (t.expand(T, rows_n) for t in (dS1, dS2, dS1b, dS2b))
+            R = rows_n
+        dS1, dS2 = (dS1 + dS1b).contiguous(), (dS2 + dS2b).contiguous()
+    if R > 1 and R != N:  # the state's rows are the statistics' rows, or there is one statistic per token
+        raise RuntimeError(f"state gradient: statistics over {R} rows of a state with {N} rows")
     d = W.shape[0]
     Xs = X.reshape(T, N, C)
     dX = torch.empty_like(Xs)
@@ -345,14 +375,18 @@ def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt) -> torch.Tensor:
     RR = 1 if hr is None else hr.shape[1]
     dout, hw, Iw, k = write if write is not None else (None, None, None, N)
     KP = NP if Iw is None else _np2(k)
+    dxa, Ia = rows if rows is not None else (None, None)
+    ka = 1 if Ia is None else Ia.shape[1]
+    KAP = _np2(ka)
     RP = _np2(RR)
     DP = max(16, triton.next_power_of_2(int(d))) if d > 0 else 16
     BC = max(16, min(triton.next_power_of_2(C), 8192 // (DP * NP), 8192 // (NP * KP), 8192 // (RP * NP)))
     if T > 0:
         _state_grad_kernel[(T,)](Xs, W.to(cdt).contiguous() if d > 0 else None, G if d > 0 else None, dS1, dS2,
-                                 hr, du, dout, hw, Iw, dX, N, C, d, RR, k, HAS_W=d > 0, STATS_PER_ROW=R > 1,
-                                 HAS_READ=hr is not None, HAS_WRITE=dout is not None, WRITE_I=Iw is not None,
-                                 WRITE_H=hw is not None, NP=NP, KP=KP, RP=RP, DP=DP, BC=BC, CDT=_tl(cdt))
+                                 hr, du, dout, hw, Iw, dxa, Ia, dX, N, C, d, RR, k, ka, HAS_W=d > 0,
+                                 STATS_PER_ROW=R > 1, HAS_READ=hr is not None, HAS_WRITE=dout is not None,
+                                 WRITE_I=Iw is not None, WRITE_H=hw is not None, HAS_ROWS=dxa is not None,
+                                 NP=NP, KP=KP, KAP=KAP, RP=RP, DP=DP, BC=BC, CDT=_tl(cdt))
     return dX
 
 
@@ -741,7 +775,7 @@ def _linear_stats_meta(C: int, d: int):
 
 class _LinearStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, X, W):
+    def forward(ctx, X, W, after):
         R, C = X.shape[-2:]
         d = W.shape[0]
         Xc = X.reshape(-1, R, C).contiguous()
@@ -756,6 +790,8 @@ class _LinearStats(torch.autograd.Function):
         ctx.save_for_backward(X, W)
         # the owner of the state's gradient for the read and write that use these outputs (_claim)
         ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending = _state_key(X), (R, C), {}, {}
+        # ``after`` (computed from an earlier linear_stats op on the same state): hand dX on to that one
+        ctx._owner = None if after is None else _claim(X, "linear", (after,))
         lead = X.shape[:-2]
         return proj.view(*lead, d), s1.view(*lead, R), s2.view(*lead, R)
 
@@ -776,9 +812,13 @@ class _LinearStats(torch.autograd.Function):
         task = torch._C._current_graph_task_id()
         terms = {slot: v[1] for slot, v in ctx._pending.items() if v[0] == task}
         ctx._pending.clear()
-        if ctx.needs_input_grad[0] and ctx._claims:  # this op writes the sublayer's whole dX
-            N, Cs = next(iter(ctx._claims.values()))
-            dX = _state_grad(Xc, W, G, dS1, dS2, R, N, Cs, terms.get("read"), terms.get("write"), cdt).view(X.shape)
+        if ctx.needs_input_grad[0] and ctx._owner is not None:  # an earlier op on this state writes dX
+            _hand_over(ctx._owner, "linear", (G, W, dS1, dS2))
+        elif ctx.needs_input_grad[0] and ctx._claims:  # this op writes the sublayer's whole dX
+            shapes = [v for v in ctx._claims.values() if v is not None]
+            N, Cs = shapes[0] if shapes else (R, C)
+            dX = _state_grad(Xc, W, G, dS1, dS2, R, N, Cs, terms.get("read"), terms.get("write"), cdt,
+                             terms.get("linear"), terms.get("rows")).view(X.shape)
         elif ctx.needs_input_grad[0]:
             dX = torch.empty_like(Xc)
             if T > 0:
@@ -794,13 +834,49 @@ class _LinearStats(torch.autograd.Function):
                 _linear_stats_dw_kernel[(triton.cdiv(D, BK),)](Xc, G, dW, T, D, d, DP=DP, BT=BT, BK=BK,
                                                               USE_DOT=use_dot, CDT=_tl(cdt))
             dW = dW.to(W.dtype)
-        return dX, dW
+        return dX, dW, None
 
 
-def linear_stats(X: torch.Tensor, W: torch.Tensor):
+def linear_stats(X: torch.Tensor, W: torch.Tensor, after: Optional[torch.Tensor] = None):
     """(vec(X)·Wᵀ, Σ_c X_r, Σ_c X_r²) from one pass over ``X`` ``[..., R, C]`` (any float dtype, read as
     it is and accumulated in fp32; float64 stays float64); ``W`` ``[d, R·C]``  ->  ``[..., d]``,
     ``[..., R]``, ``[..., R]``.  Backward: dX in one pass (GEMM term + the statistics' terms), dW
     in one pass over X.  The norm statistics of vec X and of any row subset follow from the sums
-    (:func:`xhc.norms.moments_of_rows`)."""
-    return _LinearStats.apply(X, W)
+    (:func:`xhc.norms.moments_of_rows`).  ``after``: a tensor computed from an earlier
+    :func:`linear_stats` of the same state (its statistics): this op's dX term is then written by that
+    op's backward (module docstring)."""
+    return _LinearStats.apply(X, W, after)
+
+
+# ================================================================================================
+# gather: X_a = X[I], its gradient handed to the state's linear_stats op
+# ================================================================================================
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, I, after):
+        k, C = I.shape[-1], X.shape[-1]
+        Xa = X.gather(-2, I.unsqueeze(-1).expand(*I.shape, C))
+        ctx.save_for_backward(I)
+        ctx.x_shape = X.shape
+        ctx.owner = None if after is None else _claim(X, "rows", (after,))
+        return Xa
+
+    @staticmethod
+    def backward(ctx, dXa):
+        (I,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        if ctx.owner is not None:  # dX[I_q] += dX_a[q]: written by the state's linear_stats op
+            N, C = ctx.x_shape[-2:]
+            k = I.shape[-1]
+            _hand_over(ctx.owner, "rows", (dXa.reshape(-1, k, C).contiguous(), I.reshape(-1, k).contiguous()))
+            return None, None, None
+        dX = torch.zeros(ctx.x_shape, dtype=dXa.dtype, device=dXa.device)
+        return dX.scatter_(-2, I.unsqueeze(-1).expand(*I.shape, dX.shape[-1]), dXa), None, None
+
+
+def gather(X: torch.Tensor, I: torch.Tensor, after: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """X_a = X[..., I, :] (``I``: k distinct rows per token).  ``after``: a tensor computed from the
+    state's :func:`linear_stats` op (the routing weights): the gradient dX_a is then added to X's
+    rows by that op's backward instead of a scatter into a zero N·C tensor."""
+    return _Gather.apply(X, I, after)
