@@ -279,7 +279,8 @@ def _hand_over(owner, slot: str, terms) -> None:
 def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C, d, RR, k, ka,
                        HAS_W: tl.constexpr, STATS_PER_ROW: tl.constexpr, HAS_READ: tl.constexpr,
                        HAS_WRITE: tl.constexpr, WRITE_I: tl.constexpr, WRITE_H: tl.constexpr,
-                       HAS_ROWS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, KAP: tl.constexpr,
+                       HAS_ROWS: tl.constexpr, WRITE_ZERO_ACTIVE: tl.constexpr, NP: tl.constexpr,
+                       KP: tl.constexpr, KAP: tl.constexpr,
                        RP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     """dX[t, j, c] = Σ_m G[t, m]·W[m, jC + c] + dS1[t, r] + 2·dS2[t, r]·X[t, j, c]   (linear_stats; r = j or 0)
                    + Σ_r HR[t, r, j]·DU[t, r, c]                                  (the read)
@@ -334,7 +335,7 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C
         if HAS_READ:
             du = tl.load(DU + t * RR * C + rr * C + c, mask=(rr < RR) & cm, other=0.0).to(CDT)  # [RP, BC]
             acc += tl.sum(hr[:, :, None] * du[:, None, :], 0)
-        if HAS_WRITE:
+        if HAS_WRITE and not WRITE_ZERO_ACTIVE:
             dna = tl.load(DOUT + t * D + rows * C + c, mask=(qr < k) & cm, other=0.0).to(CDT)  # [KP, BC]
             if WRITE_H:
                 mixed = tl.sum(hw[:, :, None] * dna[:, None, :], 0)  # [KP(q), BC]
@@ -345,6 +346,8 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C
                 acc += tl.load(DOUT + t * D + jr * C + c, mask=msk & (active == 0), other=0.0).to(CDT)
             else:
                 acc += mixed
+        if HAS_WRITE and WRITE_ZERO_ACTIVE:  # X_a was a separate input: X's active rows were overwritten
+            acc += tl.load(DOUT + t * D + jr * C + c, mask=msk & (active == 0), other=0.0).to(CDT)
         if HAS_ROWS:
             dxa = tl.load(DXA + t * ka * C + ar * C + c, mask=(ar < ka) & cm, other=0.0).to(CDT)  # [KAP, BC]
             acc += tl.sum(SA[:, :, None] * dxa[None, :, :], 1)
@@ -373,7 +376,7 @@ def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt, linear=None, rows=
     NP = _np2(N)
     hr, du = read if read is not None else (None, None)
     RR = 1 if hr is None else hr.shape[1]
-    dout, hw, Iw, k = write if write is not None else (None, None, None, N)
+    dout, hw, Iw, k, zero_active = write if write is not None else (None, None, None, N, False)
     KP = NP if Iw is None else _np2(k)
     dxa, Ia = rows if rows is not None else (None, None)
     ka = 1 if Ia is None else Ia.shape[1]
@@ -386,6 +389,7 @@ def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt, linear=None, rows=
                                  hr, du, dout, hw, Iw, dxa, Ia, dX, N, C, d, RR, k, ka, HAS_W=d > 0,
                                  STATS_PER_ROW=R > 1, HAS_READ=hr is not None, HAS_WRITE=dout is not None,
                                  WRITE_I=Iw is not None, WRITE_H=hw is not None, HAS_ROWS=dxa is not None,
+                                 WRITE_ZERO_ACTIVE=bool(zero_active),
                                  NP=NP, KP=KP, KAP=KAP, RP=RP, DP=DP, BC=BC, CDT=_tl(cdt))
     return dX
 
@@ -634,9 +638,10 @@ class _Write(torch.autograd.Function):
         ctx.meta = (None if X is None else X.dtype, N, own, k, lead)
         # the state's gradient term can be deferred when the mixed rows are the state itself: the
         # mHC-family write (Xa = X, no I) or the xHC write reading X_a from X (I, own)
-        ctx.owner = None
-        if not inplace and (own or I is None):
-            ctx.owner = _claim(X if own else Xa, "write", (H, P))
+        # (with I and a separate Xa: X's term is dout on the rows outside I, handed over the same way)
+        ctx.owner, ctx.defer_x = None, I is not None
+        if not inplace:
+            ctx.owner = _claim(X if I is not None else Xa, "write", (H, P))
         if inplace:
             ctx.mark_dirty(X)
             return X
@@ -654,9 +659,9 @@ class _Write(torch.autograd.Function):
         Hc = None if H is None else H.reshape(T, k, k).contiguous()
         Pc, Vc = P.reshape(T, k, K).contiguous(), V.reshape(T, K, C).contiguous()
         Ic = None if I is None else I.reshape(T, k).contiguous()
-        defer = ctx.owner is not None and ctx.needs_input_grad[0 if own else 2]
-        need_dx = I is not None and ctx.needs_input_grad[0] and not defer
-        dXa = None if own or defer else torch.empty_like(Xac)
+        defer = ctx.owner is not None and ctx.needs_input_grad[0 if ctx.defer_x else 2]
+        need_dx = I is not None and ctx.needs_input_grad[0] and not (defer and ctx.defer_x)
+        dXa = None if own or (defer and not ctx.defer_x) else torch.empty_like(Xac)
         dV = torch.empty_like(Vc)
         dH = None if H is None else torch.empty_like(Hc)
         dP = torch.empty_like(Pc)
@@ -667,9 +672,10 @@ class _Write(torch.autograd.Function):
             _write_bwd_kernel[(T,)](doutc, Xc, Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP,
                                     dV, N, k, K, C, HAS_I=I is not None, HAS_H=H is not None, NEED_DX=need_dx,
                                     XA_FROM_X=own, NP=NP, KP=KP, SP=SP, BC=BC,
-                                    CDT=_tl(_cdt(XorXa, H, P, V)), NEED_DXA=not defer)
+                                    CDT=_tl(_cdt(XorXa, H, P, V)), NEED_DXA=dXa is not None)
         if defer:  # the state's term (Hᵀ·dout on the mixed rows, dout on the others): linear_stats writes it
-            _hand_over(ctx.owner, "write", (doutc, Hc, Ic, k))
+            # (a separate Xa with I: X's active rows get nothing, X_a's gradient is dXa above)
+            _hand_over(ctx.owner, "write", (doutc, Hc if own or I is None else None, Ic, k, not own and I is not None))
         return (None if dX is None else dX.view(*lead, N, C), None,
                 None if dXa is None else dXa.view(*lead, k, C),
                 None if dH is None else dH.view(H.shape), dP.view(P.shape), dV.view(V.shape), None, None)
