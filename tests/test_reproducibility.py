@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("XHC_")}
+    env = {k: v for k, v in os.environ.items()  # without the optional variables unless given
+           if not k.startswith("XHC_") and k not in ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE", "OMP_WAIT_POLICY")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO, **extra)
     return env
 
@@ -152,14 +153,17 @@ def test_same_seed_same_losses_across_backends_and_env_vars(tmp_path):
     """The same seed trains to bit-identical losses with kernels ``auto``, with ``compile`` (what
     ``auto`` resolves to on CPU), and with every optional environment variable the project reads set
     (XHC_HC_KERNELS_AUTO, retired, only warns; XHC_INDUCTOR_OPTIONS only shapes torch.compile;
-    OMP_WAIT_POLICY)."""
+    OMP_WAIT_POLICY; TRITON_INTERPRET, which only lets an explicit ``triton`` run on CPU tensors;
+    TORCHDYNAMO_DISABLE=0 and =1, which the CPU entry points otherwise set themselves)."""
     from xhc.kernels import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "compile"
     ref = _losses(tmp_path, "auto")
     assert _losses(tmp_path, "compile", ["model.hc_kernels=compile"]) == ref
     assert _losses(tmp_path, "env", XHC_HC_KERNELS_AUTO="eager",
-                   XHC_INDUCTOR_OPTIONS='{"realize_reads_threshold": 8}', OMP_WAIT_POLICY="ACTIVE") == ref
+                   XHC_INDUCTOR_OPTIONS='{"realize_reads_threshold": 8}', OMP_WAIT_POLICY="ACTIVE",
+                   TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="0") == ref
+    assert _losses(tmp_path, "nodynamo", TORCHDYNAMO_DISABLE="1") == ref
     # the losses depend on the seed at all (the comparison above can fail)
     assert _losses(tmp_path, "seed6", ["run.seed=6"]) != ref
 
