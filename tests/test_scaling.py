@@ -334,3 +334,46 @@ def test_fit_warnings_silent_on_a_well_posed_fit():
     assert fit_warnings(fits) == []
     fixed = fit_power_laws(_seeded_sweep(np.random.default_rng(1), {"x": 1.25}), E=SYN_E, bootstrap=20, seed=0)
     assert fit_warnings(fixed) == []
+
+
+def test_bootstrap_draws_arms_then_their_seeds():
+    """Both fits' bootstrap (L(C) and Chinchilla's L(P, D)) draw whole arms, then seeds within each
+    drawn arm: every replicate holds, for each drawn arm, as many runs as that arm has seeds, all
+    from that arm; a sweep with one seed per arm draws the runs themselves."""
+    from tools.sweep.fit import arm_cells, resample_arms
+
+    keys = [(1, 10), (1, 10), (1, 10), (2, 10), (2, 10), (2, 10), (3, 20), (3, 20), (3, 20)]
+    cells = arm_cells(keys)
+    assert [c.tolist() for c in cells] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    rng = np.random.default_rng(0)
+    seen_mixed = False
+    for _ in range(200):
+        idx = resample_arms(cells, rng)
+        assert len(idx) == len(keys)
+        blocks = idx.reshape(3, 3)  # one block per drawn arm
+        for b in blocks:
+            assert len({keys[i] for i in b}) == 1, blocks  # a block never mixes arms
+        seen_mixed |= any(len(set(b.tolist())) < 3 for b in blocks)  # seeds drawn with replacement
+    assert seen_mixed
+    single = arm_cells([1, 2, 3, 4])
+    one = resample_arms(single, np.random.default_rng(1))
+    assert len(one) == 4 and set(one.tolist()) <= {0, 1, 2, 3}
+
+
+def test_chinchilla_bootstrap_carries_seed_noise():
+    """L(P, D) on arms that lie exactly on a Chinchilla surface: with identical seeds the bootstrap
+    interval of E has (numerically) zero width; with seed noise inside each arm it widens."""
+    from tools.sweep.fit import fit_chinchilla
+
+    E, A, al, B, be = 1.7, 400.0, 0.34, 410.0, 0.28
+    Ps, Ds = [1e6, 3e6, 1e7], [1e8, 3e8, 1e9]
+    P = [p for p in Ps for d in Ds for _ in range(3)]
+    D = [d for p in Ps for d in Ds for _ in range(3)]
+    exact = [E + A / p**al + B / d**be for p, d in zip(P, D)]
+    flat = fit_chinchilla(P, D, exact, bootstrap=30, seed=0)
+    lo, hi = flat.interval("E")
+    assert hi - lo < 1e-3, (lo, hi)
+    noise = np.tile([-0.02, 0.0, 0.02], len(Ps) * len(Ds))
+    noisy = fit_chinchilla(P, D, list(np.array(exact) * np.exp(noise)), bootstrap=30, seed=0)
+    nlo, nhi = noisy.interval("E")
+    assert nhi - nlo > 10 * (hi - lo) and nhi - nlo > 1e-3, ((lo, hi), (nlo, nhi))

@@ -78,6 +78,24 @@ def _minimize(fun, x0s: Sequence[np.ndarray], bounds) -> Tuple[np.ndarray, float
     return best_x, best_f
 
 
+def arm_cells(keys: Sequence) -> List[np.ndarray]:
+    """Indices of the runs grouped by arm: runs with the same key (the same compute, or the same
+    (size, tokens)) are seeds of one arm."""
+    order: Dict[object, List[int]] = {}
+    for i, k in enumerate(keys):
+        order.setdefault(k, []).append(i)
+    return [np.asarray(v) for v in order.values()]
+
+
+def resample_arms(cells: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """One bootstrap resample of a sweep: the arms with replacement and, within each drawn arm, its
+    seeds with replacement (so an interval carries seed noise as well as the spread between arms)."""
+    gi = rng.integers(0, len(cells), len(cells))
+    if all(len(c) == 1 for c in cells):  # one seed per arm: nothing to draw within
+        return np.array([cells[g][0] for g in gi])
+    return np.concatenate([cells[g][rng.integers(0, len(cells[g]), len(cells[g]))] for g in gi])
+
+
 def _percentile_interval(values: Sequence[float], level: float) -> Tuple[float, float]:
     v = np.asarray([x for x in values if np.isfinite(x)], float)
     if v.size == 0:
@@ -237,24 +255,14 @@ def fit_power_laws(data: Mapping[str, Tuple[Sequence[float], Sequence[float]]],
     rng = np.random.default_rng(seed)
     # Runs at the same compute are seeds of one arm: a replicate resamples the arms with replacement
     # and, within each drawn arm, its seeds with replacement (so the intervals carry seed noise too).
-    cells: Dict[str, List[np.ndarray]] = {}
-    for n in names:
-        order: Dict[float, List[int]] = {}
-        for i, c in enumerate(cols[n][0].tolist()):
-            order.setdefault(c, []).append(i)
-        cells[n] = [np.asarray(v) for v in order.values()]
+    cells = {n: arm_cells(cols[n][0].tolist()) for n in names}
     kept: Dict[str, int] = {n: 0 for n in names}
 
     def draw(n: str, need: int):
         x, y = logs[n]
-        groups = cells[n]
         for _ in range(100):
-            gi = rng.integers(0, len(groups), len(groups))
-            if len(set(gi.tolist())) >= need:
-                if all(len(g) == 1 for g in groups):
-                    idx = np.array([groups[g][0] for g in gi])
-                else:
-                    idx = np.concatenate([groups[g][rng.integers(0, len(groups[g]), len(groups[g]))] for g in gi])
+            idx = resample_arms(cells[n], rng)
+            if len(set(x[idx].tolist())) >= need:
                 return x[idx], y[idx]
         kept[n] += 1
         return x, y  # too few distinct points to resample: keep the data (a degenerate replicate)
@@ -510,7 +518,10 @@ def _chinchilla_objective(th, lp, ld, y, delta):
 def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Sequence[float],
                    delta: float = HUBER_DELTA, bootstrap: int = 200, seed: int = 0,
                    level: float = 0.95) -> ChinchillaFit:
-    """Fit Chinchilla's L(P, D) = E + A/P^α + B/D^β (5 parameters) over runs of several sizes and budgets."""
+    """Fit Chinchilla's L(P, D) = E + A/P^α + B/D^β (5 parameters) over runs of several sizes and budgets.
+
+    Runs with the same (P, D) are seeds of one arm: the bootstrap resamples arms, then seeds within
+    them (:func:`resample_arms`), as the L(C) fits do."""
     n = len(loss)
     if not (len(params) == len(tokens) == n):
         raise FitError(f"L(P, D): {len(params)} sizes, {len(tokens)} token counts and {n} losses; pass one of each per run")
@@ -543,10 +554,11 @@ def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Seque
         return (math.exp(e), math.exp(a + al * p0), al, math.exp(b + be * d0), be)
 
     rng = np.random.default_rng(seed)
+    cells = arm_cells(list(zip(P.tolist(), D.tolist())))  # runs of the same (size, tokens): seeds of one arm
     reps = []
     for _ in range(bootstrap):
         for _try in range(100):
-            idx = rng.integers(0, n, n)
+            idx = resample_arms(cells, rng)
             if len(set(zip(P[idx].tolist(), D[idx].tolist()))) >= 5 and len(set(P[idx].tolist())) >= 2 \
                     and len(set(D[idx].tolist())) >= 2:
                 break
