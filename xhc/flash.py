@@ -149,6 +149,19 @@ def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Opt
     return kernels.write(X0, I, Xa, H_res, P, comps.V, out_dtype, backend=run.backend), H_res, H_post
 
 
+def unbind_readouts(R: torch.Tensor) -> Optional[tuple]:
+    """The window's readouts ``R`` ``[..., T, C]`` (one read of X^(0) for all T sublayers) as T tensors,
+    for autograd outside ``torch.compile``: their T gradients then come back as one stack instead of
+    T zero-padded copies added up (T·C each).  None while ``torch.compile`` traces: inductor fuses the
+    slices' gradients itself, and T separate outputs would make it read X^(0) once per output."""
+    return None if torch.compiler.is_compiling() else R.unbind(-2)
+
+
+def readout(R: torch.Tensor, parts: Optional[tuple], t: int) -> torch.Tensor:
+    """Readout ``t`` of :func:`unbind_readouts` (or the slice of ``R`` when it gave None)."""
+    return R[..., t, :] if parts is None else parts[t]
+
+
 def _check_stage(state, expected, what: str) -> None:
     if state.stage != expected:
         raise RuntimeError(
@@ -170,12 +183,12 @@ class FlashState:
     score: torch.Tensor  # [..., N] fp32 router scores (diagnostics)
     h_pre: torch.Tensor  # [..., 2, N] fp32: h^A, h^M from X^(0)
     inp: torch.Tensor  # [..., 2, C] fp32: base readouts inp_A, inp_M = Σ_i h_i X^(0)_i
-    inps: tuple  # (inp_A, inp_M) = inp.unbind(-2): their gradients come back as one stack, not two zero-padded slices
     Xa: torch.Tensor  # [..., k, C] residual dtype: X^(0)[I] at entry, X_a^(A) after attn_write
     H_post_A: Optional[torch.Tensor] = None  # [..., k, K_A] fp32 (after attn_write)
     V_A: Optional[torch.Tensor] = None  # [..., K_A, C] fp32 attention components (after attn_write)
     stage: str = "entry"  # "entry" -> "attn_done"
     act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) at entry (fused backends; from the entry pass)
+    inps: Optional[tuple] = None  # inp as two tensors (unbind_readouts)
 
 
 class _WindowPart(nn.Module):
@@ -277,13 +290,14 @@ class XHCFlashLayer(_WindowPart):
         h = torch.stack([h_A, h_M], -2)  # [..., 2, N]
         inp = kernels.read(h, X0, fp32(h).dtype, backend=run.backend)  # inp_t = Σ_i h^t_i X^(0)_i
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], routing.I)
-        return FlashState(X0, routing.I, routing.p, routing.score, h, inp, inp.unbind(-2),
-                          kernels.gather(X0, routing.I, run.backend, after=routing.p), act_moments=act)
+        return FlashState(X0, routing.I, routing.p, routing.score, h, inp,
+                          kernels.gather(X0, routing.I, run.backend, after=routing.p), act_moments=act,
+                          inps=unbind_readouts(inp))
 
     def attn_read(self, state: FlashState) -> torch.Tensor:
         """u_A = inp_A = Σ_i h^A_i X^(0)_i  ->  ``[..., C]`` in the residual dtype."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_read")
-        return state.inps[0].to(state.X0.dtype)
+        return readout(state.inp, state.inps, 0).to(state.X0.dtype)
 
     def attn_write(self, state: FlashState, y: torch.Tensor, seq=None) -> FlashState:
         """X_a^(A) = X_a^(0) + diag(p)·H_post^A·V_A, no residual mixing (docs/math.md §4.1 attention sublayer).
@@ -300,7 +314,7 @@ class XHCFlashLayer(_WindowPart):
         """u_M = inp_M + β·y_A, the exact correction (docs/math.md §4.1)  ->  ``[..., C]`` residual dtype."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_read")
         h_M_active = state.h_pre[..., 1, :].gather(-1, state.I)
-        u = flash_mlp_input(state.inps[1], h_M_active, state.p, state.H_post_A, state.V_A)
+        u = flash_mlp_input(readout(state.inp, state.inps, 1), h_M_active, state.p, state.H_post_A, state.V_A)
         return u.to(state.X0.dtype)
 
     def mlp_write(self, state: FlashState, y: torch.Tensor, seq=None) -> torch.Tensor:
@@ -343,7 +357,7 @@ class Flash4State:
     h_active: torch.Tensor  # [..., 4, k] fp32: h^t[I_j]
     base: torch.Tensor  # [..., 4, C] fp32: base_t = Σ_{i∉I} h^t_i X^(0)_i
     Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
-    bases: tuple = ()  # base.unbind(-2): the four gradients come back as one stack, not four zero-padded slices
+    bases: Optional[tuple] = None  # base as four tensors (unbind_readouts)
     step: int = 0
     backend: str = "eager"  # resolved kernel backend (xhc.kernels.resolve_backend)
     act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) while X_a = X^(0)[I] (fused backends)
@@ -362,7 +376,7 @@ def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
         )
     h_a = state.h_active[..., t, :]
-    u = state.bases[t] + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
+    u = readout(state.base, state.bases, t) + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
     return u.to(state.X0.dtype)
 
 
@@ -421,7 +435,7 @@ class Flash4FirstLayer(_Flash4Part):
         base = kernels.read(nonactive_weights(h, I), X0, fp32(h).dtype, backend=run.backend)
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], I)
         return Flash4State(X0, I, routing.p, routing.score, h, h_active, base,
-                           kernels.gather(X0, I, run.backend, after=routing.p), bases=base.unbind(-2),
+                           kernels.gather(X0, I, run.backend, after=routing.p), bases=unbind_readouts(base),
                            backend=run.backend, act_moments=act)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
