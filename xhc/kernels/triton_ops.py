@@ -220,8 +220,9 @@ _OWNER_SEARCH = 256  # autograd nodes visited at most when looking for the state
 
 
 def _state_key(X: torch.Tensor):
-    """What identifies a state across views of it: its memory, size, dtype and in-place version."""
-    if not X.is_contiguous():
+    """What identifies a state across views of it: its memory, size, dtype and in-place version.
+    None for a state that needs no gradient (inference tensors have no version counter at all)."""
+    if not X.requires_grad or X.is_inference() or not X.is_contiguous():
         return None
     return (X.data_ptr(), X.numel(), X.dtype, X.device, X._version)
 
