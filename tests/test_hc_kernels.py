@@ -464,17 +464,18 @@ MHC_TERMS, XHC_TERMS = {"read", "write"}, {"read", "write", "linear", "rows"}
     pytest.param("flash", dict(variant="xhc_flash", kernel_sizes=(2,)), XHC_TERMS, id="xhc_flash"),
     pytest.param("flash4", dict(variant="xhc_flash4", kernel_sizes=(2,)), XHC_TERMS, id="xhc_flash4"),
 ])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.slow
-def test_triton_state_gradient_written_once(monkeypatch, kind, kw, terms):
+def test_triton_state_gradient_written_once(monkeypatch, device, kind, kw, terms):
     """The read and the write (xHC: also the entry GEMM and the gather of the active rows) hand their
     dX terms to the state's first coefficient op, which writes dX in one pass (Flash: one for X^(0),
     one for the carried active state);
     every gradient still equals the float64 eager reference."""
     ops = _triton_ops()
     cfg = _cfg(kw, 4)
-    ref = _forward_backward(kind, cfg.replace(kernels="eager"), "cpu")
+    ref = _forward_backward(kind, cfg.replace(kernels="eager"), device)
     log = _spy_state_grad(monkeypatch, ops)
-    got = _forward_backward(kind, cfg.replace(kernels="triton"), "cpu")
+    got = _forward_backward(kind, cfg.replace(kernels="triton"), device)
     _compare(ref, got, f"triton {kind}")
     assert terms <= set(log), log
     assert log.count("dX") >= 1, log
