@@ -483,6 +483,56 @@ def measure(variant: str, backend: str, C: int, tokens: int, device, dtype, reps
 
 
 # ================================================================================================
+# Launches: kernels one unit starts on a GPU
+# ================================================================================================
+LAUNCH_VARIANTS = ("mhc", "xhc-attn", "xhc-mlp", "flash", "flash4")
+
+
+def count_launches(variant: str, backend: str = "triton", C: int = 64, tokens: int = 4, device="cpu",
+                   dtype=torch.float32, seed: int = 0) -> Tuple[int, int, Dict[str, int], Dict[str, int]]:
+    """(forward launches, backward launches, forward ops by name, backward ops by name) per *sublayer*
+    of the unit: Triton kernel launches plus ATen ops that would launch a GPU kernel (views, ``detach``,
+    allocation and metadata ops excluded, as in :class:`ByteCounter`).  A unit's counts are divided by
+    its sublayers (Flash 2, Flash-4sub 4) and rounded up.  Counted after one warm-up step."""
+    unit = build_unit(variant, C, backend, device, dtype)
+    X, ys = _inputs(unit, C, tokens, device, dtype, seed)
+    outs = unit.step(X, ys)
+    _backward(outs, _grads_like(outs, seed))
+    params = [p for m in unit.modules for p in m.parameters()]
+    for t in [X, *ys, *params]:
+        t.grad = None
+    fc, bc = _OpCounter(), _OpCounter()
+    with count_triton_launches(fc), fc:
+        outs = unit.step(X, ys)
+    grads = _grads_like(outs, seed)
+    with count_triton_launches(bc), bc:
+        _backward(outs, grads)
+    per = lambda n: -(-n // unit.sublayers)  # noqa: E731
+    return per(fc.ops), per(bc.ops), dict(fc.names), dict(bc.names)
+
+
+class _OpCounter(ByteCounter):
+    """:class:`ByteCounter` that also counts launches per op name (``.names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: Dict[str, int] = {}
+
+    def add(self, name: str, nbytes: int) -> None:
+        super().add(name, nbytes)
+        self.names[name] = self.names.get(name, 0) + 1
+
+
+def launches_main(variants: Sequence[str], backend: str, C: int, tokens: int, device, dtype, verbose: bool) -> None:
+    """One line per variant: ``launches <variant> fwd <F> bwd <B>`` (per sublayer)."""
+    for v in variants:
+        f, b, fn, bn = count_launches(v, backend, C, tokens, device, dtype)
+        print(f"launches {v} fwd {f} bwd {b}", flush=True)
+        if verbose:
+            print(f"  fwd: {sorted(fn.items())}\n  bwd: {sorted(bn.items())}", file=sys.stderr)
+
+
+# ================================================================================================
 # Table
 # ================================================================================================
 def _f(v, fmt="{:.1f}"):
@@ -555,8 +605,21 @@ def main(argv=None) -> int:
                    help="measure eager vs compile for CPU tensors run eagerly (forward only and forward + "
                         "backward, a few widths) and print which is faster (bench/kernel_choice.py): the "
                         "measurement behind `kernels: auto` on CPU; --hidden/--tokens/--reps/--threads apply")
+    p.add_argument("--launches", action="store_true",
+                   help="print `launches <variant> fwd <F> bwd <B>` per sublayer for mhc, xhc-attn, xhc-mlp, flash, "
+                        "flash4 on the triton backend (Triton launches + kernel-launching ATen ops; on CPU run it "
+                        "under TRITON_INTERPRET=1); --hidden/--tokens give the shape (default C=64, 4 tokens)")
+    p.add_argument("--verbose", action="store_true", help="--launches: also the ops by name (stderr)")
     args = p.parse_args(argv)
 
+    if args.launches:
+        variants = [v for v in (args.variants.split(",") if args.variants != ",".join(VARIANTS) else LAUNCH_VARIANTS)
+                    if v in LAUNCH_VARIANTS]
+        C = int(str(args.hidden).split(",")[0]) if args.hidden != "1024,2048" else 64
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+        launches_main(variants, (args.backends or "triton").split(",")[0], C, args.tokens or 4, args.device, dt,
+                      args.verbose)
+        return 0
     if args.recommend:
         from bench.kernel_choice import recommend
 
