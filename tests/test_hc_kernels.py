@@ -458,7 +458,7 @@ MHC_TERMS, XHC_TERMS = {"read", "write"}, {"read", "write", "linear", "rows"}
 
 
 @pytest.mark.parametrize("kind, kw, terms", [
-    pytest.param("hc", dict(variant="mhc"), MHC_TERMS, id="mhc"),
+    # (dynamic mhc runs the fused mHC kernels, whose one write of dX tests/test_hc_kernels_fused.py checks)
     pytest.param("hc", dict(variant="kromhc"), MHC_TERMS, id="kromhc"),
     pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,)), XHC_TERMS, id="xhc_mlp"),
     pytest.param("flash", dict(variant="xhc_flash", kernel_sizes=(2,)), XHC_TERMS, id="xhc_flash"),

@@ -405,8 +405,25 @@ class HyperConnection(nn.Module):
         return h_pre, h_post, H_res
 
     # --------------------------------------------------------------------------------------------
+    def _fused_mhc(self, X: torch.Tensor) -> bool:
+        """Whether the read and write run as the fused mHC kernels (:mod:`xhc.kernels.mhc_pre`,
+        :mod:`xhc.kernels.mhc_post`): dynamic ``mhc`` with every group, on the ``triton`` backend, without
+        the option those kernels leave out (residual-logit dropout while training)."""
+        cfg = self.cfg
+        return (cfg.variant == "mhc" and cfg.dynamic and self.b_pre is not None and self.b_post is not None
+                and self.b_res is not None
+                and not (self.training and cfg.res_logit_dropout > 0)
+                and not kernels.liger_runs(cfg.kernels, X.device) and self.backend(X) == "triton")
+
     def read(self, X: torch.Tensor):
         """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""
+        if self._fused_mhc(X):
+            cfg = self.cfg
+            u, h_pre, h_post, H_res = kernels.mhc_read(
+                X, self.W_pre, self.W_post, self.W_res, self.b_pre, self.b_post, self.b_res, self.alpha_pre,
+                self.alpha_post, self.alpha_res, self.norm_weight, cfg.norm_eps, cfg.sinkhorn_iters, cfg.sinkhorn_eps,
+                cfg.sinkhorn_order, cfg.row_sum_clamp)
+            return u, HCContext(h_pre, h_post, H_res)
         h_pre, h_post, H_res = self.coefficients(X)
         h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, dtype=fp32(X).dtype, device=X.device)
         u = kernels.read(h_read, X, X.dtype, backend=self.backend(X))
@@ -417,6 +434,8 @@ class HyperConnection(nn.Module):
 
         ``seq`` is accepted for interface parity with xHC (the mHC family is per token).
         """
+        if ctx.h_post is not None and ctx.H_res is not None and self._fused_mhc(X):
+            return kernels.mhc_write(X, ctx.H_res, ctx.h_post, y)
         h_post = ctx.h_post if ctx.h_post is not None else torch.ones(X.shape[:-1], dtype=fp32(X).dtype, device=X.device)
         return kernels.write(None, None, X, ctx.H_res, h_post.unsqueeze(-1), y.unsqueeze(-2), X.dtype,
                              backend=self.backend(X))

@@ -359,6 +359,24 @@ def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", se
     return proj, (x.pow(2).mean(-1, keepdim=True) if second_moment else None)
 
 
+def mhc_read(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps: float,
+             t_max: int, sk_eps: float, order: str, clamp: bool = False):
+    """The fused mHC read on the ``triton`` backend (:mod:`xhc.kernels.mhc_pre`): the coefficient GEMM,
+    the epilogue (norm, σ, Sinkhorn) and u = Σ_j h_pre[j]·X_j in one kernel ->
+    (u, h_pre, h_post, H_res)."""
+    from xhc.kernels import mhc_pre
+
+    return mhc_pre.mhc_pre(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps,
+                           t_max, sk_eps, order, clamp)
+
+
+def mhc_write(X, H, h_post, y):
+    """The fused mHC write on the ``triton`` backend (:mod:`xhc.kernels.mhc_post`): H·X + h_post ⊗ y."""
+    from xhc.kernels import mhc_post
+
+    return mhc_post.mhc_post(X, H, h_post, y)
+
+
 def check_available(kernels: str) -> None:
     """Raise one clear line when the configured kernels need a package that is missing (``liger``)."""
     if kernels == "liger":

@@ -1,0 +1,143 @@
+"""Shared pieces of the fused mHC kernels (:mod:`.mhc_pre`, :mod:`.mhc_post`, :mod:`.mhc_grad`).
+
+Column layout of the coefficient GEMM in the fused kernels: two groups, each a power of two wide so
+that ``tl.dot`` and ``tl.reshape`` apply for every N from 2 to 16 —
+
+* **res**, ``RP = NP²`` columns: column ``i·NP + j`` is the logit of H_res[i, j] (row ``i·N + j`` of
+  ``W_res``); padded rows/columns (i or j ≥ N) are zero;
+* **pp**, ``PP = max(16, 2·NP)`` columns: column ``j`` is the pre logit j, column ``NP + j`` the post
+  logit j.
+
+``NP`` = next power of two ≥ max(N, 4) (so RP ≥ 16).  The per-token buffers the kernels hand each
+other (``DP`` the GEMM's gradient, ``DZ`` the logits' gradient) use the same ``[T, RP + PP]`` layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from xhc.kernels.triton_ops import _cast, _cdt, _tl  # noqa: F401  (re-exported for the kernels)
+
+
+def np_of(n: int) -> int:
+    return max(4, triton.next_power_of_2(int(n)))
+
+
+def groups(n: int):
+    """(NP, RP, PP) for N = n."""
+    NP = np_of(n)
+    return NP, NP * NP, max(16, 2 * NP)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_ok(cdt: torch.dtype) -> bool:
+    """``tl.dot`` for fp32 compute (float64 reference tests use broadcast sums)."""
+    return cdt == torch.float32
+
+
+def dot_precision() -> str:
+    """fp32 products on tensor cores with three TF32 passes (about fp32 accuracy) on the GPU; exact
+    fp32 in the interpreter."""
+    return "ieee" if interpreting() else "tf32x3"
+
+
+TUNED_FILE = os.path.join(os.path.dirname(__file__), "tuned_blocks.json")
+
+DEFAULT_BLOCKS = {
+    # kernel -> block sizes; a shape key "N<n>_C<c>" in tuned_blocks.json overrides them
+    "mhc_pre_fwd": {"BT": 16, "BK": 32},
+    "mhc_pre_bwd": {"BT": 16},
+    "mhc_post_fwd": {"BT": 16},
+    "mhc_post_bwd": {"BT": 16},
+    "mhc_dx": {"BT": 16},
+    "mhc_dw": {"BT": 32, "BK": 64, "S": 8},
+    "mhc_dw_reduce": {"BK": 64},
+}
+
+
+@lru_cache(maxsize=None)
+def _tuned() -> dict:
+    try:
+        with open(TUNED_FILE) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def blocks(kernel: str, n: int, C: int, override: dict = None) -> dict:
+    """Block sizes of ``kernel`` at (N, C): :data:`DEFAULT_BLOCKS`, then the committed
+    ``tuned_blocks.json`` entry for the shape when there is one, then ``override`` (autotuning)."""
+    out = dict(DEFAULT_BLOCKS[kernel])
+    out.update(_tuned().get(kernel, {}).get(f"N{n}_C{C}", {}))
+    if override:
+        out.update(override.get(kernel, {}))
+    return out
+
+
+def block_c(BT: int, NP: int, C: int, budget: int = 4096) -> int:
+    """Width of a C block so that a ``[BT, NP, BC]`` tile holds about ``budget`` elements."""
+    return max(16, min(triton.next_power_of_2(int(C)), budget // (BT * NP)))
+
+
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def w_res_tile(WRES, G, k, kmask, N, D, NP: tl.constexpr, RP: tl.constexpr, HAS_G: tl.constexpr, CDT: tl.constexpr):
+    """W'_res = W_res ⊙ g as ``[RP, BK]`` in the res-group layout, columns ``k`` (``[BK]``) of the flat state."""
+    mr = tl.arange(0, RP)[:, None]
+    i = mr // NP
+    j = mr % NP
+    m = (i < N) & (j < N)
+    w = tl.load(WRES + (i * N + j).to(tl.int64) * D + k[None, :], mask=m & kmask[None, :], other=0.0).to(CDT)
+    if HAS_G:
+        w = w * tl.load(G + k, mask=kmask, other=0.0).to(CDT)[None, :]
+    return w
+
+
+@triton.jit
+def w_pp_tile(WPRE, WPOST, G, k, kmask, N, D, NP: tl.constexpr, PP: tl.constexpr, HAS_G: tl.constexpr,
+              CDT: tl.constexpr):
+    """W'_pre and W'_post as ``[PP, BK]`` in the pp-group layout."""
+    mr = tl.arange(0, PP)[:, None]
+    km = kmask[None, :]
+    kk = k[None, :]
+    wa = tl.load(WPRE + mr.to(tl.int64) * D + kk, mask=(mr < N) & km, other=0.0).to(CDT)
+    mp = mr - NP
+    wb = tl.load(WPOST + mp.to(tl.int64) * D + kk, mask=(mp >= 0) & (mp < N) & km, other=0.0).to(CDT)
+    w = wa + wb
+    if HAS_G:
+        w = w * tl.load(G + k, mask=kmask, other=0.0).to(CDT)[None, :]
+    return w
+
+
+@triton.jit
+def mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr):
+    """a ``[M, K]`` @ b ``[K, N]``: ``tl.dot`` (fp32 accumulate) or a broadcast sum (float64)."""
+    if USE_DOT:
+        return tl.dot(a, b, input_precision=PREC)
+    else:
+        return tl.sum(a[:, :, None] * b[None, :, :], 1)
+
+
+@triton.jit
+def pick(v, col, NP: tl.constexpr, OFF: tl.constexpr):
+    """``v[:, OFF + j]`` for j < NP as ``[BT, NP]`` (v ``[BT, PP]``, col its column index ``[PP]``)."""
+    jj = tl.arange(0, NP)
+    sel = col[None, None, :] == (OFF + jj)[None, :, None]
+    return tl.sum(tl.where(sel, v[:, None, :], 0.0), 2)
+
+
+@triton.jit
+def place(a, col, NP: tl.constexpr, OFF: tl.constexpr):
+    """``[BT, PP]`` with ``a`` ``[BT, NP]`` at columns ``OFF + j`` (zero elsewhere): the inverse of :func:`pick`."""
+    jj = tl.arange(0, NP)
+    sel = col[None, None, :] == (OFF + jj)[None, :, None]
+    return tl.sum(tl.where(sel, a[:, :, None], 0.0), 1)
