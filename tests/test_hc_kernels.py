@@ -62,9 +62,49 @@ def test_resolve_backend_rules():
         if env is not None:
             os.environ["TRITON_INTERPRET"] = env
     if kernels.triton_available():
-        assert kernels.resolve_backend("auto", "cuda") == "triton"
+        assert kernels.resolve_backend("triton", "cuda") == "triton"
     with pytest.raises(ValueError, match="kernels"):
         kernels.resolve_backend("fast", "cpu")
+
+
+def _docs_auto_table():
+    """The rows of docs/kernels.md's "auto on CUDA" table: {variant: backend}."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    section = text.split("### `auto` on CUDA", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| `([a-z]+)` \|", section, flags=re.M)
+    assert rows, "docs/kernels.md: no rows in the 'auto on CUDA' table"
+    return dict(rows)
+
+
+def test_auto_on_cuda_follows_the_documented_table():
+    """``resolve_backend("auto", cuda)`` gives, for every variant, the backend the docs' table
+    (filled from GPU measurements) names; code and docs hold the same table; CPU stays ``compile``."""
+    from xhc.config import VARIANTS
+
+    table = _docs_auto_table()
+    assert set(table) == set(VARIANTS), set(table) ^ set(VARIANTS)
+    assert {v: (e if isinstance(e, str) else e[0]) for v, e in kernels.AUTO_CUDA.items()} == table
+    cuda = torch.device("cuda", 0)
+    for variant, want in table.items():
+        want = "compile" if want == "triton" and not kernels.triton_available() else want
+        assert kernels.resolve_backend("auto", cuda, variant=variant, capability=(9, 0)) == want, variant
+        cfg = HCConfig(variant=variant, **({"n": 4, "k": 2, "m": 2} if variant.startswith("xhc") else {}))
+        assert kernels.resolve_backend(cfg, cuda, capability=(9, 0)) == want, variant
+        assert kernels.resolve_backend(cfg, torch.device("cpu")) == "compile"
+        assert variant in kernels.backend_reason(cfg, cuda) or cfg.variant != variant
+
+
+def test_auto_table_entry_with_capability(monkeypatch):
+    """A (backend, capability) entry applies from that capability on, ``compile`` below it."""
+    monkeypatch.setitem(kernels.AUTO_CUDA, "mhc", ("triton", (9, 0)))
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert kernels.resolve_backend("auto", cuda, variant="mhc", capability=(9, 0)) == "triton"
+    assert kernels.resolve_backend("auto", cuda, variant="mhc", capability=(8, 0)) == "compile"
+    assert kernels.resolve_backend("auto", cuda, variant="xhc", capability=(9, 0)) == "compile"
 
 
 def test_config_field_validated():

@@ -52,7 +52,7 @@ from training.optim import build_optimizer, hc_defaults_for_optimizer
 from training.reliability import check_free_space, exit_with_launcher
 from training.schedule import build_scheduler
 from training.step_runner import make_step_runner, unwrap
-from xhc.kernels import liger, resolve_backend
+from xhc.kernels import backend_reason, liger
 
 __all__ = ["Builder", "barrier", "from_rank0"]
 
@@ -115,8 +115,7 @@ class Builder:
         run.runner = make_step_runner(cfg, run.cuda, dp=run.dp, seq=run.seq, last_stage=run.last_stage,
                                       num_micro=run.num_micro)  # the engine, chosen once
         if run.preset.hc.enabled:
-            run.log(f"[xhc] HC kernels: {run.preset.hc.kernels} -> {resolve_backend(run.preset.hc, run.device)}"
-                    + (" (fixed rule: triton on CUDA, compile elsewhere)" if run.preset.hc.kernels == "auto" else ""))
+            run.log(f"[xhc] {backend_reason(run.preset.hc, run.device)}")
         if run.preset.hc.enabled and run.preset.hc.kernels == "liger":
             where = ("Liger-Kernel's fused op" if liger.runnable(run.device) else
                      "the compiled ops (same maths; Liger's Triton kernels need CUDA or TRITON_INTERPRET=1)")

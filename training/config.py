@@ -89,7 +89,9 @@ class ModelConfig(_Section):
     recompute: str = "none"
     """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (uniform, 1 layer)."""
     hc_kernels: Optional[str] = None
-    """Kernel backend of the HC ops (``HCConfig.kernels``): ``auto`` (triton on CUDA, else compile),
+    """Kernel backend of the HC ops (``HCConfig.kernels``): ``auto`` (on CUDA the measured faster path
+    per variant, today ``compile`` for every variant (fast with ``compile_hc: true``); compile on CPU;
+    the training banner prints which path runs and why),
     ``eager``, ``compile``, ``triton``, or ``liger`` (Liger-Kernel's fused mHC coefficients, for
     ``variant: mhc`` with ``sinkhorn_order: col_last`` only); null: the preset's (default ``auto``).
     docs/kernels.md."""

@@ -145,7 +145,7 @@ class HCConfig(ConfigBase):
     kernels: str = "auto"
     """Backend of the fused HC ops: ``eager`` (readable torch reference), ``compile`` (the same
     fused functions, meant to run under ``torch.compile``), ``triton`` (GPU kernels), ``auto``
-    (triton on CUDA when Triton imports, else compile), or ``liger`` (Liger-Kernel's fused mHC
+    (on CUDA the measured faster backend per variant, :data:`xhc.kernels.AUTO_CUDA`; else compile), or ``liger`` (Liger-Kernel's fused mHC
     coefficient op with the ``triton`` read and write; only ``variant: mhc`` with
     ``sinkhorn_order: col_last``, where its maths equals ours: xhc/kernels/liger.py).  Resolved per
     device by :func:`xhc.kernels.resolve_backend`."""

@@ -210,7 +210,7 @@ class _WindowPart(nn.Module):
 
     def _run(self, X: torch.Tensor) -> WindowRun:
         """The resolved backend for tensors like ``X``, the fused choice that follows it, the norm ε."""
-        backend = kernels.resolve_backend(self.cfg.kernels, X.device)
+        backend = kernels.resolve_backend(self.cfg, X.device)
         return WindowRun(backend, resolve_fused(self.fused, backend), self.cfg.norm_eps)
 
     def _components(self, y: torch.Tensor, temporal: Optional[nn.Module], seq, backend: str) -> Components:

@@ -365,7 +365,7 @@ class HyperConnection(nn.Module):
 
     def backend(self, X: torch.Tensor) -> str:
         """The resolved kernel backend for tensors like ``X`` (:func:`xhc.kernels.resolve_backend`)."""
-        return kernels.resolve_backend(self.cfg.kernels, X.device)
+        return kernels.resolve_backend(self.cfg, X.device)
 
     def mixing(self, z_res: torch.Tensor) -> torch.Tensor:
         """H_res = Φ(z_res) (docs/math.md §2.0 table), optional residual-logit dropout, optional row clamp."""

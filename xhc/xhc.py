@@ -358,7 +358,7 @@ class ResMapping(nn.Module):
         if proj is None:  # the same sums as res_weights: z = α·(x̂_a W_res) + b_res
             proj = F.linear(xa_hat, fp32(self.weight))
         z = (fp32(self.alpha) * proj + fp32(self.bias)).unflatten(-1, (self.k, self.k))
-        return res_weights_from_logits(z, c, kernels.resolve_backend(c.kernels, xa_hat.device))
+        return res_weights_from_logits(z, c, kernels.resolve_backend(c, xa_hat.device))
 
 
 class PostMapping(nn.Module):
@@ -531,7 +531,7 @@ class XHCSublayer(nn.Module):
         """
         cfg = self.cfg
         dense = cfg.dense_read
-        backend = kernels.resolve_backend(cfg.kernels, X.device)
+        backend = kernels.resolve_backend(cfg, X.device)
         fused = resolve_fused(self.fused, backend)
         stats, entry_mom = entry_statistics(X, fused, backend)
         act_mom = None
@@ -557,7 +557,7 @@ class XHCSublayer(nn.Module):
         ``X``: ``[s, b, N, C]`` (the state given to :meth:`read`);  ``y``: ``[s, b, C]``;
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.
         """
-        backend = kernels.resolve_backend(self.cfg.kernels, X.device)
+        backend = kernels.resolve_backend(self.cfg, X.device)
         V, L = branch_components(y, self.temporal, self.cfg, seq, backend)
         P = fold_components(ctx.p.unsqueeze(-1) * ctx.H_post, L)  # P = diag(p)·H_post (·L)
         # X_a = X[I] here (rows_of_X): the fused backends read the active rows from X itself

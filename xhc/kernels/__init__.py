@@ -9,9 +9,10 @@ Backends (``HCConfig.kernels``):
            (zero graph breaks); eager-callable too
 ``triton`` the Triton kernels of :mod:`xhc.kernels.triton_ops` (CUDA tensors; the interpreter,
            ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
-``auto``   ``triton`` on CUDA when Triton imports; ``compile`` everywhere else (CPU tensors, and
-           under ``torch.compile``).  A fixed rule: no measurement, no state, the same answer in
-           every process (docs/kernels.md, "auto")
+``auto``   on CUDA the measured faster backend per variant (:data:`AUTO_CUDA`, today ``compile``
+           for every variant); ``compile`` everywhere else (CPU tensors, and under
+           ``torch.compile``).  A fixed rule: no measurement, no state, the same answer in every
+           process (docs/kernels.md, "auto")
 ``liger``  ``variant: mhc`` only: Liger-Kernel's fused coefficient op (:mod:`.liger`) where its
            maths equals ours; the ops here then resolve as for ``triton`` (``compile`` under
            ``torch.compile``, where Liger's op is not used either)
@@ -111,28 +112,66 @@ def _warn_retired_env() -> None:
         import warnings
 
         warnings.warn("XHC_HC_KERNELS_AUTO is no longer read: kernels 'auto' follows a fixed rule (compile on CPU, "
-                      "triton on CUDA); pin a backend with HCConfig.kernels / model.hc_kernels=eager|compile instead",
+                      "the AUTO_CUDA table on CUDA); pin a backend with HCConfig.kernels / model.hc_kernels=eager|compile instead",
                       UserWarning, stacklevel=3)
 
 
-def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.device, str, None] = None) -> str:
+# ``auto`` on CUDA: the backend per variant, from GPU measurements (docs/kernels.md, "auto on CUDA";
+# tests/test_hc_kernels.py checks that this table and the one in the docs agree).  An entry is a
+# backend name, or (backend, minimum compute capability) for a path measured faster only from that
+# capability on (below it, ``compile``).  Change an entry only with a GPU run that shows the other
+# backend ahead for that variant (``bash bench/gpu_check.sh --perf``).
+AUTO_CUDA = {
+    "none": "compile",
+    "hc": "compile",
+    "mhc": "compile",
+    "mhc_lite": "compile",
+    "kromhc": "compile",
+    "identity": "compile",
+    "xhc": "compile",
+    "xhc_flash": "compile",
+    "xhc_flash4": "compile",
+}
+AUTO_CUDA_DEFAULT = "compile"  # a bare string without a variant
+
+
+def _auto_cuda(variant: Optional[str], capability) -> str:
+    entry = AUTO_CUDA.get(variant, AUTO_CUDA_DEFAULT) if variant is not None else AUTO_CUDA_DEFAULT
+    if isinstance(entry, tuple):
+        backend, min_cap = entry
+        if capability is None or tuple(capability) < tuple(min_cap):
+            return "compile"
+        entry = backend
+    if entry == "triton" and not triton_available():
+        return "compile"
+    return entry
+
+
+def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.device, str, None] = None,
+                    variant: Optional[str] = None, capability=None) -> str:
     """The backend HC ops use for tensors on ``device``: ``eager`` | ``compile`` | ``triton``.
 
-    ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` field) or the string.
-    A pure function of (the string, the device type, whether Triton imports, ``TRITON_INTERPRET``,
-    whether ``torch.compile`` is tracing): nothing is measured, so the same config on the same kind
-    of device with the same packages always runs the same maths.
+    ``cfg_or_kernels``: an :class:`~xhc.config.HCConfig` (its ``kernels`` and ``variant`` fields) or the
+    string (then ``variant`` may name the variant).  A pure function of (the string, the variant, the
+    device type, the compute ``capability`` where a table entry needs it (a ``(major, minor)`` tuple;
+    queried from the device when omitted), whether Triton imports, ``TRITON_INTERPRET``, whether
+    ``torch.compile`` is tracing): nothing is measured, so the same config on the same kind of
+    device with the same packages always runs the same maths.
 
-    ``auto`` -> ``triton`` for CUDA devices when Triton imports, else ``compile`` (the fused torch ops:
-    on CPU they were faster than the eager reference in most of the shapes we measured, forward-only
-    and forward + backward, and they are what a compiled model traces; docs/kernels.md gives the
-    measurements, ``python -m bench.hc_kernels --recommend`` repeats them on your machine).  ``eager`` and ``compile`` are returned as given.  An explicit ``triton`` on a CPU
-    device falls back to ``compile`` unless ``TRITON_INTERPRET=1`` is set (the Triton interpreter runs
-    the kernels on CPU tensors).  ``liger`` resolves as ``triton`` (only the mHC coefficients come from
+    ``auto`` -> on CUDA devices the entry of :data:`AUTO_CUDA` for the variant (the measured faster
+    path; today ``compile`` for every variant: docs/gpu.md timed ``compile`` ahead on every row), and
+    ``compile`` everywhere else (the fused torch ops: on CPU they were faster than the eager reference
+    in most of the shapes we measured, and they are what a compiled model traces; docs/kernels.md
+    gives the measurements).  ``eager`` and ``compile`` are returned as given.  An explicit
+    ``triton`` gives ``triton`` on CUDA when Triton imports, and on a CPU device only with
+    ``TRITON_INTERPRET=1`` (the Triton interpreter runs the kernels on CPU tensors), else
+    ``compile``.  ``liger`` resolves as ``triton`` (only the mHC coefficients come from
     Liger-Kernel, :mod:`xhc.kernels.liger`).  While ``torch.compile`` traces, ``auto`` and ``liger``
     give ``compile`` (inductor then writes the kernels from the fused torch ops).
     """
     kernels = getattr(cfg_or_kernels, "kernels", cfg_or_kernels)
+    if variant is None:
+        variant = getattr(cfg_or_kernels, "variant", None)
     if kernels == "auto" and not _RETIRED_ENV_CHECKED:
         _warn_retired_env()
     if kernels not in KERNEL_CHOICES:
@@ -142,13 +181,34 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if kernels == "eager" or kernels == "compile":
         return kernels
-    if kernels == "auto" and torch.compiler.is_compiling():
-        return "compile"  # inside a compiled model inductor generates the kernels from the torch ops
+    if kernels == "auto":
+        if torch.compiler.is_compiling() or dev.type != "cuda":
+            return "compile"  # inside a compiled model inductor generates the kernels from the torch ops
+        entry = AUTO_CUDA.get(variant, AUTO_CUDA_DEFAULT) if variant is not None else AUTO_CUDA_DEFAULT
+        if capability is None and isinstance(entry, tuple) and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(dev)
+        return _auto_cuda(variant, capability)
     if dev.type == "cuda" and triton_available():
         return "triton"
-    if kernels == "triton" and _interpreting() and triton_available():
+    if _interpreting() and triton_available():
         return "triton"
     return "compile"
+
+
+def backend_reason(cfg, device) -> str:
+    """One line for the training banner and ``--help-config``: which HC path runs for ``cfg`` on
+    ``device`` and why."""
+    got = resolve_backend(cfg, device)
+    kernels, variant = cfg.kernels, cfg.variant
+    dev = torch.device(device)
+    if kernels != "auto":
+        return f"HC kernels: {kernels} -> {got} (pinned by model.hc_kernels)"
+    if dev.type != "cuda":
+        return f"HC kernels: auto -> {got} (CPU rule: the fused torch ops; docs/kernels.md)"
+    why = ("the measured faster path on CUDA for this variant (docs/kernels.md, 'auto on CUDA'; "
+           "it is fast when compiled: model.compile_hc=true)" if got == "compile" else
+           "the measured faster path on CUDA for this variant (docs/kernels.md, 'auto on CUDA')")
+    return f"HC kernels: auto -> {got} for variant {variant} ({why})"
 
 
 def _interpreting() -> bool:
