@@ -25,6 +25,12 @@ Run::
     python -m tools.triton_aot --arch 90 --json runs/aot.json
     python -m tools.triton_aot capture specs.json    # the two halves (compile may run under
     python -m tools.triton_aot compile specs.json    #   another Triton: PYTHONPATH=<dir> python ...)
+    python -m tools.triton_aot resources --arch 90 [--presets P,...]   # registers, spills, shared memory
+
+``resources`` captures the zoo presets' HC modules (bf16 state, the GPU training path), compiles
+every kernel and prints, per distinct kernel of ours and the first shape that launched it,
+``resources <kernel> <shape> regs <R> spills <S> smem <bytes>`` (``cuobjdump -res-usage`` on the
+cubin: registers per thread, local-memory + stack bytes per thread, shared memory per program).
 
 Output: one line per (kernel specialisation, arch), ``OK`` or ``FAIL`` with the compiler's first
 error line, then ``SUMMARY triton <version>: <ok>/<total> compiled, <n> failed``.  Exit status 1
@@ -373,7 +379,39 @@ def _jit_function(module: str, name: str):
     return obj
 
 
-def compile_specs(specs: dict, archs: List[int], log=print) -> List[dict]:
+def cubin_resources(cubin: bytes) -> dict:
+    """Registers per thread, spilled bytes (local memory + stack, per thread) and static shared memory
+    of the one kernel in ``cubin``, from ``cuobjdump -res-usage`` (the tool Triton bundles)."""
+    import re
+
+    from triton import knobs
+
+    tool = os.path.join(os.path.dirname(knobs.nvidia.ptxas.path), "cuobjdump")
+    with tempfile.TemporaryDirectory(prefix="xhc-res-") as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(cubin)
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"cuobjdump -res-usage: no resource line in {out[:200]!r}")
+    reg, stack, shared, local = (int(g) for g in m.groups())
+    return {"regs": reg, "spills": stack + local, "static_shared": shared}
+
+
+def resources_lines(results: List[dict], module_prefix: str = "xhc.") -> List[str]:
+    """``resources <kernel> <shape> regs <R> spills <S> smem <bytes>`` for every compiled kernel of
+    our own modules (smem: Triton's dynamic shared memory plus the static one)."""
+    out = []
+    for r in results:
+        if r["status"] != "OK" or not r["module"].startswith(module_prefix) or "regs" not in r:
+            continue
+        shape = r["context"].replace(" ", "/")
+        out.append(f"resources {r['kernel']} {shape} regs {r['regs']} spills {r['spills']} "
+                   f"smem {int(r['shared'] or 0) + int(r['static_shared'])}")
+    return out
+
+
+def compile_specs(specs: dict, archs: List[int], log=print, resources: bool = False) -> List[dict]:
     """Compile every recorded launch for every arch.  Launches that Triton's binder specialises
     alike (e.g. C = 1024 and 2048: both multiples of 16, same constexprs) share one kernel, as they
     would on the GPU (Triton's own kernel cache): one result dict per distinct kernel and arch, with
@@ -413,6 +451,8 @@ def compile_specs(specs: dict, archs: List[int], log=print) -> List[dict]:
                     md = kernel.metadata
                     res.update(status="OK", cubin_bytes=len(cubin), shared=getattr(md, "shared", None),
                                num_warps=getattr(md, "num_warps", None))
+                    if resources:
+                        res.update(cubin_resources(cubin))
                     by_kernel[id(kernel)] = res
                 except Exception as e:
                     msg = [m.strip() for m in str(e).strip().splitlines() if m.strip()]
@@ -444,7 +484,8 @@ def summary_line(results: List[dict]) -> str:
             f"archs {', '.join(f'sm_{a}' for a in archs)}")
 
 
-def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[str]] = None) -> None:
+def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[str]] = None,
+                           dtypes: Optional[Tuple[str, ...]] = None) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "tools.triton_aot", "capture", path]
@@ -454,12 +495,14 @@ def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[s
         cmd.append("--no-extra")
     if presets:
         cmd += ["--presets", ",".join(presets)]
+    if dtypes:
+        cmd += ["--dtypes", ",".join(dtypes)]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.triton_aot", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", default="all", choices=("all", "capture", "compile"))
+    p.add_argument("command", nargs="?", default="all", choices=("all", "capture", "compile", "resources"))
     p.add_argument("specs", nargs="?", help="capture: where to write the launches (JSON); compile: the file to read")
     p.add_argument("--arch", default="90,80", help="compute capabilities, comma-separated (default: 90,80)")
     p.add_argument("--extra", action="append", default=None,
@@ -470,6 +513,7 @@ def main(argv=None) -> int:
     p.add_argument("--execute", action="store_true",
                    help="capture: also run each kernel in the interpreter (slow; default: record the launch only)")
     p.add_argument("--json", default=None, help="compile: write the results here")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="capture: state dtypes (default: bfloat16,float32)")
     args = p.parse_args(argv)
     extra = [] if args.no_extra else (args.extra or list(TEST_SHAPES))
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
@@ -480,11 +524,24 @@ def main(argv=None) -> int:
     if args.command == "capture":
         if not args.specs:
             p.error("capture needs the output file: python -m tools.triton_aot capture specs.json")
-        specs = capture(extra, log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute,
-                        presets=presets)
+        specs = capture(extra, tuple(d for d in args.dtypes.split(",") if d),
+                        log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute, presets=presets)
         Path(args.specs).write_text(json.dumps(specs))
         print(f"{len(specs['launches'])} launches captured ({len(specs['sources'])} sources) -> {args.specs}")
         return 0 if specs["launches"] else 1
+    if args.command == "resources":  # capture the presets, compile, print the resource lines
+        with tempfile.TemporaryDirectory(prefix="xhc-aot-") as d:
+            path = os.path.join(d, "specs.json")
+            _capture_in_subprocess(path, [], presets, dtypes=("bfloat16",))
+            specs = json.loads(Path(path).read_text())
+        results = compile_specs(specs, archs, log=lambda s: print(s, file=sys.stderr, flush=True), resources=True)
+        lines = resources_lines(results)
+        for line in lines:
+            print(line, flush=True)
+        bad = [r for r in results if r["status"] != "OK"]
+        for r in bad:
+            print(f"FAIL {r['kernel']} [{r['context']}]: {r['error']}", flush=True)
+        return 0 if lines and not bad else 1
     if args.command == "compile":
         if not args.specs or not os.path.exists(args.specs):
             p.error(f"compile needs the file written by `capture`; {args.specs!r} does not exist")
