@@ -533,6 +533,211 @@ def launches_main(variants: Sequence[str], backend: str, C: int, tokens: int, de
 
 
 # ================================================================================================
+# Kernel timing, perf (fraction of the bandwidth floor) and autotuning of the fused mHC kernels
+# ================================================================================================
+PERF_VARIANTS = ("mhc", "xhc-mlp", "flash4")
+
+
+@contextlib.contextmanager
+def time_triton_launches(device):
+    """Yield a dict kernel name -> list of launch times (seconds), filled as kernels launch: CUDA
+    events around each launch on a GPU (read after a synchronize), wall time in the interpreter."""
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except Exception:
+        pass
+    origs = {cls: cls.run for cls in classes}
+    cuda = torch.device(device).type == "cuda"
+    pending: List[Tuple[str, object, object]] = []
+    times: Dict[str, List[float]] = {}
+
+    def wrap(orig):
+        def run(self, *args, **kwargs):
+            if kwargs.get("warmup"):
+                return orig(self, *args, **kwargs)
+            name = getattr(self, "__name__", "kernel")
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = orig(self, *args, **kwargs)
+                b.record()
+                pending.append((name, a, b))
+                return out
+            t0 = time.perf_counter()
+            out = orig(self, *args, **kwargs)
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+
+        return run
+
+    for cls, orig in origs.items():
+        cls.run = wrap(orig)
+
+    def flush():
+        if cuda:
+            torch.cuda.synchronize()
+            for name, a, b in pending:
+                times.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+            pending.clear()
+        return times
+
+    try:
+        yield flush
+    finally:
+        for cls, orig in origs.items():
+            cls.run = orig
+
+
+def floor_units(unit: Unit) -> float:
+    """The bandwidth floor of one unit's forward + backward, in units of C per token: every tensor
+    read or written once — forward reads X (N·C) and each sublayer's y, writes X' and each u;
+    backward reads dX', each du, X and each y, writes dX and each dy: (2N + 2L) + (3N + 3L) for a unit
+    of L sublayers (a Flash window reads and writes its state once for all of them)."""
+    n, L = unit.n, unit.sublayers
+    return (2 * n + 2 * L) + (3 * n + 3 * L)
+
+
+def _rotating(unit: Unit, C: int, tokens: int, device, dtype, k: int = 3):
+    return [_inputs(unit, C, tokens, device, dtype, seed) for seed in range(k)]
+
+
+def _timed_unit(unit: Unit, sets, reps: int, device):
+    """Median forward + backward seconds of the unit over ``reps`` runs, cycling the input sets, and
+    the median time of each Triton kernel per run."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    params = [p for m in unit.modules for p in m.parameters()]
+    grads = None
+    walls: List[float] = []
+    per_kernel: Dict[str, List[float]] = {}
+    for i in range(reps + 1):
+        X, ys = sets[i % len(sets)]
+        with time_triton_launches(device) as flush:
+            sync()
+            t0 = time.perf_counter()
+            outs = unit.step(X, ys)
+            if grads is None:
+                grads = _grads_like(outs, 0)
+            _backward(outs, grads)
+            sync()
+            wall = time.perf_counter() - t0
+            ktimes = flush()
+        if i:  # the first run warms up (JIT)
+            walls.append(wall)
+            for name, ts in ktimes.items():
+                per_kernel.setdefault(name, []).append(sum(ts))
+        for t in [X, *ys, *params]:
+            t.grad = None
+    return statistics.median(walls), {k: statistics.median(v) for k, v in per_kernel.items()}
+
+
+def perf_main(device: str, C: int, tokens: int, dtype, reps: int, out_dir: Optional[str],
+              copy_gbps: Optional[float], backend: str = "triton",
+              variants: Sequence[str] = PERF_VARIANTS) -> List[dict]:
+    """Time each HC kernel and each whole unit (mhc N=4 sublayer, xhc-mlp sublayer, flash4 window) with
+    rotating inputs; print the fraction of the bandwidth floor (floor bytes / time / copy rate).
+    A kernel's floor is the bytes of its tensor arguments (each read or written once)."""
+    rows = []
+    isz = torch.tensor([], dtype=dtype).element_size()
+    for variant in variants:
+        unit = build_unit(variant, C, backend, device, dtype)
+        sets = _rotating(unit, C, tokens, device, dtype)
+        X, ys = sets[0]
+        kbytes = ByteCounter()
+        with count_triton_launches(kbytes):
+            outs = unit.step(X, ys)
+            _backward(outs, _grads_like(outs, 0))
+        wall, per_kernel = _timed_unit(unit, sets, reps, device)
+        floor = floor_units(unit) * C * isz * tokens
+        rows.append({"variant": variant, "what": "unit", "seconds": wall, "floor_bytes": floor})
+        for op, nb in sorted(kbytes.by_op.items()):
+            name = op.split(":", 1)[1] if op.startswith("triton:") else op
+            if name in per_kernel:
+                rows.append({"variant": variant, "what": name, "seconds": per_kernel[name], "floor_bytes": nb})
+    lines = [f"# HC perf, {device}, C={C}, {tokens} tokens, {str(dtype).replace('torch.', '')}, backend {backend}, "
+             f"median of {reps}, rotating inputs; floor = bytes / copy rate"
+             + (f" ({copy_gbps:g} GB/s)" if copy_gbps else " (no --copy-gbps: GB/s only)")]
+    lines.append(f"{'variant':<8} {'kernel / unit':<26} {'ms':>9} {'floor MB':>9} {'GB/s':>8} {'of floor':>8}")
+    for r in rows:
+        gbs = r["floor_bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else float("nan")
+        r["gbps"] = gbs
+        r["fraction"] = gbs / copy_gbps if copy_gbps else None
+        frac = f"{r['fraction']:.2f}" if r["fraction"] is not None else "-"
+        lines.append(f"{r['variant']:<8} {r['what']:<26} {1e3 * r['seconds']:>9.3f} {r['floor_bytes'] / 1e6:>9.1f} "
+                     f"{gbs:>8.1f} {frac:>8}")
+    print("\n".join(lines), flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "hc_perf.json"), "w") as f:
+            json.dump({"device": device, "C": C, "tokens": tokens, "dtype": str(dtype), "copy_gbps": copy_gbps,
+                       "rows": rows}, f, indent=1)
+        with open(os.path.join(out_dir, "hc_perf.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return rows
+
+
+def autotune_main(device: str, C: int, tokens: int, dtype, reps: int, out: str, ns: Sequence[int] = (4,),
+                  grid_limit: Optional[int] = None) -> dict:
+    """Time each fused mHC kernel over :data:`xhc.kernels.mhc_common.TUNE_GRID` at (N, C, tokens),
+    one kernel at a time (the others at their defaults), and write the fastest block sizes to
+    ``out`` as JSON in the layout of ``xhc/kernels/tuned_blocks.json``:
+    ``{kernel: {"N<n>_C<C>": blocks}}`` (merged into ``out`` when it exists)."""
+    from xhc.kernels import mhc_common as cm
+
+    result: Dict[str, Dict[str, dict]] = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            result = json.load(f)
+    for n in ns:
+        cfg_unit = build_unit("mhc", C, "triton", device, dtype)
+        if n != cfg_unit.n:  # another N: the same unit with n streams
+            from xhc.hyper_connection import HyperConnection
+
+            cfg = hc_config("mhc", "triton").replace(n=n)
+            hc = HyperConnection(cfg, C, layer_index=1).to(device)
+
+            def step(X, ys, hc=hc):
+                u, ctx = hc.read(X)
+                return u, hc.write(X, ys[0], ctx)
+
+            cfg_unit = Unit("mhc", n, 1, [hc], step, 0.0)
+        sets = _rotating(cfg_unit, C, tokens, device, dtype, k=2)
+        key = f"N{n}_C{C}"
+        for kernel, grid in cm.TUNE_GRID.items():
+            grid = grid[:grid_limit] if grid_limit else grid
+            best = None
+            for cand in grid:
+                cm.OVERRIDE.clear()
+                cm.OVERRIDE[kernel] = cand
+                try:
+                    _, per_kernel = _timed_unit(cfg_unit, sets, reps, device)
+                except Exception as e:  # a block size the kernel cannot take at this shape
+                    print(f"autotune {kernel} {key} {cand}: failed ({type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
+                    continue
+                t = per_kernel.get(cm.KERNEL_OF[kernel])
+                if t is None:
+                    continue
+                print(f"autotune {kernel} {key} {json.dumps(cand, sort_keys=True)} {1e3 * t:.4f} ms", flush=True)
+                if best is None or t < best[0]:
+                    best = (t, cand)
+            cm.OVERRIDE.clear()
+            if best is not None:
+                result.setdefault(kernel, {})[key] = best[1]
+                print(f"autotune best {kernel} {key} {json.dumps(best[1], sort_keys=True)} {1e3 * best[0]:.4f} ms",
+                      flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"autotune: wrote {out} (commit it as xhc/kernels/tuned_blocks.json)", flush=True)
+    return result
+
+
+# ================================================================================================
 # Table
 # ================================================================================================
 def _f(v, fmt="{:.1f}"):
@@ -610,7 +815,34 @@ def main(argv=None) -> int:
                         "flash4 on the triton backend (Triton launches + kernel-launching ATen ops; on CPU run it "
                         "under TRITON_INTERPRET=1); --hidden/--tokens give the shape (default C=64, 4 tokens)")
     p.add_argument("--verbose", action="store_true", help="--launches: also the ops by name (stderr)")
+    p.add_argument("--perf", action="store_true",
+                   help="time each HC kernel and whole unit (mhc N=4, xhc-mlp, flash4 window) on the triton backend "
+                        "with rotating inputs (median of --reps) and print the fraction of the bandwidth floor; "
+                        "GPU defaults C=2048, 8192 tokens, bf16; --device cpu (under TRITON_INTERPRET=1) is a smoke run")
+    p.add_argument("--copy-gbps", type=float, default=None, help="--perf: the machine's measured copy rate (GB/s)")
+    p.add_argument("--autotune", action="store_true",
+                   help="time the fused mHC kernels over a small block-size grid at --hidden/--tokens and write "
+                        "the winners to --out as JSON (the layout of xhc/kernels/tuned_blocks.json)")
+    p.add_argument("--out", default=None, help="--perf: a folder for hc_perf.json/.txt; --autotune: the JSON file")
     args = p.parse_args(argv)
+
+    if args.perf or args.autotune:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA device is visible; use --device cpu (with TRITON_INTERPRET=1)")
+        if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1")
+        smoke = args.device == "cpu"
+        C = int(str(args.hidden).split(",")[0]) if args.hidden != "1024,2048" else (16 if smoke else 2048)
+        tokens = args.tokens or (4 if smoke else 8192)
+        dt = torch.bfloat16 if (args.dtype == "bf16" or not smoke) else torch.float32
+        reps = 1 if smoke else args.reps
+        if args.perf:
+            perf_main(args.device, C, tokens, dt, reps, args.out, args.copy_gbps)
+        else:
+            if not args.out:
+                p.error("--autotune needs --out FILE")
+            autotune_main(args.device, C, tokens, dt, reps, args.out, grid_limit=2 if smoke else None)
+        return 0
 
     if args.launches:
         variants = [v for v in (args.variants.split(",") if args.variants != ",".join(VARIANTS) else LAUNCH_VARIANTS)

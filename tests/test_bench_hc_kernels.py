@@ -108,3 +108,75 @@ def test_slope_row_removes_per_call_bytes():
     assert r.fwd == pytest.approx(a) and r.bwd == pytest.approx(2 * a)
     assert r.saved == pytest.approx(5.0) and r.saved_rc == pytest.approx(5.0)
     assert r.ms is None and r.tokens == T and "slope 16->32" in r.count_method
+
+
+# ------------------------------------------------------------------------------------------------
+# --launches, --perf, --autotune (the Triton kernels in the interpreter)
+# ------------------------------------------------------------------------------------------------
+LAUNCH_CEILING = {  # docs/kernels.md "Launch counts": mHC's target; xHC / Flash: no more than before the fused mHC work
+    "mhc": (5, 6), "xhc-attn": (57, 92), "xhc-mlp": (133, 217), "flash": (78, 133), "flash4": (69, 116)}
+
+
+def _interp(monkeypatch):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.interp
+def test_launches_prints_one_line_per_variant_within_targets(monkeypatch, capsys):
+    import re
+
+    from bench.hc_kernels import main
+
+    _interp(monkeypatch)
+    assert main(["--device", "cpu", "--launches", "--hidden", "16", "--tokens", "4"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    got = {}
+    for line in lines:
+        m = re.fullmatch(r"launches (\S+) fwd (\d+) bwd (\d+)", line)
+        assert m, line
+        got[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    assert list(got) == ["mhc", "xhc-attn", "xhc-mlp", "flash", "flash4"]
+    for v, (f, b) in got.items():
+        assert f <= LAUNCH_CEILING[v][0] and b <= LAUNCH_CEILING[v][1], (v, f, b)
+
+
+@pytest.mark.interp
+def test_perf_smoke_times_every_fused_kernel(monkeypatch, tmp_path):
+    """``--perf`` on CPU: the mHC unit and each of its seven kernels get a time, a floor and a
+    fraction of the given copy rate, and the files land in --out."""
+    import json
+
+    from bench.hc_kernels import perf_main
+
+    _interp(monkeypatch)
+    rows = perf_main("cpu", 16, 4, torch.float32, 1, str(tmp_path), 100.0, variants=("mhc",))
+    names = {r["what"] for r in rows}
+    assert {"unit", "_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_kernel", "_mhc_pre_bwd_kernel",
+            "_mhc_dx_kernel", "_mhc_dw_kernel", "_mhc_dw_reduce_kernel"} == names
+    unit = next(r for r in rows if r["what"] == "unit")
+    assert unit["floor_bytes"] == (5 * 4 + 5) * 16 * 4 * 4  # (5N + 5)·C·itemsize·tokens
+    for r in rows:
+        assert r["seconds"] > 0 and r["floor_bytes"] > 0 and r["fraction"] == pytest.approx(r["gbps"] / 100.0)
+    assert json.loads((tmp_path / "hc_perf.json").read_text())["rows"]
+    assert (tmp_path / "hc_perf.txt").read_text().startswith("# HC perf")
+
+
+@pytest.mark.interp
+def test_autotune_smoke_writes_blocks_the_kernels_read(monkeypatch, tmp_path):
+    from bench.hc_kernels import autotune_main
+    from xhc.kernels import mhc_common as cm
+
+    _interp(monkeypatch)
+    out = tmp_path / "tuned.json"
+    res = autotune_main("cpu", 16, 4, torch.float32, 1, str(out), grid_limit=1)
+    assert set(res) == set(cm.TUNE_GRID) and all(set(v) == {"N4_C16"} for v in res.values())
+    assert all(res[k]["N4_C16"] == cm.TUNE_GRID[k][0] for k in res)  # one candidate each: it wins
+    monkeypatch.setattr(cm, "TUNED_FILE", str(out))
+    cm._tuned.cache_clear()
+    try:
+        assert cm.blocks("mhc_dw", 4, 16) == cm.TUNE_GRID["mhc_dw"][0]
+        assert cm.blocks("mhc_dw", 4, 32) == cm.DEFAULT_BLOCKS["mhc_dw"]  # a shape not tuned: the defaults
+    finally:
+        cm._tuned.cache_clear()

@@ -145,3 +145,28 @@ def test_a_compile_error_fails(tmp_path):
     assert bad and "UnsupportedLanguageConstruct" in bad[0] and "Break" in bad[0], lines
     assert any(line.startswith("OK sm_90 fine_kernel [B=16]") for line in lines), lines
     assert "1/2 compiled" in lines[-1] and "1 failed" in lines[-1], lines[-1]
+
+
+MHC_KERNELS = ("_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_kernel", "_mhc_pre_bwd_kernel",
+               "_mhc_dx_kernel", "_mhc_dw_kernel", "_mhc_dw_reduce_kernel")
+
+
+def test_resources_lines_for_the_fused_mhc_kernels_without_spills(capsys):
+    """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc``: one line per kernel in
+    the documented form, every fused mHC kernel present, no spills, registers within the sm_90 limit
+    and shared memory within its 227 KB per block."""
+    import re
+
+    from tools.triton_aot import main
+
+    assert main(["resources", "--arch", "90", "--presets", "tiny-moe:mhc"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("resources ")]
+    seen = set()
+    for line in lines:
+        m = re.fullmatch(r"resources (\S+) (\S+) regs (\d+) spills (\d+) smem (\d+)", line)
+        assert m, line
+        kernel, _, regs, spills, smem = m.group(1), m.group(2), *map(int, m.groups()[2:])
+        seen.add(kernel)
+        assert spills == 0, line
+        assert 0 < regs <= 255 and smem <= 227 * 1024, line
+    assert set(MHC_KERNELS) <= seen, seen

@@ -64,6 +64,27 @@ DEFAULT_BLOCKS = {
 }
 
 
+OVERRIDE: dict = {}
+"""kernel -> block sizes that win over everything else (``bench.hc_kernels --autotune`` sets it while it times)."""
+
+# the grid ``bench.hc_kernels --autotune`` times, per kernel
+TUNE_GRID = {
+    "mhc_pre_fwd": [{"BT": 16, "BK": 32}, {"BT": 16, "BK": 64}, {"BT": 32, "BK": 32}, {"BT": 32, "BK": 64}],
+    "mhc_pre_bwd": [{"BT": 4}, {"BT": 8}, {"BT": 16}, {"BT": 32}],
+    "mhc_post_fwd": [{"BT": 2}, {"BT": 4}, {"BT": 8}, {"BT": 16}],
+    "mhc_post_bwd": [{"BT": 2}, {"BT": 4}, {"BT": 8}, {"BT": 16}],
+    "mhc_dx": [{"BT": 16}, {"BT": 32}, {"BT": 64}],
+    "mhc_dw": [{"BT": 32, "BK": 64, "S": 8}, {"BT": 64, "BK": 64, "S": 8}, {"BT": 32, "BK": 32, "S": 16},
+               {"BT": 32, "BK": 64, "S": 32}],
+    "mhc_dw_reduce": [{"BK": 32}, {"BK": 64}, {"BK": 128}],
+}
+KERNEL_OF = {  # tuning key -> the Triton kernel it sizes
+    "mhc_pre_fwd": "_mhc_pre_fwd_kernel", "mhc_pre_bwd": "_mhc_pre_bwd_kernel",
+    "mhc_post_fwd": "_mhc_post_fwd_kernel", "mhc_post_bwd": "_mhc_post_bwd_kernel", "mhc_dx": "_mhc_dx_kernel",
+    "mhc_dw": "_mhc_dw_kernel", "mhc_dw_reduce": "_mhc_dw_reduce_kernel",
+}
+
+
 @lru_cache(maxsize=None)
 def _tuned() -> dict:
     try:
@@ -78,6 +99,7 @@ def blocks(kernel: str, n: int, C: int, override: dict = None) -> dict:
     ``tuned_blocks.json`` entry for the shape when there is one, then ``override`` (autotuning)."""
     out = dict(DEFAULT_BLOCKS[kernel])
     out.update(_tuned().get(kernel, {}).get(f"N{n}_C{C}", {}))
+    out.update(OVERRIDE.get(kernel, {}))
     if override:
         out.update(override.get(kernel, {}))
     return out
