@@ -281,3 +281,35 @@ def test_export_logits_equal_megatron(variant, hc, tmp_path):
     err = (_hf_logits(hf, toks) - ref).abs().max().item()
     print(f"PARITY {variant} {hc} {err:.3g}")
     assert err <= PARITY_TOL, f"{variant} {hc}: max |Δlogit| = {err:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Accounting (xhc/accounting.py, tools.accounting)
+# ------------------------------------------------------------------------------------------------
+def test_accounting_of_the_head_and_the_deepseek_sinkhorn():
+    from xhc import accounting as A
+
+    cfg = HCConfig(variant="mhc", n=4, reduction="learned", convention="deepseek_v4")
+    head = LearnedHead(cfg, C)
+    assert sum(p.numel() for p in head.parameters()) == A.head_params(cfg, C).total
+    plain = cfg.replace(reduction="sum")
+    assert A.hc_params_total(cfg, C, 3).total - A.hc_params_total(plain, C, 3).total == A.head_params(cfg, C).total
+    assert A.head_params(plain, C).total == 0
+    df = A.training_flops_per_token(cfg, C, 3).gemm - A.training_flops_per_token(plain, C, 3).gemm
+    assert df == 6 * head.hc_fn.numel()  # the head's GEMM, once per token (2 FLOPs per MAC, × 3 for training)
+    steps = len(ds._sinkhorn_deepseek_steps(cfg.sinkhorn_iters))  # normalisations of 2n² each
+    assert A.sinkhorn_deepseek_flops(4, cfg.sinkhorn_iters) == (5 + 2 * steps) * 16  # softmax 4n², + ε n²
+
+
+def test_tools_accounting_custom_yaml_counts_the_head(tmp_path, capsys):
+    from tools import accounting as T
+
+    (tmp_path / "hc.yaml").write_text("variant: mhc\nn: 4\nconvention: deepseek_v4\nreduction: learned\n")
+    T.main(["--hidden", "64", "--layers", "2", "--hc-yaml", str(tmp_path / "hc.yaml"), "--json"])
+    import json
+
+    rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["variant"] == "mhc"]
+    plain = HCConfig(variant="mhc", n=4, convention="deepseek_v4")
+    from xhc.accounting import hc_params_total
+
+    assert rows[0]["params_total"] == hc_params_total(plain, 64, 2).total + 4 * 4 * 64 + 4 + 1
