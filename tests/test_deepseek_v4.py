@@ -35,14 +35,20 @@ BOUND = 1e-6  # relative, fp32, forward and gradients
 
 
 def _backends():
-    out = ["eager", "compile"]
+    """eager and compile (fast tier); the compile ops traced by dynamo (fullgraph) and triton
+    (the interpreter on CPU) in the slow tier."""
+    out = ["eager", "compile", pytest.param("compile+dynamo", marks=pytest.mark.inductor)]
     try:
         import triton  # noqa: F401
 
-        out.append("triton")
+        out.append(pytest.param("triton", marks=pytest.mark.interp))
     except Exception:
         pass
     return out
+
+
+def _kernels(backend):
+    return backend.split("+")[0]
 
 
 def _device(backend):
@@ -62,7 +68,7 @@ def _pair(n: int, backend: str, seed: int = 0):
         ref.fn.copy_(0.3 * torch.randn(ref.fn.shape, generator=g))
         ref.base.copy_(torch.randn(ref.base.shape, generator=g))
         ref.scale.copy_(1.0 + 0.5 * torch.randn(3, generator=g))
-    cfg = HCConfig(variant="mhc", n=n, convention="deepseek_v4", kernels=backend, sinkhorn_iters=20,
+    cfg = HCConfig(variant="mhc", n=n, convention="deepseek_v4", kernels=_kernels(backend), sinkhorn_iters=20,
                    sinkhorn_eps=hf_cfg.hc_eps, norm_eps=hf_cfg.rms_norm_eps)
     ours = HyperConnection(cfg, C)
     with torch.no_grad():  # fn rows [pre | post | comb] = [W_pre; W_post; W_res]; no transpose of comb's logits
@@ -88,7 +94,11 @@ def _run_ref(ref, X, y):
     return {"post": post, "comb": comb, "collapsed": collapsed, "mixed": mixed}
 
 
-def _run_ours(ours, X, y, transpose_comb=False):
+def _run_ours(ours, X, y, transpose_comb=False, traced=False):
+    if traced:  # dynamo traces the whole sublayer (no inductor: fast); a graph break is an error
+        torch._dynamo.reset()
+        fn = torch.compile(lambda X_, y_: _run_ours(ours, X_, y_, transpose_comb), backend="eager", fullgraph=True)
+        return fn(X, y)
     u, ctx = ours.read(X)
     comb = ctx.H_res.transpose(-1, -2)  # H_res = combᵀ
     if transpose_comb:  # the deliberate orientation bug: H_res = comb
@@ -113,7 +123,7 @@ def _errors(n, backend, transpose_comb=False):
     Xr, yr = X.clone().requires_grad_(), y.clone().requires_grad_()
     Xo, yo = X.clone().requires_grad_(), y.clone().requires_grad_()
     r = _run_ref(ref, Xr, yr)
-    o = _run_ours(ours, Xo, yo, transpose_comb)
+    o = _run_ours(ours, Xo, yo, transpose_comb, traced=backend.endswith("+dynamo"))
     err = {k: _rel(o[k], r[k]) for k in r}
     # gradients only through the mixed output (and the collapsed input): post and comb enter it
     gr = _grads({"collapsed": r["collapsed"], "mixed": r["mixed"]}, [Xr, yr, ref.fn, ref.base, ref.scale])
@@ -170,13 +180,18 @@ def test_learned_head_matches_transformers(n, backend):
         ref.hc_fn.copy_(0.3 * torch.randn(ref.hc_fn.shape, generator=g))
         ref.hc_base.copy_(torch.randn(n, generator=g))
         ref.hc_scale.copy_(1.0 + 0.5 * torch.randn(1, generator=g))
-    ours = LearnedHead(HCConfig(variant="mhc", n=n, reduction="learned", kernels=backend), C)
+    ours = LearnedHead(HCConfig(variant="mhc", n=n, reduction="learned", kernels=_kernels(backend)), C)
     ours.load_state_dict(ref.state_dict())  # the same names: hc_fn, hc_base, hc_scale
     dev = _device(backend)
     ref, ours = ref.to(dev), ours.to(dev)
     X, _ = _inputs(n, dev)
     Xr, Xo = X.clone().requires_grad_(), X.clone().requires_grad_()
-    hr, ho = ref(Xr), ours(Xo)
+    hr = ref(Xr)
+    if backend.endswith("+dynamo"):
+        torch._dynamo.reset()
+        ho = torch.compile(ours, backend="eager", fullgraph=True)(Xo)
+    else:
+        ho = ours(Xo)
     gr = _grads({"h": hr}, [Xr, ref.hc_fn, ref.hc_base, ref.hc_scale])
     go = _grads({"h": ho}, [Xo, ours.hc_fn, ours.hc_base, ours.hc_scale])
     info = {k: _rel(a, b) for k, a, b in zip(("dfn", "dbase", "dscale"), go[1:], gr[1:])}
