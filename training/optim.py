@@ -227,7 +227,7 @@ def hc_param_kind(name: str, param: Optional[torch.Tensor] = None) -> str:
 def is_hc_param(name: str, param: torch.Tensor) -> bool:
     """Tagged by models.hc_layer (``is_hyper_connection``), or named like one (fallback)."""
     return bool(getattr(param, "is_hyper_connection", False)) or "hyper_connection" in name \
-        or name.endswith("hc_readout_logits")
+        or name.endswith("hc_readout_logits") or ".hc_head." in f".{name}"
 
 
 def is_routed_expert(name: str) -> bool:
