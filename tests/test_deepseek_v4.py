@@ -337,3 +337,22 @@ def test_tools_accounting_custom_yaml_counts_the_head(tmp_path, capsys):
     from xhc.accounting import hc_params_total
 
     assert rows[0]["params_total"] == hc_params_total(plain, 64, 2).total + 4 * 4 * 64 + 4 + 1
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("n", [3, 5])
+def test_triton_sinkhorn_deepseek_with_padding(n):
+    """n not a power of two (the kernels pad to the next one): values and gradients of the float64
+    reference (the padding must stay out of every sum, in both passes)."""
+    pytest.importorskip("triton")
+    from xhc.kernels import triton_ops
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    g = torch.Generator().manual_seed(7)
+    Z = torch.randn(6, n, n, generator=g, dtype=torch.float64).to(dev).requires_grad_()
+    G = torch.randn(6, n, n, generator=g, dtype=torch.float64).to(dev)
+    ref = ds.sinkhorn_deepseek(Z, 20, 1e-6)
+    got = triton_ops.sinkhorn_deepseek(Z, 20, 1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(got, Z, G)[0], torch.autograd.grad(ref, Z, G)[0],
+                               rtol=1e-10, atol=1e-12)
