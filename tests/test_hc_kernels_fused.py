@@ -2,7 +2,8 @@
 eager float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids contain ``cuda``).
 
 * every output and gradient equals eager in float64 for N ∈ {2, 3, 4, 16} (padded group layouts),
-  both Sinkhorn orders, the row clamp on and off, the norm gain on and off; the state's gradient
+  both Sinkhorn orders, the row clamp on and off, the norm gain on and off, DeepSeek-V4's
+  convention (``convention: deepseek_v4``: σ + ε, its Sinkhorn, combᵀ); the state's gradient
   is written by one kernel (the write hands dX' over to the read's backward);
 * a bf16 state: the fused path rounds once, within a bf16 ulp-derived bound of the fp32 reference;
 * the backward is deterministic (the same bits twice) and the weights' gradient does not depend
@@ -69,6 +70,8 @@ CASES = [
     pytest.param(dict(n=3, sinkhorn_order="col_last", row_sum_clamp=False), id="N3-col_last-noclamp"),
     pytest.param(dict(n=4, mapping_norm_affine=True, sinkhorn_iters=3), id="N4-gain"),
     pytest.param(dict(n=16, sinkhorn_iters=2), id="N16"),
+    pytest.param(dict(n=4, convention="deepseek_v4", sinkhorn_iters=3), id="N4-deepseek_v4"),
+    pytest.param(dict(n=3, convention="deepseek_v4", sinkhorn_iters=1), id="N3-deepseek_v4-1iter"),
 ]
 
 

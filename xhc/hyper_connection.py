@@ -453,7 +453,7 @@ class HyperConnection(nn.Module):
             u, h_pre, h_post, H_res = kernels.mhc_read(
                 X, self.W_pre, self.W_post, self.W_res, self.b_pre, self.b_post, self.b_res, self.alpha_pre,
                 self.alpha_post, self.alpha_res, self.norm_weight, cfg.norm_eps, cfg.sinkhorn_iters, cfg.sinkhorn_eps,
-                cfg.sinkhorn_order, cfg.row_sum_clamp)
+                cfg.sinkhorn_order, cfg.row_sum_clamp, cfg.convention)
             return u, HCContext(h_pre, h_post, H_res)
         h_pre, h_post, H_res = self.coefficients(X)
         h_read = h_pre if h_pre is not None else torch.full(X.shape[:-1], 1.0 / self.n, dtype=fp32(X).dtype, device=X.device)

@@ -440,14 +440,14 @@ def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", se
 
 
 def mhc_read(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps: float,
-             t_max: int, sk_eps: float, order: str, clamp: bool = False):
+             t_max: int, sk_eps: float, order: str, clamp: bool = False, convention: str = "paper"):
     """The fused mHC read on the ``triton`` backend (:mod:`xhc.kernels.mhc_pre`): the coefficient GEMM,
     the epilogue (norm, σ, Sinkhorn) and u = Σ_j h_pre[j]·X_j in one kernel ->
     (u, h_pre, h_post, H_res)."""
     from xhc.kernels import mhc_pre
 
     return mhc_pre.mhc_pre(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps,
-                           t_max, sk_eps, order, clamp)
+                           t_max, sk_eps, order, clamp, convention)
 
 
 def mhc_write(X, H, h_post, y):

@@ -5,7 +5,8 @@ Forward (:func:`_mhc_pre_fwd_kernel`, a program per BT tokens):
 1. the GEMM ``p = vec(X)·(W ⊙ g)ᵀ`` for the pre, post and res groups with Σ vec(X)² in the same pass
    (``tl.dot``, fp32 accumulation; W and the norm gain g fp32);
 2. the epilogue in registers: r = rsqrt(Σx²/(N·C) + ε), z = α·r·p + b, h_pre = σ(z_pre),
-   h_post = 2σ(z_post), H_res = Sinkhorn(z_res) (row-max shift, ``t_max`` iterations, either order);
+   h_post = 2σ(z_post), H_res = Sinkhorn(z_res) (row-max shift, ``t_max`` iterations, either order,
+   the row clamp); or DeepSeek-V4's convention (constexpr ``DS``): h_pre = σ + ε, H_res = combᵀ;
 3. the read u = Σ_j h_pre[j]·X_j, a second pass over the program's tokens (BT·N·C elements, which
    the first pass has just brought into L2).
 
@@ -82,9 +83,44 @@ def _sk_start(z, mask):
 
 
 @triton.jit
+def _ds_start(zres, mask3, sk_eps):
+    """DeepSeek-V4: p = softmax(z, −1) on the valid entries and M_0 = p + ε (zero on padding)."""
+    zmax, E = _sk_start(zres, mask3)
+    rs = tl.sum(E, 2)
+    rs = tl.where(rs == 0.0, 1.0, rs)
+    p = tl.where(mask3, E / rs[:, :, None], 0.0)
+    return p, tl.where(mask3, p + sk_eps, 0.0)
+
+
+@triton.jit
+def _ds_fwd(M, S, base, k, sk_eps, AXIS: tl.constexpr, STORE: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr):
+    """One DeepSeek-V4 normalisation M / (Σ_axis M + ε) (AXIS 2: rows, 1: columns), the sums kept in S."""
+    s = tl.sum(M, AXIS)
+    if STORE:
+        tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
+    if AXIS == 2:
+        return M / (s + sk_eps)[:, :, None]
+    else:
+        return M / (s + sk_eps)[:, None, :]
+
+
+@triton.jit
+def _ds_bwd(G, M, S, base, k, sk_eps, AXIS: tl.constexpr, NP: tl.constexpr):
+    """The adjoint of :func:`_ds_fwd`: G ← (G − Σ_axis G⊙M) / d, M ← M·d (d = s + ε: every step passes)."""
+    if AXIS == 2:
+        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, :, None] + sk_eps
+        G = (G - tl.sum(G * M, 2)[:, :, None]) / d
+    else:
+        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, None, :] + sk_eps
+        G = (G - tl.sum(G * M, 1)[:, None, :]) / d
+    return G, M * d
+
+
+@triton.jit
 def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST, ARES,
                         U, HPRE, HPOST, HRES, P, RS, T, N, C, norm_eps, t_max, sk_eps,
-                        HAS_G: tl.constexpr, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr, NP: tl.constexpr,
+                        HAS_G: tl.constexpr, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr, DS: tl.constexpr,
+                        NP: tl.constexpr,
                         RP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                         USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
@@ -111,24 +147,35 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
     jn = tl.arange(0, NP)
     jm = jn < N
     hmask = tm[:, None] & jm[None, :]
-    hpre = tl.where(hmask, _sig(zpre), 0.0)
+    if DS:  # DeepSeek-V4: h_pre = σ(z) + ε
+        hpre = tl.where(hmask, _sig(zpre) + sk_eps, 0.0)
+    else:
+        hpre = tl.where(hmask, _sig(zpre), 0.0)
     tl.store(HPRE + t[:, None] * N + jn[None, :], hpre, mask=hmask)
     tl.store(HPOST + t[:, None] * N + jn[None, :], 2.0 * _sig(zpost), mask=hmask)
-    zmax, M = _sk_start(zres, mask3)
-    if ROW_LAST:
-        M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-    else:
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-    if CLAMP:  # the row-sum clamp (docs/math.md §2.f): H[i, :] / max(Σ_j H[i, j], 1)
-        M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
     i3 = tl.arange(0, NP)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
-    tl.store(HRES + t[:, None, None] * N * N + i3 * N + j3, M, mask=mask3)
+    if DS:  # DeepSeek-V4 (docs/math.md §2.h): comb = softmax + ε, a column step, (t_max − 1) × (row, column); H = combᵀ
+        p, M = _ds_start(zres, mask3, sk_eps)
+        M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+        for _ in range(t_max - 1):
+            M = _ds_fwd(M, P, 0, 0, sk_eps, 2, False, 1, NP)
+            M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+        tl.store(HRES + t[:, None, None] * N * N + j3 * N + i3, M, mask=mask3)
+    else:
+        zmax, M = _sk_start(zres, mask3)
+        if ROW_LAST:
+            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+            for _ in range(t_max):
+                M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+                M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+        else:
+            for _ in range(t_max):
+                M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+                M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+        if CLAMP:  # the row-sum clamp (docs/math.md §2.f): H[i, :] / max(Σ_j H[i, j], 1)
+            M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
+        tl.store(HRES + t[:, None, None] * N * N + i3 * N + j3, M, mask=mask3)
     for c0 in range(0, C, BC):  # 3. the read
         c = c0 + tl.arange(0, BC)
         cmk = c < C
@@ -142,7 +189,8 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
 def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, APRE, APOST, ARES, S,
                         DP, DZ, DA, COEF, T, N, C, t_max, sk_eps,
                         HAS_DU: tl.constexpr, HAS_DHPRE: tl.constexpr, HAS_DHPOST: tl.constexpr,
-                        HAS_DHRES: tl.constexpr, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
+                        HAS_DHRES: tl.constexpr, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr, DS: tl.constexpr,
+                        NS: tl.constexpr, NP: tl.constexpr,
                         RP: tl.constexpr, PP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     tm = t < T
@@ -174,7 +222,24 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
     dzres = tl.zeros([BT, NP, NP], dtype=CDT)
     i3 = tl.arange(0, NP)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
-    if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), denominators in S
+    if HAS_DHRES and DS:  # xhc.doubly_stochastic.sinkhorn_deepseek_backward; dcomb = dHᵀ
+        base = t[:, None] * NS * NP
+        p, M = _ds_start(zres, mask3, sk_eps)
+        k = 0
+        M = _ds_fwd(M, S, base, k, sk_eps, 1, True, NS, NP)
+        k += 1
+        for _ in range(t_max - 1):
+            M = _ds_fwd(M, S, base, k, sk_eps, 2, True, NS, NP)
+            M = _ds_fwd(M, S, base, k + 1, sk_eps, 1, True, NS, NP)
+            k += 2
+        Gd = tl.load(DHRES + t[:, None, None] * N * N + j3 * N + i3, mask=mask3, other=0.0).to(CDT)
+        for _ in range(t_max - 1):
+            Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+            Gd, M = _ds_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
+            k -= 2
+        Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+        dzres = tl.where(mask3, p * (Gd - tl.sum(Gd * p, 2)[:, :, None]), 0.0)
+    if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), denominators in S
         zmax, M0 = _sk_start(zres, mask3)
         base = t[:, None] * NS * NP
         M = M0
@@ -249,7 +314,7 @@ def owner_of(X, H, h_post):
 class MHCPre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, cfg):
-        norm_eps, t_max, sk_eps, order, clamp = cfg
+        norm_eps, t_max, sk_eps, order, clamp, ds = cfg
         N, C = X.shape[-2:]
         lead = X.shape[:-2]
         T = math.prod(lead)
@@ -268,7 +333,7 @@ class MHCPre(torch.autograd.Function):
         if T > 0:
             _mhc_pre_fwd_kernel[(triton.cdiv(T, BT),)](
                 Xc, W_pre, W_post, W_res, gain, b_pre, b_post, b_res, a_pre, a_post, a_res, u, hpre, hpost, H, P, RS,
-                T, N, C, norm_eps, t_max, sk_eps, HAS_G=gain is not None, ROW_LAST=order == "row_last", CLAMP=clamp, NP=NP, RP=RP,
+                T, N, C, norm_eps, t_max, sk_eps, HAS_G=gain is not None, ROW_LAST=order == "row_last", CLAMP=clamp, DS=ds, NP=NP, RP=RP,
                 PP=PP, BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros launched)
         ctx.save_for_backward(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, hpre, H, P, RS)
@@ -281,7 +346,7 @@ class MHCPre(torch.autograd.Function):
         from xhc.kernels import mhc_grad
 
         X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, hpre, H, P, RS = ctx.saved_tensors
-        norm_eps, t_max, sk_eps, order, clamp = ctx.cfg
+        norm_eps, t_max, sk_eps, order, clamp, ds = ctx.cfg
         N, C = X.shape[-2:]
         T = math.prod(X.shape[:-2])
         NP, RP, PP = cm.groups(N)
@@ -294,7 +359,7 @@ class MHCPre(torch.autograd.Function):
         dXp = pend[1] if pend is not None and pend[0] == torch._C._current_graph_task_id() else None
         BT = cm.blocks("mhc_pre_bwd", N, C)["BT"]
         grid = triton.cdiv(T, BT)
-        NS = max(1, 2 * t_max + (1 if order == "row_last" else 0) + (1 if clamp else 0))
+        NS = max(1, 2 * t_max - 1) if ds else max(1, 2 * t_max + (1 if order == "row_last" else 0) + (1 if clamp else 0))
         S = torch.empty(grid * BT, NS, NP, dtype=cdt, device=dev)
         DP, DZ = torch.empty(T, RP + PP, dtype=cdt, device=dev), torch.empty(T, RP + PP, dtype=cdt, device=dev)
         DA, COEF = torch.empty(T, 3, dtype=cdt, device=dev), torch.empty(T, dtype=cdt, device=dev)
@@ -302,7 +367,7 @@ class MHCPre(torch.autograd.Function):
             _mhc_pre_bwd_kernel[(grid,)](
                 Xc, duc, dhprec, dhpostc, dHc, P, RS, b_pre, b_post, b_res, a_pre, a_post, a_res, S, DP, DZ, DA, COEF,
                 T, N, C, t_max, sk_eps, HAS_DU=duc is not None, HAS_DHPRE=dhprec is not None,
-                HAS_DHPOST=dhpostc is not None, HAS_DHRES=dHc is not None, ROW_LAST=order == "row_last", CLAMP=clamp, NS=NS,
+                HAS_DHPOST=dhpostc is not None, HAS_DHRES=dHc is not None, ROW_LAST=order == "row_last", CLAMP=clamp, DS=ds, NS=NS,
                 NP=NP, RP=RP, PP=PP, BT=BT, BC=cm.block_c(BT, NP, C), CDT=cm._tl(cdt))
         dX = None
         if ctx.needs_input_grad[0]:
@@ -314,12 +379,15 @@ class MHCPre(torch.autograd.Function):
 
 
 def mhc_pre(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps: float, t_max: int,
-            sk_eps: float, order: str, clamp: bool = False):
+            sk_eps: float, order: str, clamp: bool = False, convention: str = "paper"):
     """(u ``[..., C]`` in X's dtype, h_pre ``[..., N]``, h_post ``[..., N]``, H_res ``[..., N, N]``) of
     the dynamic mHC map (docs/math.md §2.0) from ``X`` ``[..., N, C]``: RMSNorm of vec X with gain
     ``gain`` (or None), z = α·x̂Wᵀ + b, h_pre = σ, h_post = 2σ, H_res = Sinkhorn (then the row-sum
-    clamp when ``clamp``); u = Σ_j h_pre[j]·X_j.
+    clamp when ``clamp``); u = Σ_j h_pre[j]·X_j.  ``convention="deepseek_v4"`` (docs/math.md §2.h):
+    h_pre = σ + ε, H_res = combᵀ with DeepSeek-V4's Sinkhorn (ε = ``sk_eps``; no clamp, no order).
     Every weight fp32 (``W_*`` ``[d, N·C]``, ``b_*`` ``[d]``, ``a_*`` ``[1]``)."""
     f = lambda t: None if t is None else t.contiguous()  # noqa: E731
     return MHCPre.apply(X, f(W_pre), f(W_post), f(W_res), f(b_pre), f(b_post), f(b_res), f(a_pre), f(a_post),
-                        f(a_res), f(gain), (norm_eps, t_max, sk_eps, order, bool(clamp)))
+                        f(a_res), f(gain),
+                        (norm_eps, t_max, sk_eps, order, bool(clamp) and convention != "deepseek_v4",
+                         convention == "deepseek_v4"))
