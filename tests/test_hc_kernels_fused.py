@@ -143,3 +143,18 @@ def test_launch_counts_meet_targets():
     fwd, bwd, fnames, bnames = count_launches("mhc", "triton", C=16, tokens=4)
     assert fwd <= 5 and bwd <= 6, (fwd, bwd, fnames, bnames)
     assert all(k.startswith("triton:") for k in list(fnames) + list(bnames)), (fnames, bnames)
+
+
+@pytest.mark.parametrize("conv", ["paper", "deepseek_v4"])
+def test_fused_mhc_fp32_padded_streams_many_iterations(conv):
+    """fp32, N = 2 (padded to 4 in the kernels), 20 Sinkhorn iterations: the adjoint keeps the padding at
+    zero (a padded column's denominator is ε, so a stray term would grow by 1/ε per step and overflow)."""
+    _need_triton()
+    cfg = HCConfig(variant="mhc", n=2, convention=conv, sinkhorn_iters=20)
+    outs_r, g_r = _run(cfg.replace(kernels="eager"), "cpu", dtype=torch.float32)
+    outs_f, g_f = _run(cfg.replace(kernels="triton"), "cpu", dtype=torch.float32)
+    for a, b, w in zip(outs_f, outs_r, ("u", "out")):
+        _close(a, b, w, rtol=1e-5, atol=1e-5)
+    for name in g_r:
+        assert torch.isfinite(g_f[name]).all(), name
+        _close(g_f[name], g_r[name], f"d{name}", rtol=1e-4, atol=1e-4 * (g_r[name].abs().max().item() + 1e-6))

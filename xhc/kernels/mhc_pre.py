@@ -235,9 +235,12 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
         Gd = tl.load(DHRES + t[:, None, None] * N * N + j3 * N + i3, mask=mask3, other=0.0).to(CDT)
         for _ in range(t_max - 1):
             Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
             Gd, M = _ds_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
+            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
             k -= 2
         Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+        Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         dzres = tl.where(mask3, p * (Gd - tl.sum(Gd * p, 2)[:, :, None]), 0.0)
     if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), denominators in S
         zmax, M0 = _sk_start(zres, mask3)
@@ -261,16 +264,22 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
         Gd = tl.load(DHRES + t[:, None, None] * N * N + i3 * N + j3, mask=mask3, other=0.0).to(CDT)
         if CLAMP:
             Gd, M = _sk_row_bwd(Gd, M, S, base, k, 1.0, NP)
+            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         if ROW_LAST:
             for _ in range(t_max):
                 Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
                 Gd, M = _sk_col_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
                 k -= 2
             Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         else:
             for _ in range(t_max):
                 Gd, M = _sk_col_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
                 Gd, M = _sk_row_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
                 k -= 2
         dzres = Gd * M0
         at_max = tl.where(mask3 & (zres == zmax), 1.0, 0.0).to(CDT)
