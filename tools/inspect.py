@@ -1235,8 +1235,8 @@ def write_report(result: dict, out_dir: str) -> str:
                       f"{_fmt(m['gain']['backward'][-1])}; max ‖H̄ − I‖_F "
                       f"{_fmt(max(s['dist_identity'] for s in m['sublayers']))}"]
             if m.get("head"):
-                lines += [f"- learned head: stream weights (token mean) "
-                          f"{', '.join(_fmt(v) for v in m['head']['weights_mean'])}; Σ w {_fmt(m['head']['sum_mean'])}"]
+                means = ", ".join(_fmt(v) for v in m["head"]["weights_mean"])
+                lines += [f"- learned head: stream weights (token mean) {means}; Σ w {_fmt(m['head']['sum_mean'])}"]
         lines.append("")
         for fgr in r.get("figures", []):
             lines += [f"![{fgr['caption']}]({fgr['file']})", "", f"*{fgr['caption']}*", ""]
