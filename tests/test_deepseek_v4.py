@@ -237,6 +237,42 @@ def test_learned_head_init_and_readout():
         StreamReadout(4, "learned")
 
 
+def _upcycled_stack(compensate: bool, L: int = 12):
+    """L DeepSeek-V4 mHC sublayers and the learned head in the upcycling state (tools.conversion),
+    driven by pre-norm branches y = tanh(RMSNorm(u) W_l), against the vanilla residual stack."""
+    from tools.conversion import upcycle_init, upcycle_overrides
+    from xhc.hyper_connection import expand_streams
+
+    cfg = HCConfig(variant="mhc", n=4, kernels="eager",
+                   **{**upcycle_overrides("mhc"), "convention": "deepseek_v4", "reduction": "learned"})
+    subs = torch.nn.ModuleList([HyperConnection(cfg, C, i) for i in range(L)]).double()  # float64: no round-off
+    head = LearnedHead(cfg, C).double()
+    if compensate:
+        upcycle_init(torch.nn.ModuleList([subs, head]), cfg)
+    g = torch.Generator().manual_seed(3)
+    Ws = [torch.randn(C, C, generator=g, dtype=torch.float64) / C**0.5 for _ in range(L)]
+    rms = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    x = torch.randn(B, S, C, generator=g, dtype=torch.float64)
+    X, v = expand_streams(x, cfg.n), x
+    with torch.no_grad():
+        for hc, W in zip(subs, Ws):
+            u, ctx = hc.read(X)
+            X = hc.write(X, torch.tanh(rms(u) @ W), ctx)
+            v = v + torch.tanh(rms(v) @ W)
+        return rms(head(X)), rms(v)  # the final norm sees the head's output
+
+
+def test_upcycling_state_computes_the_vanilla_stack():
+    """tools.conversion.upcycle_init: with DeepSeek-V4's + ε terms compensated (h_pre = 1/N, h_post =
+    γ_0⋯γ_l, head weights 1/N) the normalised output equals the vanilla residual stack's in float64
+    (up to the final norm's own eps acting on the stream's overall scale, ~1e-11); without it the
+    ε terms shift it by ~L·ε (12 sublayers: ~1e-5)."""
+    got, want = _upcycled_stack(True)
+    assert (got - want).abs().max() <= 1e-9
+    got, want = _upcycled_stack(False)
+    assert (got - want).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(variant="kromhc"), "convention"),
     (dict(variant="mhc_lite"), "convention"),

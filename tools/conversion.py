@@ -921,7 +921,8 @@ def upcycle_init(model, hc) -> None:
         for mod in sorted((m for m in model.modules() if isinstance(m, HyperConnection)), key=lambda m: m.layer_index):
             if mod.b_pre is not None:
                 mod.b_pre.fill_(logit(1.0 / n - eps))
-            _, _, H = mod.coefficients(torch.ones(1, n, mod.hidden_size))  # input-independent: W = 0
+            dtype = next(mod.parameters()).dtype
+            _, _, H = mod.coefficients(torch.ones(1, n, mod.hidden_size, dtype=dtype))  # input-independent: W = 0
             scale *= 1.0 if H is None else H.double().sum(-1).mean().item()
             if mod.b_post is not None:
                 mod.b_post.fill_(logit(scale / 2))  # h_post = 2σ(b)
