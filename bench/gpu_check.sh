@@ -57,6 +57,7 @@ while [ $# -gt 0 ]; do
 done
 case "$NPROC" in 1|2) ;; *) echo "error: --nproc must be 1 or 2, got '$NPROC'" >&2; exit 2 ;; esac
 case "$BUDGET" in ''|*[!0-9]*) echo "error: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+if [ "$PERF" = 1 ] && [ "$NPROC" != 1 ]; then echo "error: --perf runs on one GPU; drop --nproc $NPROC" >&2; exit 2; fi
 
 # ---- the plan: name, time limit (s), command (limits sum to the default budget, 540 s) -----------
 STAMP=$(date +%Y%m%d-%H%M%S)

@@ -815,7 +815,7 @@ def bandwidth_fractions(packed, log_text: str = "") -> Dict[str, float]:
                 walk(x)
 
     walk(packed)
-    for m in re.finditer(r"^perf (\S+) sublayer.*?([\d.]+)\s*% of (?:the )?copy", log_text, re.M):
+    for m in re.finditer(r"^perf (\S+) sublayer\b.*?([\d.]+)\s*% of (?:the )?copy", log_text, re.M):
         found.setdefault(m.group(1), float(m.group(2)) / 100)
     return found
 
