@@ -90,7 +90,7 @@ def _close(got, want, what, rel=1e-5):
 
 
 @needs_grouped
-@pytest.mark.parametrize("fusion", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["swiglu", "fused-swiglu"])
+@pytest.mark.parametrize("fusion", [False, pytest.param(True, marks=pytest.mark.inductor)], ids=["swiglu", "fused-swiglu"])
 def test_grouped_equals_sequential_outputs_and_grads(parallel, monkeypatch, fusion):
     """Outputs, input grads and every weight grad of GroupedExperts equal SequentialMLP's and a
     float64 reference, with an expert that receives no token; the per-expert loop never runs."""
@@ -162,7 +162,7 @@ def test_spec_swap_both_megatron_styles():
 
 @needs_grouped
 @pytest.mark.slow
-def test_model_grouped_equals_sequential(parallel, monkeypatch):
+def test_model_grouped_equals_sequential(parallel):
     """A whole tiny HC GPT (mHC) with config.moe_grouped_gemm=True builds GroupedExperts and equals
     the SequentialMLP model in loss and every gradient; the default on CPU stays SequentialMLP."""
     from xhc.config import HCConfig
