@@ -82,9 +82,11 @@ def split_name(name: str, backend: str = "preset"):
 
 
 REALISTIC = dict(presets="moe-2p5b:vanilla,moe-2p5b:mhc,moe-2p5b:xhc,moe-2p5b:xhc-flash4", layers=4, seq=4096,
-                 micro_batch=4, vocab=32768, backends="compile", warmup=3, steps=5, rounds=3, profile=True)
+                 micro_batch=4, vocab=32768, backends="compile", warmup=2, steps=4, rounds=3, profile=True,
+                 grouped_experts="true")
 SMOKE = dict(presets="tiny-moe:vanilla,tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash4", layers=None, seq=32,
-             micro_batch=2, vocab=256, backends="preset", warmup=1, steps=1, rounds=1, profile=True)
+             micro_batch=2, vocab=256, backends="eager", warmup=1, steps=1, rounds=1, profile=True,
+             grouped_experts="true")
 
 
 def backbone_overrides(layers, grouped: str) -> dict:
@@ -260,8 +262,48 @@ def main(argv=None) -> int:
             train_step(model, opt, tokens, pos)
         models[name] = (preset, model, opt)
     sync()
+    from training.metrics import peak_tflops
+
+    peak, peak_note = peak_tflops(args.peak_tflops, cuda)
+    tokens_per_step = args.micro_batch * args.seq
+    dev = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} thread(s)"
     times = {n: [] for n in names}
-    for _ in range(args.rounds):
+    profiles = {}
+
+    def make_rows():
+        rows, base = [], None
+        base_t = statistics.median(times[names[0]])
+        vanilla_kernels = profiles.get(names[0])
+        for name in names:
+            preset, model, _ = models[name]
+            t = statistics.median(times[name])
+            tps = tokens_per_step / t
+            base = base or tps
+            flops = model_flops_per_token(preset, args.seq, args.vocab)
+            prof = (summarise_profile(profiles[name], vanilla_kernels if name != names[0] else None)
+                    if name in profiles else None)
+            pname, _, backend = name.partition("@")
+            if not preset.hc.enabled:
+                backend = "-"
+            rows.append({"preset": pname, "backend": backend or getattr(preset.hc, "kernels", "eager"),
+                         "variant": preset.hc.variant, "params_M": sum(q.numel() for q in model.parameters()) / 1e6,
+                         "hc_params_k": sum(q.numel() for q in model.parameters() if getattr(q, "is_hyper_connection", False)) / 1e3,
+                         "ms_per_step": 1e3 * t, "tokens_per_s": tps, "ratio": tps / base,
+                         "flops_ratio": flops["total"] / flops["backbone"],
+                         "mfu": flops["total"] * tps / (peak * 1e12), "layers": preset.num_layers,
+                         "experts": expert_modules(model), "hc_share_time": 1.0 - base_t / t,
+                         "profile": prof, "rounds_ms": [round(1e3 * x, 2) for x in times[name]]})
+        return rows
+
+    def dump(rows, state):
+        if args.json:  # rewritten after every round: a run killed at its time limit keeps its medians so far
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"state": state, "device": dev, "args": vars(args), "tokens_per_step": tokens_per_step,
+                           "peak_tflops": peak, "peak_note": peak_note, "rows": rows}, f, indent=1)
+            os.replace(tmp, args.json)
+
+    for i in range(args.rounds):
         for name in names:
             _, model, opt = models[name]
             sync()
@@ -270,38 +312,14 @@ def main(argv=None) -> int:
                 train_step(model, opt, tokens, pos)
             sync()
             times[name].append((time.perf_counter() - t0) / args.steps)
-
-    profiles = {}
+        dump(make_rows(), f"timed {i + 1} of {args.rounds} rounds")
+        print(f"round {i + 1}/{args.rounds}: " + ", ".join(f"{n} {1e3 * times[n][-1]:.1f} ms" for n in names),
+              file=sys.stderr, flush=True)
     if args.profile:
         for name in names:
             _, model, opt = models[name]
             profiles[name] = profile_step(model, opt, tokens, pos, cuda)
-    from training.metrics import peak_tflops
-
-    peak, peak_note = peak_tflops(args.peak_tflops, cuda)
-    tokens_per_step = args.micro_batch * args.seq
-    rows = []
-    base = None
-    base_t = statistics.median(times[names[0]])
-    vanilla_kernels = profiles.get(names[0])
-    for name in names:
-        preset, model, _ = models[name]
-        t = statistics.median(times[name])
-        tps = tokens_per_step / t
-        base = base or tps
-        flops = model_flops_per_token(preset, args.seq, args.vocab)
-        prof = summarise_profile(profiles[name], vanilla_kernels if name != names[0] else None) if name in profiles else None
-        pname, _, backend = name.partition("@")
-        if not preset.hc.enabled:
-            backend = "-"
-        rows.append({"preset": pname, "backend": backend or getattr(preset.hc, "kernels", "eager"), "variant": preset.hc.variant, "params_M": sum(q.numel() for q in model.parameters()) / 1e6,
-                     "hc_params_k": sum(q.numel() for q in model.parameters() if getattr(q, "is_hyper_connection", False)) / 1e3,
-                     "ms_per_step": 1e3 * t, "tokens_per_s": tps, "ratio": tps / base,
-                     "flops_ratio": flops["total"] / flops["backbone"],
-                     "mfu": flops["total"] * tps / (peak * 1e12), "layers": preset.num_layers,
-                     "experts": expert_modules(model), "hc_share_time": 1.0 - base_t / t,
-                     "profile": prof, "rounds_ms": [round(1e3 * x, 2) for x in times[name]]})
-    dev = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} thread(s)"
+    rows = make_rows()
     print(f"throughput: micro-batch {args.micro_batch} x seq {args.seq} (vocab {args.vocab}), {dev}, "
           f"{'bf16' if cuda else 'fp32'}; forward+backward+AdamW; median of {args.rounds} rounds x {args.steps} steps")
     print(f"layers {rows[0]['layers']}, routed experts {', '.join(sorted({r['experts'] for r in rows}))}; "
@@ -323,10 +341,7 @@ def main(argv=None) -> int:
             print(f"top {what} of one step, {r['preset']} {r['backend']} ({r['profile']['kernel_ms']:.1f} ms in all):")
             for k in r["profile"]["top"]:
                 print(f"  {k['ms']:>9.2f} ms {k['share']:>6.1%} {k['calls']:>5}x  {k['name'][:90]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": dev, "args": vars(args), "tokens_per_step": tokens_per_step, "peak_tflops": peak,
-                       "peak_note": peak_note, "rows": rows}, f, indent=1)
+    dump(rows, "done")
     destroy_parallel(destroy_process_group=True)
     return 0
 
