@@ -761,7 +761,8 @@ def check_roofline(ctx: Ctx) -> None:
     name = torch.cuda.get_device_name() if ctx.cuda else "CPU"
     ctx.report("PASS" if gbps > 0 and tflops > 0 else "FAIL", "roofline",
                f"{name}: copy {gbps:,.0f} GB/s (read + write, {n_copy * 4 >> 20} MiB each way, median of "
-               f"{20 if ctx.cuda else 3}), {str(dtype).split('.')[-1]} GEMM {tflops:,.1f} TFLOP/s ({m}^3 random, median "
+               f"{20 if ctx.cuda else 3}), {str(dtype).split('.')[-1]} GEMM {tflops:,.1f} TFLOP/s "
+               f"({m}^3 random, median "
                f"of {10 if ctx.cuda else 3})", data={"copy_gbps": gbps, "gemm_tflops": tflops, "device": name})
 
 
@@ -777,7 +778,8 @@ def pack_dir(src: str, dst: str) -> int:
             rel = os.path.relpath(path, src)
             try:
                 with open(path) as fh:
-                    out[rel] = json.load(fh) if f.endswith(".json") else fh.read() if f.endswith((".txt", ".csv", ".log")) else None
+                    text = f.endswith((".txt", ".csv", ".log"))
+                    out[rel] = json.load(fh) if f.endswith(".json") else fh.read() if text else None
             except (OSError, ValueError, UnicodeDecodeError) as e:
                 out[rel] = f"unreadable: {type(e).__name__}"
     with open(dst, "w") as fh:
@@ -785,7 +787,8 @@ def pack_dir(src: str, dst: str) -> int:
     return len(out)
 
 
-PERF_UNITS = (("mhc", "mHC N=4 sublayer", 0.50), ("xhc-mlp", "xHC MLP sublayer", 0.40), ("flash4", "Flash-4sub window", 0.40))
+PERF_UNITS = (("mhc", "mHC N=4 sublayer", 0.50), ("xhc-mlp", "xHC MLP sublayer", 0.40),
+              ("flash4", "Flash-4sub window", 0.40))
 PERF_RATIOS = (("mhc", "mHC", 0.93), ("xhc", "xHC", None), ("xhc_flash4", "Flash-4sub", 0.80))
 _FRACTION_KEYS = ("fraction_of_copy", "fraction_of_floor", "bw_fraction", "fraction")
 
@@ -841,7 +844,8 @@ def perf_table(results: str, log_text: str = "") -> List[str]:
     rows = {r["variant"]: r for r in tput.get("rows", [])}
     fracs = bandwidth_fractions(load("hc_perf.json") or {}, log_text)
     lines = [f"perf table: {roof.get('device', tput.get('device', '?'))}; copy "
-             + (f"{roof['copy_gbps']:,.0f} GB/s, {roof.get('gemm_dtype', 'bfloat16')} GEMM {roof['gemm_tflops']:,.1f} TFLOP/s"
+             + (f"{roof['copy_gbps']:,.0f} GB/s, {roof.get('gemm_dtype', 'bfloat16')} GEMM "
+                f"{roof['gemm_tflops']:,.1f} TFLOP/s"
                 if roof else "not measured")]
     head = f"  {'quantity':<54} {'measured':>12} {'target':>9}  verdict"
     lines += [head, "  " + "-" * (len(head) - 2)]
@@ -859,7 +863,8 @@ def perf_table(results: str, log_text: str = "") -> List[str]:
     for key, label, target in PERF_RATIOS:
         r = rows.get(key)
         if r is None:
-            row(f"{label} / vanilla tokens/s", "not measured", f">= {target:.2f}x" if target else "-", None if not target else False)
+            row(f"{label} / vanilla tokens/s", "not measured", f">= {target:.2f}x" if target else "-",
+                None if not target else False)
             continue
         share = (r.get("profile") or {}).get("hc_share")
         row(f"{label} / vanilla tokens/s ({r['backend']}; HC share {'-' if share is None else f'{share:.0%}'})",
@@ -869,7 +874,8 @@ def perf_table(results: str, log_text: str = "") -> List[str]:
         row(f"{label} fwd+bwd, share of copy bandwidth", "not measured" if f is None else f"{f:.1%}",
             f">= {target:.0%}", False if f is None else f >= target)
     if os.path.exists(os.path.join(results, "tuned_blocks.json")):
-        lines.append("  autotuned block sizes: commit them with  cp <files_at>/tuned_blocks.json xhc/kernels/tuned_blocks.json")
+        lines.append("  autotuned block sizes: commit them with  "
+                     "cp <files_at>/tuned_blocks.json xhc/kernels/tuned_blocks.json")
     return lines
 
 

@@ -202,10 +202,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--layers", type=int, default=None, help="shrink every preset to this many layers (dense ones kept)")
     p.add_argument("--grouped-experts", choices=("auto", "true", "false"), default="auto",
-                   help="routed experts as grouped GEMMs (models.grouped_experts); auto: the preset's (grouped on CUDA)")
+                   help="routed experts as grouped GEMMs (models.grouped_experts); "
+                   "auto: the preset's (grouped on CUDA)")
     p.add_argument("--profile", action="store_true", help="profile one step per model: top kernels, HC share")
     p.add_argument("--peak-tflops", type=float, default=None, help="MFU denominator (default: data-sheet bf16 peak)")
-    p.add_argument("--realistic", action="store_true", help="the issue-35 check: " + ", ".join(f"{k}={v}" for k, v in REALISTIC.items()))
+    p.add_argument("--realistic", action="store_true",
+                   help="the issue-35 check: " + ", ".join(f"{k}={v}" for k, v in REALISTIC.items()))
     p.add_argument("--smoke", action="store_true", help="the realistic check's mechanism on tiny-moe in seconds (CPU)")
     args = p.parse_args(argv)
     if args.realistic and args.smoke:
@@ -287,7 +289,8 @@ def main(argv=None) -> int:
                 backend = "-"
             rows.append({"preset": pname, "backend": backend or getattr(preset.hc, "kernels", "eager"),
                          "variant": preset.hc.variant, "params_M": sum(q.numel() for q in model.parameters()) / 1e6,
-                         "hc_params_k": sum(q.numel() for q in model.parameters() if getattr(q, "is_hyper_connection", False)) / 1e3,
+                         "hc_params_k": sum(q.numel() for q in model.parameters()
+                                            if getattr(q, "is_hyper_connection", False)) / 1e3,
                          "ms_per_step": 1e3 * t, "tokens_per_s": tps, "ratio": tps / base,
                          "flops_ratio": flops["total"] / flops["backbone"],
                          "mfu": flops["total"] * tps / (peak * 1e12), "layers": preset.num_layers,

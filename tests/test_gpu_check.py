@@ -270,7 +270,8 @@ def test_perf_dry_run_plan_fits_nine_minutes_and_calls_the_kernel_cli(tmp_path):
     assert budget + 10 <= cmd["timeout_s"] <= 600 and 4 * 60 + cmd["timeout_s"] <= 15 * 60, cmd
     out = tmp_path / "out"
     assert "bench.hc_kernels --perf --device cuda --out " in r.stdout and "--copy-gbps $COPY_GBPS" in r.stdout
-    assert f"bench.hc_kernels --autotune --device cuda --hidden 2048 --tokens 8192 --out {out}/tuned_blocks.json" in r.stdout
+    autotune = f"bench.hc_kernels --autotune --device cuda --hidden 2048 --tokens 8192 --out {out}/tuned_blocks.json"
+    assert autotune in r.stdout
     assert "cp <files_at>/tuned_blocks.json xhc/kernels/tuned_blocks.json" in r.stdout
     assert f"bench.throughput --realistic --json {out}/throughput.json" in r.stdout
     assert not out.exists()  # a dry run writes nothing
@@ -292,13 +293,15 @@ def test_perf_table_verdicts_against_the_targets(tmp_path):
             dict(variant="xhc", backend="compile", ratio=0.7, tokens_per_s=7e4, mfu=0.15, layers=4, profile=None),
             dict(variant="xhc_flash4", backend="compile", ratio=0.79, tokens_per_s=7.9e4, mfu=0.16, layers=4,
                  profile=None)]
-    (tmp_path / "throughput.json").write_text(json.dumps({"rows": rows, "peak_tflops": 989.0, "tokens_per_step": 16384}))
+    (tmp_path / "throughput.json").write_text(
+        json.dumps({"rows": rows, "peak_tflops": 989.0, "tokens_per_step": 16384}))
     (tmp_path / "hc_perf.json").write_text(json.dumps({"perf.json": {"rows": [
         {"variant": "mhc", "scope": "sublayer", "fraction_of_copy": 0.55},
         {"variant": "mhc", "scope": "kernel", "fraction_of_copy": 0.9},  # a kernel, not the sublayer
         {"variant": "xhc-mlp", "scope": "sublayer", "fraction_of_copy": 0.39}]}}))
     lines = perf_table(str(tmp_path), "perf flash4 sublayer fwd+bwd 1.2 ms, 41.5% of copy bandwidth\n")
-    verdict = {line.split("  ")[1].split(" (")[0].strip(): line.split()[-1] for line in lines[3:] if line.startswith("  ")}
+    verdict = {line.split("  ")[1].split(" (")[0].strip(): line.split()[-1]
+               for line in lines[3:] if line.startswith("  ")}
     assert verdict["mHC / vanilla tokens/s"] == "MET" and verdict["Flash-4sub / vanilla tokens/s"] == "MISSED", lines
     assert verdict["xHC / vanilla tokens/s"] == "n/a"
     assert verdict["mHC N=4 sublayer fwd+bwd, share of copy bandwidth"] == "MET"

@@ -90,7 +90,8 @@ def _close(got, want, what, rel=1e-5):
 
 
 @needs_grouped
-@pytest.mark.parametrize("fusion", [False, pytest.param(True, marks=pytest.mark.inductor)], ids=["swiglu", "fused-swiglu"])
+@pytest.mark.parametrize("fusion", [False, pytest.param(True, marks=pytest.mark.inductor)],
+                         ids=["swiglu", "fused-swiglu"])
 def test_grouped_equals_sequential_outputs_and_grads(parallel, monkeypatch, fusion):
     """Outputs, input grads and every weight grad of GroupedExperts equal SequentialMLP's and a
     float64 reference, with an expert that receives no token; the per-expert loop never runs."""
@@ -153,7 +154,8 @@ def test_spec_swap_both_megatron_styles():
     spec = ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts))
     assert use_grouped_experts(spec).submodules.experts.module is GroupedExperts
     assert spec.submodules.experts.module is SequentialMLP  # the input is not modified
-    builder = functools.partial(MoELayer, submodules=MoESubmodules(experts=functools.partial(SequentialMLP, submodules=_submodules())))
+    sequential = functools.partial(SequentialMLP, submodules=_submodules())
+    builder = functools.partial(MoELayer, submodules=MoESubmodules(experts=sequential))
     swapped = use_grouped_experts(builder).keywords["submodules"].experts
     assert swapped.func is GroupedExperts and swapped.keywords["submodules"] is not None
     dense = ModuleSpec(module=torch.nn.Linear)
