@@ -64,17 +64,8 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _PROBED[key]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (torch's grouped-matmul
-    backward refuses expanded gradients such as those of ``.sum()``)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
+def _contiguous_grad(g: torch.Tensor) -> torch.Tensor:
+    return g.contiguous()
 
 
 def grouped_linear(x: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor:
@@ -83,7 +74,10 @@ def grouped_linear(x: torch.Tensor, weights, offs: torch.Tensor) -> torch.Tensor
     ``x``: [T, K]; ``weights``: E tensors [N, K] (``torch.nn.Linear`` layout); ``offs``: int32 [E],
     the cumulative row counts (group e owns rows ``offs[e-1]:offs[e]``)."""
     w = torch.stack(list(weights)).transpose(1, 2)  # [E, K, N]
-    return _ContiguousGrad.apply(_GROUPED_MM(x, w, offs=offs))
+    out = _GROUPED_MM(x.contiguous(), w, offs=offs)
+    if out.requires_grad:  # torch's grouped-matmul backward refuses expanded gradients (e.g. of .sum())
+        out.register_hook(_contiguous_grad)
+    return out
 
 
 class GroupedExperts(SequentialMLP):

@@ -110,6 +110,24 @@ def test_grouped_equals_sequential_outputs_and_grads(parallel, monkeypatch, fusi
 
 
 @needs_grouped
+def test_grouped_linear_takes_expanded_gradients():
+    """``.sum()`` hands the grouped matmul an expanded (stride-0) gradient, which torch's own backward
+    refuses; grouped_linear's input and weight gradients then equal per-group matmuls'."""
+    from models.grouped_experts import grouped_linear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 8, generator=g, requires_grad=True)
+    ws = [torch.randn(12, 8, generator=g, requires_grad=True) for _ in range(3)]
+    grouped_linear(x, ws, torch.tensor([3, 3, 10], dtype=torch.int32)).sum().backward()
+    got = [t.grad.clone() for t in (x, *ws)]
+    for t in (x, *ws):
+        t.grad = None
+    sum((x[a:b].double() @ w.double().T).sum() for (a, b), w in zip([(0, 3), (3, 3), (3, 10)], ws)).backward()
+    for a, b in zip(got, (x, *ws)):
+        _close(a, b.grad, "grad")
+
+
+@needs_grouped
 def test_fallback_loop_where_grouped_cannot_run(parallel):
     """float64 tokens (no grouped kernel) take SequentialMLP's loop: same results."""
     seq, grp, _ = _pair()
