@@ -98,6 +98,11 @@ def blocks(kernel: str, n: int, C: int, override: dict = None) -> dict:
     """Block sizes of ``kernel`` at (N, C): :data:`DEFAULT_BLOCKS`, then the committed
     ``tuned_blocks.json`` entry for the shape when there is one, then ``override`` (autotuning)."""
     out = dict(DEFAULT_BLOCKS[kernel])
+    RP = np_of(n) ** 2
+    if kernel == "mhc_dw":  # two [RP + PP, BK] fp32 accumulators: keep them in registers (sm_90: no spills)
+        out["BK"] = min(out["BK"], max(16, 2048 // RP))
+    if kernel == "mhc_pre_bwd":  # several [BT, NP, NP] tensors live through the Sinkhorn adjoint
+        out["BT"] = min(out["BT"], max(2, 1024 // RP))
     out.update(_tuned().get(kernel, {}).get(f"N{n}_C{C}", {}))
     out.update(OVERRIDE.get(kernel, {}))
     if override:
