@@ -101,6 +101,7 @@ def blocks(kernel: str, n: int, C: int, override: dict = None) -> dict:
     RP = np_of(n) ** 2
     if kernel == "mhc_dw":  # two [RP + PP, BK] fp32 accumulators: keep them in registers (sm_90: no spills)
         out["BK"] = min(out["BK"], max(16, 2048 // RP))
+        out["BT"] = min(out["BT"], max(16, 4096 // RP))
     if kernel == "mhc_pre_bwd":  # several [BT, NP, NP] tensors live through the Sinkhorn adjoint
         out["BT"] = min(out["BT"], max(2, 1024 // RP))
     out.update(_tuned().get(kernel, {}).get(f"N{n}_C{C}", {}))
