@@ -638,12 +638,18 @@ def _tokenizer_path(src: Source) -> Optional[str]:
         return None
     path = tok.get("path")
     data = src.run_config.get("data") or {}
+    implicit = False  # the default corpus's tokenizer: where that run built it, never the working directory's
     if not path and not data.get("prefixes") and not data.get("mock") and not data.get("per_split"):
         path = os.path.join(data.get("default_dir") or "data/default", "tokenizer.model")
-    if path and not os.path.isabs(path) and src.run_dir and not os.path.exists(path):
+        implicit = not data.get("default_dir") or data.get("default_dir") == "data/default"
+    if implicit and not src.run_dir:
+        return None
+    if path and not os.path.isabs(path) and src.run_dir and (implicit or not os.path.exists(path)):
         for base in (os.path.dirname(os.path.abspath(src.run_dir)), os.path.dirname(os.path.dirname(os.path.abspath(src.run_dir)))):
             if os.path.exists(os.path.join(base, path)):
                 return os.path.join(base, path)
+        if implicit:
+            return None
     return path if path and os.path.exists(path) else None
 
 

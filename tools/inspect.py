@@ -329,17 +329,23 @@ def _validation_tokens(target: Target, count: int) -> Optional[Tuple[List[int], 
     d = cfg.get("data") or {}
     if not target.run_dir or d.get("mock") or d.get("per_split") and not (d.get("per_split") or {}).get("valid"):
         return None
+    named = True  # the config names its data (else the default corpus, wherever that run built it)
     if d.get("per_split"):
         prefix, split = d["per_split"]["valid"][0], "0,1,0"
     elif d.get("prefixes"):
         prefix, split = d["prefixes"][0], d.get("split") or "969,30,1"
     else:
-        from training.data.default import default_paths
+        from training.data.default import PREFIX_NAME
 
-        prefix, split = default_paths(d.get("default_dir") or "data/default")["data_prefix"], d.get("split") or "969,30,1"
-    candidates = [prefix] if os.path.isabs(prefix) else [
-        prefix, os.path.join(os.path.dirname(os.path.abspath(target.run_dir)), prefix),
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(target.run_dir))), prefix)]
+        named = bool(d.get("default_dir")) and d.get("default_dir") != "data/default"
+        prefix, split = os.path.join(d.get("default_dir") or "data/default", PREFIX_NAME), d.get("split") or "969,30,1"
+    # A relative path: next to the run directory (runs/<name> in the checkout that trained it), and the
+    # working directory only when the config names the data itself: an unnamed default must not pick up
+    # whatever data/default the current directory holds (another run's corpus, other tokens than the
+    # same model's checkpoint or export would get).
+    run_parent = os.path.dirname(os.path.abspath(target.run_dir))
+    candidates = [prefix] if os.path.isabs(prefix) else (
+        ([prefix] if named else []) + [os.path.join(run_parent, prefix), os.path.join(os.path.dirname(run_parent), prefix)])
     prefix = next((p for p in candidates if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin")), None)
     if prefix is None:
         return None
