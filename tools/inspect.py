@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from tools._cli import run_main
+from tools._cli import require, run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy
 from xhc.config import FLASH_FAMILY
 
@@ -1369,6 +1369,9 @@ def _run_main(argv=None) -> int:
             return 0
         if not args.source:
             raise InspectError("SOURCE is required (a run directory, a checkpoint directory or a Hugging Face folder)")
+        if not args.no_figures:
+            require("xhc-inspect (its figures; --no-figures writes inspect.json and report.md only)", "plot",
+                    "matplotlib")
         result = run(args, log)
         for r in result["runs"]:
             if r.get("message"):
