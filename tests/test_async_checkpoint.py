@@ -117,21 +117,21 @@ def test_no_space_during_a_save_leaves_a_clean_state_and_the_rerun_resumes(tmp_p
     run = str(tmp_path / "run")
     cmd = [*BASE, "run.train_steps=12", "checkpoint.interval=5", f"checkpoint.async_save={mode == 'async'}",
            f"run.dir={run}", f"checkpoint.dir={ckpt}"]
-    finish = tc.Checkpointer._finish
+    publish = tc.Checkpointer._publish
     write = FileSystemWriterAsync.write_preloaded_data
 
-    def finish_then_fill(self, step, *a, **k):  # the disk fills up after the first checkpoint
-        path = finish(self, step, *a, **k)
+    def publish_then_fill(self, step, *a, **k):  # the disk fills up after the first checkpoint
+        error = publish(self, step, *a, **k)
         if step == 5 and real_disk:
             _fill(str(disk), 1 << 20)
-        return path
+        return error
 
     def failing_write(*a, **k):  # what the writer reports where no small disk can be made
         raise OSError(errno.ENOSPC, "No space left on device") if shape == "disk_full" else RuntimeError(
             "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
     try:
-        monkeypatch.setattr(tc.Checkpointer, "_finish", finish_then_fill)
+        monkeypatch.setattr(tc.Checkpointer, "_publish", publish_then_fill)
         if not real_disk:
             def write_or_fail(transform_list, local_proc_idx, write_bucket, results_queue, count_queue, use_fsync,
                               **k):  # Megatron's parameter names: its writer passes them by keyword

@@ -680,6 +680,11 @@ class _PendingSave:
     def __init__(self, step, final, tmp, info, request, thread, t0):
         self.step, self.final, self.tmp, self.info = step, final, tmp, info
         self.request, self.thread, self.t0 = request, thread, t0
+        self.publisher: Optional[threading.Thread] = None  # rank 0's manifest / verify / rename thread
+        self.error: Optional[str] = None
+
+    def publish(self, ckpt: "Checkpointer") -> None:
+        self.error = ckpt._publish(self.step, self.final, self.tmp, self.info)
 
 
 def snapshot_write_buckets(buckets):
@@ -891,31 +896,34 @@ class Checkpointer:
     def _finish(self, step: int, final: str, tmp: str, info: Optional[dict]) -> str:
         """After every rank wrote its part: manifest, verification, rename to ``step_*``, pruning (collective)."""
         _barrier()
-        error = None
-        if _rank() == 0:
-            try:
-                import megatron.core
-
-                meta = {"step": int(step), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        "megatron_core": getattr(megatron.core, "__version__", "?"), **(info or {})}
-                write_manifest(tmp, meta, self.checksum)
-                verify_checkpoint(tmp)
-                if os.path.isdir(final):
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                _fsync_dir(self.root)
-                latest_tmp = os.path.join(self.root, "latest.tmp")
-                with open(latest_tmp, "w") as f:
-                    f.write(os.path.basename(final) + "\n")
-                os.replace(latest_tmp, os.path.join(self.root, "latest"))
-            except Exception as e:  # report on every rank rather than hang the others
-                error = self._failure(e, tmp)
-            if error is None:
-                self._prune()
+        error = self._publish(step, final, tmp, info) if _rank() == 0 else None
         error = _broadcast_text(error)
         if error:
             raise CheckpointError(f"checkpoint {final}: save failed: {error}")
         return final
+
+    def _publish(self, step: int, final: str, tmp: str, info: Optional[dict]) -> Optional[str]:
+        """Rank 0, once every file is written: manifest, verification, rename, ``latest``, pruning; the
+        one-line error (partial removed) or None.  Not collective (an async save runs it in a thread)."""
+        try:
+            import megatron.core
+
+            meta = {"step": int(step), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "megatron_core": getattr(megatron.core, "__version__", "?"), **(info or {})}
+            write_manifest(tmp, meta, self.checksum)
+            verify_checkpoint(tmp)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            latest_tmp = os.path.join(self.root, "latest.tmp")
+            with open(latest_tmp, "w") as f:
+                f.write(os.path.basename(final) + "\n")
+            os.replace(latest_tmp, os.path.join(self.root, "latest"))
+        except Exception as e:  # reported on every rank rather than hang the others
+            return self._failure(e, tmp)
+        self._prune()
+        return None
 
     # ---- asynchronous save ---------------------------------------------------------------------
     def save_async(self, step: int, state: dict, info: Optional[dict] = None) -> None:
@@ -961,33 +969,55 @@ class Checkpointer:
     def poll(self, blocking: bool = False) -> Optional[str]:
         """Finalize the save in flight if every rank's write has finished (``blocking``: wait for it);
         the new checkpoint's path, or None.  Collective while a save is in flight.  A failed write
-        raises the same one-line :class:`CheckpointError` as a synchronous save (partial removed)."""
+        raises the same one-line :class:`CheckpointError` as a synchronous save (partial removed).
+
+        Two phases: the files (every rank's writer thread; then Megatron's finalize, which gathers
+        the write results and writes ``.metadata``, collectively), then rank 0's manifest, hashes,
+        verification, rename and pruning in a thread of its own (hashing a large checkpoint takes
+        seconds that training need not wait for)."""
         p = self.pending
         if p is None:
             return None
-        if blocking and p.thread is not None:
-            p.thread.join()
-        alive = p.thread is not None and p.thread.is_alive()
-        if _world() > 1 and not blocking:
+        if p.publisher is None:  # phase 1: the files
+            if blocking and p.thread is not None:
+                p.thread.join()
+            alive = p.thread is not None and p.thread.is_alive()
+            if _world() > 1:
+                alive = _all_reduce_max(float(alive)) > 0
+            if alive:
+                return None
+            if p.thread is not None:
+                p.thread.join()
+            error = None
+            try:
+                with _inprocess_results_queue():
+                    for fn in p.request.finalize_fns:  # Megatron's: gather the write results, write .metadata
+                        fn()
+                _barrier()
+            except _SAVE_ERRORS as e:
+                error = e
+            error = self._agree(error, p.tmp)
+            if error:
+                self.pending = None
+                raise CheckpointError(f"checkpoint {p.final}: save failed: {error}")
+            p.publisher = threading.Thread(target=p.publish, args=(self,), name=f"xhc-checkpoint-{p.step}-publish",
+                                           daemon=True)
+            if _rank() == 0:
+                p.publisher.start()
+        # phase 2: rank 0 publishes
+        if blocking and p.publisher.is_alive():
+            p.publisher.join()
+        alive = p.publisher.is_alive()
+        if _world() > 1:
             alive = _all_reduce_max(float(alive)) > 0
         if alive:
             return None
-        if p.thread is not None:
-            p.thread.join()
         self.pending = None
-        error = None
-        try:
-            with _inprocess_results_queue():
-                for fn in p.request.finalize_fns:  # Megatron's: gather the write results, write .metadata
-                    fn()
-        except _SAVE_ERRORS as e:
-            error = e
-        error = self._agree(error, p.tmp)
+        error = _broadcast_text(p.error)
         if error:
             raise CheckpointError(f"checkpoint {p.final}: save failed: {error}")
-        path = self._finish(p.step, p.final, p.tmp, p.info)
         self.last_save_seconds = time.perf_counter() - p.t0
-        return path
+        return p.final
 
     def wait(self) -> Optional[str]:
         """Finish the save in flight, if any (collective); its path or None."""
@@ -1001,6 +1031,8 @@ class Checkpointer:
             return
         if p.thread is not None:
             p.thread.join()
+        if p.publisher is not None and p.publisher.is_alive():
+            p.publisher.join()  # a checkpoint being published is whole: let it become step_*
         if _rank() == 0:
             shutil.rmtree(p.tmp, ignore_errors=True)
 
