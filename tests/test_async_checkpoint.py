@@ -222,3 +222,25 @@ def test_kill_9_during_a_background_write_resumes_from_the_previous_checkpoint(t
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {os.path.join(run, 'checkpoints', 'step_00000003')}" in r.stdout
     assert not os.path.exists(partial)
+
+
+def test_unwritable_checkpoint_dir_is_one_line_at_start_up(tmp_path, monkeypatch, capsys):
+    """Root writes anywhere, so the refusal of a read-only disk is simulated: the probe file in
+    checkpoint.dir raises PermissionError, as it does for a user without write access."""
+    import tempfile
+
+    ckpt = str(tmp_path / "ck")
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, **k):
+        if k.get("dir") == ckpt:
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(ckpt, ".xhc-write-probe-x"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    capsys.readouterr()
+    assert main([*BASE, "run.train_steps=12", f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}"]) == 2
+    lines = _error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"checkpoint.dir {ckpt}: not writable (Permission denied" in lines[0], lines
+    assert "choose a writable checkpoint.dir" in lines[0]
+    assert not os.path.exists(tmp_path / "run")  # a refused start leaves the disk as it was

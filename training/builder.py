@@ -277,7 +277,7 @@ class Builder:
         ck = run.cfg.checkpoint
         run.ckpt = Checkpointer(run.paths["checkpoints"], keep_last=ck.keep_last, checksum=ck.checksum,
                                 log=run.log)
-        run.async_save = bool(run.cuda) if ck.async_save is None else bool(ck.async_save)
+        run.async_save = bool(ck.async_save)
         run.step = 0
         run.consumed_samples = 0
         run.skipped_steps = 0

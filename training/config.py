@@ -222,13 +222,13 @@ class CheckpointConfig(_Section):
     """Save when training finishes."""
     save_on_signal: bool = True
     """On SIGTERM (SLURM preemption, torchrun shutdown) or SIGUSR1: save at the next step boundary, exit 0."""
-    async_save: Optional[bool] = None
-    """Write checkpoints in the background (null: on for GPU runs, off on CPU).  The step that saves
-    only plans the save and snapshots the state (pinned host memory on GPU, a copy on CPU); a thread
-    writes the files while training goes on, and the checkpoint becomes ``step_*`` (manifest,
-    verification, pruning) only once every rank's write has finished.  At most one save is in
-    flight: the next save, a stop and the end of training wait for it.  docs/reliability.md has the
-    measured stall per save."""
+    async_save: bool = False
+    """Write checkpoints in the background.  The step that saves only plans the save and snapshots
+    the state (pinned host memory on GPU, a copy on CPU); a thread writes the files while training
+    goes on, and the checkpoint becomes ``step_*`` (manifest, verification, pruning) only once every
+    rank's write has finished.  At most one save is in flight: the next save, a stop and the end of
+    training wait for it.  Off by default: on CPU the writer competes with training for the same
+    cores, and on GPU it has not been measured yet (docs/reliability.md, "Asynchronous saves")."""
     checksum: str = "auto"
     """Manifest hashes: ``all`` files, ``metadata`` only, ``none`` (sizes only), ``auto`` (all below 2 GiB)."""
     optimizer_sharding: str = "dp_reshardable"
