@@ -122,6 +122,12 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             if self.is_last_hc_layer and hc_config.reduction == "softmax":
                 self.hc_readout_logits = torch.nn.Parameter(torch.zeros(hc_config.n))
                 _mark_param(self.hc_readout_logits, config)
+            if self.is_last_hc_layer and hc_config.reduction == "learned":  # DeepSeek-V4's head (xhc/head.py)
+                from xhc.head import LearnedHead
+
+                self.hc_head = LearnedHead(hc_config, C)
+                for p in self.hc_head.parameters():
+                    _mark_param(p, config)
 
     # --------------------------------------------------------------------------------------------
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
@@ -189,7 +195,9 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         drv.write(st, "mlp", self._bias_dropout(mlp_out), seq)
         X = drv.end(st)
 
-        if self.is_last_hc_layer:
+        if self.is_last_hc_layer and self.hc_config.reduction == "learned":
+            out = self.hc_head(X)
+        elif self.is_last_hc_layer:
             out = reduce_streams(X, self.hc_config.reduction, getattr(self, "hc_readout_logits", None))
         else:
             out = X.reshape(s, b, n * C)
@@ -211,7 +219,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         For blocks whose layers are homogeneous (no MoE layer pattern, e.g. a dense model) Megatron
         stacks every layer's tensor under one key with a layer axis.  HC layers are not homogeneous:
-        the softmax readout lives only in the last layer and Flash-4sub alternates two module types,
+        the softmax readout and the learned head live only in the last layer and Flash-4sub alternates two module types,
         so a stacked key would have missing layer shards and the save fails.  The HC tensors are
         therefore always keyed ``<block>.layers.<global layer>.<name>`` (the block's non-homogeneous
         form); backbone tensors keep Megatron's keys, so vanilla checkpoints still line up.
@@ -224,7 +232,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
         hc_prefixes = tuple(f"{prefix}{n}" for n in ("self_attention_hyper_connection.", "mlp_hyper_connection.",
-                                                      "hc_readout_logits"))
+                                                      "hc_readout_logits", "hc_head."))
         unstacked = super().sharded_state_dict(prefix, tuple(o for o in offsets if o != stack), metadata)
         hc = {k: v for k, v in unstacked.items() if k.startswith(hc_prefixes)}
         # The block later replaces "<block>.layers.<local>." by "<block>.layers."; inserting the
