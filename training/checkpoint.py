@@ -8,7 +8,7 @@ Layout under the checkpoint root::
       manifest.json           written last: every file's size (+ sha256), the step, the layout
     step_00000200/
     latest                    name of the newest finished checkpoint (informational)
-    .step_00000300.tmp/       a save in progress (or a crashed one: removed by the next save)
+    .step_00000300.tmp/       a save in progress (or a crashed one: removed by the next save or start)
 
 **Atomicity.**  Every rank writes into ``.step_XXXXXXXX.tmp``; after a barrier rank 0 writes
 ``manifest.json`` (temp file, fsync, rename), fsyncs and renames the directory to
@@ -35,6 +35,19 @@ whole process group (``kill -TERM -- -<pgid>``, torchrun's and SLURM's shutdown)
 them mid-write.  The results queue of the synchronous save is an in-process queue instead of
 Megatron's default ``multiprocessing.Manager`` server process (a separate process that a group
 signal killed, giving ``BrokenPipeError``, and that a ``kill -9`` of the trainer left behind).
+
+**Asynchronous saves** (:meth:`Checkpointer.save_async`, ``checkpoint.async_save``).  The plan and
+a snapshot of every tensor (pinned host memory on GPU, a copy on CPU) are taken in the caller's
+thread; a thread per rank writes the files into the ``.tmp`` directory; :meth:`Checkpointer.poll`,
+called at step boundaries, runs Megatron's finalize once every rank's write is done and then rank
+0's manifest, verification, rename and pruning in another thread.  Until then the checkpoint is a
+``.tmp`` directory like any unfinished save.  At most one save is in flight.
+
+**Storage faults.**  A failed save (sync or async) removes its ``.tmp`` directory and raises one
+line: for a full disk (:func:`is_no_space`: ENOSPC, torch's ``inline_container ... unexpected
+pos``, short writes, whatever exception wraps them) it names the disk, its free space and the
+previous checkpoint that is kept.  :func:`remove_partial_saves` clears the ``.tmp`` directories of
+crashed saves (every save, and the trainer's start-up before its free-space check).
 
 **Selection and fallback.**  ``checkpoint.load=auto`` takes the newest checkpoint that passes
 :func:`verify_checkpoint`; a newer one that fails is renamed ``step_XXXXXXXX.corrupt`` (kept for
