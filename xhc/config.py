@@ -45,7 +45,9 @@ VARIANTS = ("none", "hc", "mhc", "mhc_lite", "kromhc", "identity", "xhc", "xhc_f
 MHC_FAMILY = ("mhc", "mhc_lite", "kromhc", "identity")
 XHC_FAMILY = ("xhc", "xhc_flash", "xhc_flash4")
 FLASH_FAMILY = ("xhc_flash", "xhc_flash4")  # routing shared by a window of sublayers (§4)
-REDUCTIONS = ("sum", "mean", "softmax")
+REDUCTIONS = ("sum", "mean", "softmax", "learned")
+CONVENTIONS = ("paper", "deepseek_v4")
+DEEPSEEK_V4_VARIANTS = ("mhc", "identity")  # the variants that take ``convention: deepseek_v4`` (docs/math.md §2.h)
 READ_INITS = ("auto", "one_hot", "uniform")
 PRESETS = ("spec", "peft_paper")
 ROUTERS = ("sigmoid", "softmax")
@@ -122,8 +124,18 @@ class HCConfig(ConfigBase):
     ablate_post: bool = False
     """h_post ≡ 1, no parameters."""
 
+    # ---- convention (§2.h) --------------------------------------------------------------------
+    convention: str = "paper"
+    """``paper``: the mHC paper's maps (the sections above); ``deepseek_v4``: DeepSeek-V4's (as in
+    transformers' ``DeepseekV4HyperConnection``): h_pre = σ(·) + ε, the residual map from
+    softmax + ε and a column-first Sinkhorn with ``+ ε`` denominators (``sinkhorn_eps`` is ε,
+    ``sinkhorn_order`` and ``row_sum_clamp`` are not used), applied transposed.  Variants
+    :data:`DEEPSEEK_V4_VARIANTS` only (docs/math.md §2.h)."""
+
     # ---- entry / exit (§1.6) -----------------------------------------------------------------
     reduction: str = "sum"
+    """``sum`` | ``mean`` | ``softmax`` (N learned logits) | ``learned`` (DeepSeek-V4's head: per-token
+    weights σ(α·RMSNorm(vec X)·W + b) + ε, :class:`xhc.head.LearnedHead`; §1.6)."""
 
     # ---- xHC (§3) ----------------------------------------------------------------------------
     k: int = 4
@@ -202,8 +214,12 @@ class HCConfig(ConfigBase):
             raise _err("kernels", self.kernels, f"allowed values are {', '.join(KERNEL_BACKENDS)}")
         if self.reduction not in REDUCTIONS:
             raise _err("reduction", self.reduction, f"allowed values are {', '.join(REDUCTIONS)}")
+        if self.convention not in CONVENTIONS:
+            raise _err("convention", self.convention, f"allowed values are {', '.join(CONVENTIONS)}")
         if self.kernels == "liger" and self.enabled:
             self._validate_liger()
+        if self.convention == "deepseek_v4" and self.enabled:
+            self._validate_deepseek_v4()
         if self.variant in XHC_FAMILY:
             self._validate_xhc()
 
@@ -227,6 +243,20 @@ class HCConfig(ConfigBase):
         if self.res_logit_dropout > 0:
             raise _err("res_logit_dropout", self.res_logit_dropout, "kernels: liger has no dropout on the "
                        "residual logits; set it to 0 or use kernels: auto")
+
+    def _validate_deepseek_v4(self) -> None:
+        """``convention: deepseek_v4`` where DeepSeek-V4's maps are defined (docs/math.md §2.h)."""
+        if self.variant not in DEEPSEEK_V4_VARIANTS:
+            raise _err("convention", "deepseek_v4", f"defined for variants {', '.join(DEEPSEEK_V4_VARIANTS)} "
+                       f"only, not {self.variant!r}; use convention: paper")
+        if self.sinkhorn_iters < 1 and self.variant == "mhc" and not self.ablate_res:
+            raise _err("sinkhorn_iters", self.sinkhorn_iters, "convention: deepseek_v4 runs at least one "
+                       "(column) normalisation; set sinkhorn_iters >= 1")
+        if self.mapping_norm_affine:
+            raise _err("mapping_norm_affine", True, "convention: deepseek_v4 uses an unweighted RMSNorm; "
+                       "set mapping_norm_affine: false")
+        if self.kernels == "liger":
+            raise _err("kernels", "liger", "Liger-Kernel has no deepseek_v4 convention; use kernels: auto")
 
     def _validate_xhc(self) -> None:
         if not isinstance(self.k, int) or not 1 <= self.k <= self.n:

@@ -7,6 +7,7 @@ Rows index *output* streams: the write is X' = H_res · X (docs/math.md §1.3, c
 function               logits shape                           H_res property
 =====================  =====================================  =========================
 :func:`sinkhorn`       ``[..., n, n]``                        rows exact, columns ≈ 1
+:func:`sinkhorn_deepseek` ``[..., n, n]`` (DeepSeek-V4, §2.h)  columns ≈ 1 − ε, rows ≈ 1
 :func:`mhc_lite_mix`   ``[..., n!]`` (permutations, lexic.)    exactly doubly stochastic
 :func:`kromhc_mix`     ``[..., 2·log2 n]`` ([id, swap] pairs)  exactly doubly stochastic
 :func:`identity_mix`   none                                   I_n
@@ -129,6 +130,86 @@ def sinkhorn(
     if recompute and torch.is_grad_enabled() and Z.requires_grad:
         return _SinkhornRecompute.apply(Z, t_max, eps, order)
     return _sinkhorn_iterations(Z, t_max, eps, order)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V4's Sinkhorn (docs/math.md §2.h): softmax + ε start, column first, + ε denominators
+# ----------------------------------------------------------------------------------------------
+def _sinkhorn_deepseek_iterations(Z: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The reference loop on fp32 logits ``Z`` ``[..., n, n]``: M = softmax(Z, −1) + ε, one column
+    normalisation, then (iters − 1) × (row, column), each M / (Σ M + ε)."""
+    M = torch.softmax(Z, -1) + eps
+    M = M / (M.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        M = M / (M.sum(-1, keepdim=True) + eps)
+        M = M / (M.sum(-2, keepdim=True) + eps)
+    return M
+
+
+def _sinkhorn_deepseek_steps(iters: int):
+    """The normalisation axes of :func:`_sinkhorn_deepseek_iterations`, in order (-1: row, -2: column)."""
+    return [-2] + [-1, -2] * (iters - 1)
+
+
+def sinkhorn_deepseek_backward(Z: torch.Tensor, grad_out: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Hand-written adjoint of :func:`_sinkhorn_deepseek_iterations`: dL/dZ from dL/dM.
+
+    As :func:`sinkhorn_backward`, with d = s + ε (so every step passes its gradient):
+    dM = (G' − Σ_axis(G' ⊙ M')) / d, M = M' ⊙ d; at the start M_0 = p + ε, p = softmax(Z):
+    dZ = p ⊙ (G_0 − Σ_row(G_0 ⊙ p)).  ``Z``, ``grad_out``: ``[..., n, n]``.
+    """
+    Z = fp32(Z)
+    G = grad_out.to(Z.dtype)
+    p = torch.softmax(Z, -1)
+    M, sums = p + eps, []
+    steps = _sinkhorn_deepseek_steps(iters)
+    for axis in steps:
+        s = M.sum(axis, keepdim=True)
+        sums.append(s)
+        M = M / (s + eps)
+    for axis, s in zip(reversed(steps), reversed(sums)):
+        d = s + eps
+        G = (G - (G * M).sum(axis, keepdim=True)) / d
+        M = M * d
+    return p * (G - (G * p).sum(-1, keepdim=True))
+
+
+class _SinkhornDeepseekRecompute(torch.autograd.Function):
+    """:func:`sinkhorn_deepseek` as one op saving only the logits (backward: :func:`sinkhorn_deepseek_backward`)."""
+
+    @staticmethod
+    def forward(ctx, Z, iters, eps):
+        ctx.save_for_backward(Z)
+        ctx.cfg = (iters, eps)
+        return _sinkhorn_deepseek_iterations(Z, iters, eps)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (Z,) = ctx.saved_tensors
+        return sinkhorn_deepseek_backward(Z, grad_out, *ctx.cfg), None, None
+
+
+def sinkhorn_deepseek(Z: torch.Tensor, iters: int = 20, eps: float = 1e-6, recompute: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's ``comb`` from its logits (docs/math.md §2.h; transformers' ``DeepseekV4HyperConnection``).
+
+    comb = softmax(Z, −1) + ε; comb /= Σ_rows comb + ε (columns); then (iters − 1) × (rows, columns),
+    each with + ε in the denominator.  The write uses combᵀ (§2.h): H_res = combᵀ.
+
+    Args:
+        Z: logits ``[..., n, n]`` (already α·proj + b), computed in fp32 (float64 stays float64).
+        iters: ``hc_sinkhorn_iters`` (≥ 1).
+        eps: ``hc_eps``, added (not clamped) to the start and to every denominator.
+        recompute: the memory-saving op (same values; backward by :func:`sinkhorn_deepseek_backward`).
+
+    Returns:
+        ``[..., n, n]``, entries > 0; columns sum to s/(s + ε) < 1 after the last step.
+    """
+    if iters < 1:
+        raise ValueError(f"sinkhorn_deepseek iters={iters}: must be >= 1 (the first column normalisation)")
+    Z = fp32(Z)
+    if recompute and torch.is_grad_enabled() and Z.requires_grad:
+        return _SinkhornDeepseekRecompute.apply(Z, iters, eps)
+    return _sinkhorn_deepseek_iterations(Z, iters, eps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ Equations (docs/math.md §1.3 and §2.0), per token, X ∈ R^{N×C}:
 :func:`hc_dynamic_coefficients`    HC tanh form ([HC] Alg. 2, §2.a)
 =================================  ============================================================
 
+``convention: deepseek_v4`` (DeepSeek-V4, docs/math.md §2.h; variants mhc and identity) changes three maps:
+
+=================================  ============================================================
+:func:`pre_weights_deepseek`       h_pre = σ(z_pre) + ε
+:func:`~xhc.doubly_stochastic.sinkhorn_deepseek`  comb = Sinkhorn_DS(z_res)  (softmax + ε, column first)
+:func:`mixing_from_comb`           H_res = combᵀ   (so X' = post ⊗ y + combᵀ · X)
+=================================  ============================================================
+
 The read and the write are computed by :func:`xhc.kernels.read` / :func:`xhc.kernels.write` on the
 resolved kernel backend (``eager`` runs the reference functions above; docs/kernels.md).
 """
@@ -87,6 +95,16 @@ def dynamic_logits(
 def pre_weights(z_pre: torch.Tensor) -> torch.Tensor:
     """h_pre = σ(z_pre)  ([mHC] Eq. 8).  ``[..., N]``."""
     return torch.sigmoid(z_pre)
+
+
+def pre_weights_deepseek(z_pre: torch.Tensor, eps: float) -> torch.Tensor:
+    """h_pre = σ(z_pre) + ε  (DeepSeek-V4, docs/math.md §2.h; ε = ``sinkhorn_eps``).  ``[..., N]``."""
+    return torch.sigmoid(z_pre) + eps
+
+
+def mixing_from_comb(comb: torch.Tensor) -> torch.Tensor:
+    """H_res = combᵀ: DeepSeek-V4 mixes out_k = Σ_j comb[j, k] · X_j (docs/math.md §2.h).  ``[..., N, N]``."""
+    return comb.transpose(-1, -2)
 
 
 def post_weights(z_post: torch.Tensor) -> torch.Tensor:
@@ -327,6 +345,11 @@ class HyperConnection(nn.Module):
         if kernels.liger_runs(cfg.kernels, X.device):
             return self._liger_coefficients(X)
         z_pre, z_post, z_res = self._logits(X)
+        if cfg.convention == "deepseek_v4":
+            h_pre = None if z_pre is None else pre_weights_deepseek(z_pre, cfg.sinkhorn_eps)
+            h_post = None if z_post is None else post_weights(z_post)
+            H_res = None if z_res is None else self.mixing(z_res)
+            return h_pre, h_post, H_res
         h_pre = None if z_pre is None else pre_weights(z_pre)
         h_post = None if z_post is None else post_weights(z_post)
         H_res = None if z_res is None else self.mixing(z_res)
@@ -372,12 +395,20 @@ class HyperConnection(nn.Module):
         cfg, n = self.cfg, self.n
         if self.training and cfg.res_logit_dropout > 0:
             z_res = _residual_logit_dropout(z_res, cfg.res_logit_dropout, cfg.variant, n)
+        if cfg.variant == "mhc" and cfg.convention == "deepseek_v4":  # §2.h: no row clamp (rows of combᵀ < 1)
+            return mixing_from_comb(self.comb(z_res))
         if cfg.variant == "mhc":
             H = mixing_sinkhorn(z_res.unflatten(-1, (n, n)), cfg, self.backend(z_res))
             return clamp_rows(H) if cfg.row_sum_clamp else H
         if cfg.variant == "mhc_lite":
             return mhc_lite_mix(z_res, n)
         return kromhc_mix(z_res, n)
+
+    def comb(self, z_res: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4's comb ``[..., N, N]`` from the residual logits ``[..., N²]`` (§2.h; H_res = combᵀ)."""
+        cfg, n = self.cfg, self.n
+        return kernels.sinkhorn_deepseek(z_res.unflatten(-1, (n, n)), cfg.sinkhorn_iters, cfg.sinkhorn_eps,
+                                         backend=self.backend(z_res), recompute=cfg.sinkhorn_recompute)
 
     def _hc_coefficients(self, X: torch.Tensor):
         n, batch = self.n, X.shape[:-2]
@@ -428,7 +459,8 @@ class HyperConnection(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return f"variant={c.variant}, n={c.n}, dynamic={c.dynamic}, C={self.hidden_size}, layer_index={self.layer_index}"
+        conv = "" if c.convention == "paper" else f", convention={c.convention}"
+        return f"variant={c.variant}, n={c.n}, dynamic={c.dynamic}, C={self.hidden_size}, layer_index={self.layer_index}{conv}"
 
 
 def _residual_logit_dropout(z: torch.Tensor, p: float, variant: str, n: int) -> torch.Tensor:
@@ -449,12 +481,15 @@ def _residual_logit_dropout(z: torch.Tensor, p: float, variant: str, n: int) -> 
 
 
 class StreamReadout(nn.Module):
-    """Exit reduction (docs/math.md §1.6): ``sum``, ``mean`` or a learned ``softmax`` readout (N logits, init 0)."""
+    """Exit reduction (docs/math.md §1.6): ``sum``, ``mean`` or a learned ``softmax`` readout (N logits, init 0).
+
+    ``reduction: learned`` is :class:`xhc.head.LearnedHead` (per-token weights; it needs C)."""
 
     def __init__(self, n: int, mode: str = "sum"):
         super().__init__()
         if mode not in ("sum", "mean", "softmax"):
-            raise HCConfigError(f"HCConfig.reduction={mode!r} is invalid: allowed values are sum, mean, softmax")
+            raise HCConfigError(f"HCConfig.reduction={mode!r} is invalid here: allowed values are sum, mean, softmax "
+                                f"(reduction 'learned' is xhc.head.LearnedHead)")
         self.n, self.mode = n, mode
         self.logits = nn.Parameter(torch.zeros(n)) if mode == "softmax" else None
 

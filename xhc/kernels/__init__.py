@@ -27,6 +27,7 @@ them without a cycle.
 
 ==================  ==========================================================================
 :func:`sinkhorn`    H = Sinkhorn–Knopp(Z) (docs/math.md §1.4), one op, hand-written backward
+:func:`sinkhorn_deepseek`  DeepSeek-V4's comb (softmax + ε, column first, + ε denominators; §2.h)
 :func:`read`        u_t = Σ_j h[t, j] · X_j  (T reads of one state in one pass; §1.3, §3.4, §4.1)
 :func:`write`       X'[I_j] = Σ_q H[j, q]·X_a[q] + Σ_s P[j, s]·V_s;  X'[i] = X[i] for i ∉ I  (§1.3, §3.4)
 :func:`gram`        M[a, b] = Σ_c V_a·V_b, the Gram matrix of the write components (§3.3)
@@ -179,6 +180,25 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
 
         return triton_ops.sinkhorn(Z, t_max, eps, order)
     return ds.sinkhorn(Z, t_max, eps, order, recompute=True)
+
+
+def sinkhorn_deepseek(Z: torch.Tensor, iters: int = 20, eps: float = 1e-6, backend: str = "compile",
+                      recompute: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's Sinkhorn of ``Z`` ``[..., n, n]`` -> fp32 ``[..., n, n]`` (docs/math.md §2.h).
+
+    ``eager``: the reference :func:`xhc.doubly_stochastic.sinkhorn_deepseek` (unrolled autograd, or its
+    recompute op when ``recompute``); ``compile``: the recompute op (saves only Z); ``triton``: the
+    same op as two kernels (:func:`xhc.kernels.triton_ops.sinkhorn_deepseek`).
+    """
+    from xhc import doubly_stochastic as ds
+
+    if backend == "eager":
+        return ds.sinkhorn_deepseek(Z, iters, eps, recompute=recompute)
+    if backend == "triton":
+        from xhc.kernels import triton_ops
+
+        return triton_ops.sinkhorn_deepseek(Z, iters, eps)
+    return ds.sinkhorn_deepseek(Z, iters, eps, recompute=True)
 
 
 def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = None,

@@ -887,3 +887,118 @@ def gather(X: torch.Tensor, I: torch.Tensor, after: Optional[torch.Tensor] = Non
     state's :func:`linear_stats` op (the routing weights): the gradient dX_a is then added to X's
     rows by that op's backward instead of a scatter into a zero N·C tensor."""
     return _Gather.apply(X, I, after)
+
+
+# ================================================================================================
+# DeepSeek-V4's Sinkhorn (docs/math.md §2.h): softmax + ε start, column first, + ε denominators
+# ================================================================================================
+@triton.jit
+def _skd_start(Z, T, n, eps, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
+    """p = softmax(Z, −1) and M_0 = p + ε on the real entries (0 on the padding)."""
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)[:, None, None]
+    i = tl.arange(0, NP)[None, :, None]
+    j = tl.arange(0, NP)[None, None, :]
+    mask = (t < T) & (i < n) & (j < n)
+    offs = t * n * n + i * n + j
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(CDT)
+    zm = tl.where(mask, z, float("-inf"))
+    zmax = tl.max(zm, 2)[:, :, None]
+    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
+    e = tl.where(mask, tl.exp(z - zmax), 0.0)
+    p = e / tl.maximum(tl.sum(e, 2), 1e-30)[:, :, None]
+    return p, tl.where(mask, p + eps, 0.0), mask, offs
+
+
+@triton.jit
+def _sinkhorn_ds_fwd_kernel(Z, OUT, T, n, iters, eps, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
+    p, M, mask, offs = _skd_start(Z, T, n, eps, BT, NP, CDT)
+    M = M / (tl.sum(M, 1) + eps)[:, None, :]
+    for _ in range(iters - 1):
+        M = M / (tl.sum(M, 2) + eps)[:, :, None]
+        M = M / (tl.sum(M, 1) + eps)[:, None, :]
+    tl.store(OUT + offs, _cast(M, OUT), mask=mask)
+
+
+@triton.jit
+def _skd_step_fwd(M, S, base, k, eps, AXIS: tl.constexpr, NP: tl.constexpr):
+    s = tl.sum(M, AXIS)  # [BT, NP]
+    tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
+    if AXIS == 2:
+        return M / (s + eps)[:, :, None]
+    return M / (s + eps)[:, None, :]
+
+
+@triton.jit
+def _skd_step_bwd(G, M, S, base, k, eps, mask, AXIS: tl.constexpr, NP: tl.constexpr):
+    s = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])
+    if AXIS == 2:
+        d = (s + eps)[:, :, None]
+        dot = tl.sum(G * M, 2)[:, :, None]
+    else:
+        d = (s + eps)[:, None, :]
+        dot = tl.sum(G * M, 1)[:, None, :]
+    return tl.where(mask, (G - dot) / d, 0.0), M * d  # padding kept at 0 (its d is ε)
+
+
+@triton.jit
+def _sinkhorn_ds_bwd_kernel(Z, DH, DZ, S, T, n, iters, eps, NS: tl.constexpr, BT: tl.constexpr,
+                            NP: tl.constexpr, CDT: tl.constexpr):
+    p, M, mask, offs = _skd_start(Z, T, n, eps, BT, NP, CDT)
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)[:, None]
+    base = t * NS * NP  # [BT, 1]
+    M = _skd_step_fwd(M, S, base, 0, eps, 1, NP)
+    k = 1
+    for _ in range(iters - 1):
+        M = _skd_step_fwd(M, S, base, k, eps, 2, NP)
+        M = _skd_step_fwd(M, S, base, k + 1, eps, 1, NP)
+        k += 2
+    G = tl.load(DH + offs, mask=mask, other=0.0).to(CDT)
+    for _ in range(iters - 1):
+        G, M = _skd_step_bwd(G, M, S, base, k - 1, eps, mask, 1, NP)
+        G, M = _skd_step_bwd(G, M, S, base, k - 2, eps, mask, 2, NP)
+        k -= 2
+    G, M = _skd_step_bwd(G, M, S, base, 0, eps, mask, 1, NP)
+    dZ = p * (G - tl.sum(G * p, 2)[:, :, None])
+    tl.store(DZ + offs, _cast(dZ, DZ), mask=mask)
+
+
+class _SinkhornDeepseek(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Z, iters, eps):
+        n = Z.shape[-1]
+        Zc = Z.reshape(-1, n, n).contiguous()
+        T = Zc.shape[0]
+        out = torch.empty_like(Zc)
+        BT, NP = _sk_block(n), _np2(n)
+        grid = (triton.cdiv(T, BT),)
+        _sinkhorn_ds_fwd_kernel[grid](Zc, out, T, n, iters, eps, BT=BT, NP=NP, CDT=_tl(Z.dtype))
+        ctx.save_for_backward(Z)
+        ctx.cfg = (iters, eps)
+        return out.view(Z.shape)
+
+    @staticmethod
+    def backward(ctx, dH):
+        (Z,) = ctx.saved_tensors
+        iters, eps = ctx.cfg
+        n = Z.shape[-1]
+        Zc = Z.reshape(-1, n, n).contiguous()
+        T = Zc.shape[0]
+        BT, NP = _sk_block(n), _np2(n)
+        NS = 2 * iters - 1
+        grid = (triton.cdiv(T, BT),)
+        S = torch.empty(grid[0] * BT, NS, NP, dtype=Zc.dtype, device=Z.device)
+        dZ = torch.empty_like(Zc)
+        _sinkhorn_ds_bwd_kernel[grid](Zc, dH.reshape(-1, n, n).to(Zc.dtype).contiguous(), dZ, S, T, n, iters, eps,
+                                      NS=NS, BT=BT, NP=NP, CDT=_tl(Z.dtype))
+        return dZ.view(Z.shape), None, None
+
+
+def sinkhorn_deepseek(Z: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
+    """DeepSeek-V4's Sinkhorn ``[..., n, n]`` -> fp32 (float64 stays float64); saves only Z
+    (:func:`xhc.doubly_stochastic.sinkhorn_deepseek`, backward as its adjoint)."""
+    if iters < 1:
+        raise ValueError(f"sinkhorn_deepseek iters={iters}: must be >= 1")
+    Z = Z if Z.dtype == torch.float64 else Z.float()
+    return _SinkhornDeepseek.apply(Z, iters, eps)
