@@ -18,7 +18,7 @@ With hyper-connections each depth k (1-based) works on the N-stream state, never
 
     loss = loss_main + mtp_loss_scaling_factor / D · Σ_k loss_k               (Megatron's rule)
 
-``head_k`` is built by the same code as the decoder's final collapse (:func:`models.hc_layer.build_stream_head`):
+``head_k`` is built by the same code as the decoder's final collapse (:func:`models.hc_layer.attach_stream_head`):
 the preset's ``reduction`` (a learned head when ``reduction: learned``).  Flash windows: an MTP layer is
 one stand-alone xHC-Flash window (``XHCFlashLayer``) for both ``xhc_flash`` and ``xhc_flash4`` (a
 Flash-4sub window pairs two decoder layers; an MTP depth has one, as the decoder's final odd layer).
@@ -103,7 +103,7 @@ class HCMultiTokenPredictionLayer(MegatronModule):
         super().__init__(config=config)
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        from models.hc_layer import build_stream_head
+        from models.hc_layer import attach_stream_head
 
         self.hc_config = hc_config
         self.layer_number = layer_number
@@ -129,15 +129,12 @@ class HCMultiTokenPredictionLayer(MegatronModule):
                                                   layer_number=layer_number + config.num_layers - offset)
             _single_flash_window(self.transformer_layer)
             self.final_layernorm = norm(submodules.layer_norm)
-            head = build_stream_head(hc_config, C, config)
-            if head is not None:
-                self.hc_head = head
-        self.enorm_eps = config.layernorm_epsilon
+            attach_stream_head(self, hc_config, C, config)
 
     def _head(self, X):
         from models.hc_layer import apply_stream_head
 
-        return apply_stream_head(X, self.hc_config, getattr(self, "hc_head", None))
+        return apply_stream_head(self, X)
 
     def _body(self, hidden_states, decoder_input, attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
               packed_seq_params, sequence_len_offset):

@@ -194,6 +194,13 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
     spec = get_hc_decoder_block_spec(config, preset.hc, use_transformer_engine=use_transformer_engine,
                                      vp_stage=vp_stage, pp_rank=pp_rank)
+    from models.mtp import get_mtp_block_spec, install_stream_passthrough
+
+    from models.specs import _use_te
+
+    te = _use_te(use_transformer_engine)
+    mtp_spec = get_mtp_block_spec(config, spec, preset.hc, use_transformer_engine=te, vp_stage=vp_stage,
+                                  pp_rank=pp_rank)
     b = preset.backbone
     kwargs = dict(
         config=config,
@@ -210,7 +217,11 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
         kwargs["vp_stage"] = vp_stage
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
+    if mtp_spec is not None:
+        kwargs["mtp_block_spec"] = mtp_spec
     model = GPTModel(**kwargs)
+    if getattr(config, "mtp_num_layers", None) and preset.hc.enabled and post_process:
+        install_stream_passthrough(model)  # the last HC layer hands cat(collapse(X), X) to the MTP depths
     rc = preset.hc_recompute if hc_recompute is None else hc_recompute
     if rc:
         from models.hc_layer import set_hc_recompute
