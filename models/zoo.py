@@ -220,6 +220,9 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     if mtp_spec is not None:
         kwargs["mtp_block_spec"] = mtp_spec
     model = GPTModel(**kwargs)
+    if getattr(model, "mtp_process", False):
+        for p in model.mtp.parameters():
+            p.is_mtp = True  # training.optim.grad_norm sums these apart (λ = 0 clips as without MTP)
     if getattr(config, "mtp_num_layers", None) and preset.hc.enabled and post_process:
         install_stream_passthrough(model)  # the last HC layer hands cat(collapse(X), X) to the MTP depths
     rc = preset.hc_recompute if hc_recompute is None else hc_recompute
