@@ -271,6 +271,30 @@ def install_stream_passthrough(model) -> None:
         mod._mtp_hidden = C
 
 
+def finish_mtp_model(model, hc: HCConfig) -> None:
+    """After ``GPTModel(..., mtp_block_spec=...)``: tag the depths' parameters ``is_mtp`` (the grad norm
+    sums them apart, so a λ = 0 run clips exactly as the run without MTP), let the streams through the
+    final norm / output layer (HC variants), and give Megatron's per-depth loss buffer a home on the
+    model's device before each forward (Megatron allocates it on CUDA)."""
+    if getattr(model, "mtp_process", False):
+        for p in model.mtp.parameters():
+            p.is_mtp = True
+        D = int(model.config.mtp_num_layers)
+
+        def ensure_tracker(module, args, kwargs):
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            hs = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
+            dev = hs.device if hs is not None else torch.device("cpu")
+            tr = MTPLossLoggingHelper.tracker
+            if "values" not in tr or tr["values"].numel() != D or tr["values"].device != dev:
+                tr["values"] = torch.zeros(D, device=dev)
+
+        model.mtp.register_forward_pre_hook(ensure_tracker, with_kwargs=True)
+    if getattr(model.config, "mtp_num_layers", None) and hc.enabled and model.post_process:
+        install_stream_passthrough(model)
+
+
 def mtp_parameters(model):
     """(name, parameter) of the MTP depths of a GPT model (empty without MTP)."""
     return [(n, p) for n, p in model.named_parameters() if n.startswith("mtp.") or ".mtp." in n]

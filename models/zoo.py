@@ -194,7 +194,7 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
     spec = get_hc_decoder_block_spec(config, preset.hc, use_transformer_engine=use_transformer_engine,
                                      vp_stage=vp_stage, pp_rank=pp_rank)
-    from models.mtp import get_mtp_block_spec, install_stream_passthrough
+    from models.mtp import finish_mtp_model, get_mtp_block_spec
 
     from models.specs import _use_te
 
@@ -220,11 +220,7 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     if mtp_spec is not None:
         kwargs["mtp_block_spec"] = mtp_spec
     model = GPTModel(**kwargs)
-    if getattr(model, "mtp_process", False):
-        for p in model.mtp.parameters():
-            p.is_mtp = True  # training.optim.grad_norm sums these apart (λ = 0 clips as without MTP)
-    if getattr(config, "mtp_num_layers", None) and preset.hc.enabled and post_process:
-        install_stream_passthrough(model)  # the last HC layer hands cat(collapse(X), X) to the MTP depths
+    finish_mtp_model(model, preset.hc)  # MTP: parameter tags, the streams through the final norm (no-op without)
     rc = preset.hc_recompute if hc_recompute is None else hc_recompute
     if rc:
         from models.hc_layer import set_hc_recompute
