@@ -42,6 +42,11 @@ def test_layout_fits_the_mock_data(results, mode, dp):
     assert r["eval"][-1] < THRESHOLD
     assert r["checkpoints"][-1] == "step_00000024"  # saved by both ranks, manifest written, older pruned
     assert r["hc"] > 0  # HC health hooks found the xHC modules
+    if mode == "pp":  # one MTP depth on the last stage (models/mtp.py): logged per logging interval, learning
+        assert r["mtp"] and all(len(m) == 1 and math.isfinite(m[0]) for m in r["mtp"])
+        assert r["mtp"][-1][0] < r["mtp"][0][0] - 1.0, r["mtp"]
+    else:
+        assert not r["mtp"]
 
 
 def test_dp_and_tp_sp_agree_on_the_first_step(results):

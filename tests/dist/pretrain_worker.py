@@ -37,7 +37,7 @@ MODES = {
     "dp": ["parallel.tp=1"],
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "ep": ["parallel.ep=2"],
-    "pp": ["parallel.pp=2"],
+    "pp": ["parallel.pp=2", "model.backbone.mtp_num_layers=1"],  # with one MTP depth on the last stage
 }
 
 
@@ -53,9 +53,15 @@ def run_mode(mode: str, out_dir: str) -> dict:
         trainer.finish()
         return {"losses": [h["loss"] for h in trainer.history], "eval": [e["loss"] for e in trainer.evals],
                 "dp": trainer.dp, "checkpoints": sorted(os.listdir(trainer.paths["checkpoints"])),
-                "hc": trainer.health.num_wrapped}
+                "hc": trainer.health.num_wrapped,
+                "mtp": [r["mtp_loss"] for r in _train_records(trainer) if "mtp_loss" in r]}
     finally:
         trainer.close(destroy_process_group=False)
+
+
+def _train_records(trainer):
+    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == "train"]
 
 
 def main(argv):
