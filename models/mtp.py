@@ -328,3 +328,53 @@ def mtp_tracker_take(num_layers: int) -> list:
     vals = [float(v) for v in tr["values"].detach().double().cpu()]
     tr["values"].zero_()
     return vals
+
+
+# ------------------------------------------------------------------------------------------------
+# Analytic counts (tools.accounting, training FLOPs / MFU, the sweep's compute)
+# ------------------------------------------------------------------------------------------------
+def head_params(hc: HCConfig, C: int) -> int:
+    """Parameters of one final collapse (:func:`models.hc_layer.attach_stream_head`)."""
+    if not hc.enabled:
+        return 0
+    if hc.reduction == "softmax":
+        return hc.n
+    if hc.reduction == "learned":
+        return hc.n * hc.n * C + hc.n + 1
+    return 0
+
+
+def mtp_counts(shape, hc: HCConfig, depths: int, convention: str = "megatron") -> dict:
+    """Parameters and training FLOPs per token of ``depths`` MTP depths of a backbone ``shape``
+    (:class:`xhc.accounting.BackboneShape`, its ``seq_len`` / ``vocab`` as trained).
+
+    One depth: enorm, hnorm, final norm (3C), the two [C, C] maps (h_proj, e_proj; vanilla: eh_proj
+    [C, 2C], the same count), one transformer layer of the decoder's last kind (MoE unless every layer
+    is dense), its HC parameters (Flash-4sub: a Flash window) and head; FLOPs: the layer's and the
+    maps' 6·(activated params), the shared output layer's GEMM and the layer's attention, under the
+    backbone's FLOPs ``convention``.  Returns ``params_total``, ``params_activated``, ``params_hc``,
+    ``flops_backbone``, ``flops_hc`` (all for the ``depths`` together; 0 when ``depths`` is 0)."""
+    import dataclasses
+
+    from xhc.accounting import (backbone_params, hc_params_total, readout_params, training_flops_per_token,
+                                vanilla_flops_per_token)
+
+    keys = ("params_total", "params_activated", "params_hc", "flops_backbone", "flops_hc")
+    if not depths:
+        return dict.fromkeys(keys, 0)
+    C = shape.hidden
+    moe_last = shape.num_layers > shape.num_dense_layers
+    one = dataclasses.replace(shape, num_layers=1, num_dense_layers=0 if moe_last else 1)
+    p = backbone_params(one)
+    extra = 2 * C * C + 2 * C  # h_proj + e_proj (or eh_proj); enorm + hnorm (the final norm is in `p`)
+    total = p.total - p.embedding - p.output_layer + extra
+    activated = p.activated - p.embedding - p.output_layer + extra
+    flops = vanilla_flops_per_token(one, convention) + 6.0 * extra
+    hcp = f_hc = 0
+    if hc.enabled:
+        cfg = hc.replace(variant="xhc_flash") if hc.variant == "xhc_flash4" else hc
+        hcp = hc_params_total(cfg, C, 1).total - readout_params(cfg) + head_params(hc, C)
+        f_hc = float(training_flops_per_token(cfg, C, 1).f_hc)
+    out = dict(params_total=total + hcp, params_activated=activated + hcp, params_hc=hcp, flops_backbone=flops,
+               flops_hc=f_hc)
+    return {k: v * depths for k, v in out.items()}

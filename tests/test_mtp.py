@@ -129,6 +129,22 @@ def test_lambda_zero_leaves_the_main_model_bit_identical(parallel, preset, hc):
         assert p.grad is None or not p.grad.any(), n
 
 
+@pytest.mark.parametrize("preset,hc", [("tiny-moe:vanilla", None), ("tiny-moe:mhc", {"reduction": "learned"}),
+                                       ("tiny-moe:xhc-flash4", {"reduction": "softmax"})])
+def test_analytic_counts_match_the_built_depths(parallel, preset, hc):
+    """models.mtp.mtp_counts (tools.accounting, the FLOPs of MFU and of the sweep) counts the
+    parameters that the built depths hold: total, and the HC share."""
+    from models.mtp import mtp_counts
+    from models.zoo import backbone_shape, load_preset
+
+    model = _build(preset, mtp=2, hc=hc)
+    params = _mtp(model)
+    counts = mtp_counts(backbone_shape(load_preset(preset, SMALL, hc)), load_preset(preset, SMALL, hc).hc, 2)
+    assert counts["params_total"] == sum(p.numel() for p in params.values())
+    assert counts["params_hc"] == sum(p.numel() for p in params.values() if getattr(p, "is_hyper_connection", False))
+    assert counts["flops_backbone"] > 6 * counts["params_activated"] - 6 * counts["params_hc"]  # + head GEMM
+
+
 # ------------------------------------------------------------------------------------------------
 # The training loop: trajectory, logging, resume
 # ------------------------------------------------------------------------------------------------
