@@ -215,7 +215,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         For blocks whose layers are homogeneous (no MoE layer pattern, e.g. a dense model) Megatron
         stacks every layer's tensor under one key with a layer axis.  HC layers are not homogeneous:
-        the softmax readout lives only in the last layer and Flash-4sub alternates two module types,
+        the softmax readout and the learned head live only in the last layer and Flash-4sub alternates two module types,
         so a stacked key would have missing layer shards and the save fails.  The HC tensors are
         therefore always keyed ``<block>.layers.<global layer>.<name>`` (the block's non-homogeneous
         form); backbone tensors keep Megatron's keys, so vanilla checkpoints still line up.

@@ -333,17 +333,6 @@ def mtp_tracker_take(num_layers: int) -> list:
 # ------------------------------------------------------------------------------------------------
 # Analytic counts (tools.accounting, training FLOPs / MFU, the sweep's compute)
 # ------------------------------------------------------------------------------------------------
-def head_params(hc: HCConfig, C: int) -> int:
-    """Parameters of one final collapse (:func:`models.hc_layer.attach_stream_head`)."""
-    if not hc.enabled:
-        return 0
-    if hc.reduction == "softmax":
-        return hc.n
-    if hc.reduction == "learned":
-        return hc.n * hc.n * C + hc.n + 1
-    return 0
-
-
 def mtp_counts(shape, hc: HCConfig, depths: int, convention: str = "megatron") -> dict:
     """Parameters and training FLOPs per token of ``depths`` MTP depths of a backbone ``shape``
     (:class:`xhc.accounting.BackboneShape`, its ``seq_len`` / ``vocab`` as trained).
@@ -356,8 +345,7 @@ def mtp_counts(shape, hc: HCConfig, depths: int, convention: str = "megatron") -
     ``flops_backbone``, ``flops_hc`` (all for the ``depths`` together; 0 when ``depths`` is 0)."""
     import dataclasses
 
-    from xhc.accounting import (backbone_params, hc_params_total, readout_params, training_flops_per_token,
-                                vanilla_flops_per_token)
+    from xhc.accounting import backbone_params, hc_params_total, training_flops_per_token, vanilla_flops_per_token
 
     keys = ("params_total", "params_activated", "params_hc", "flops_backbone", "flops_hc")
     if not depths:
@@ -372,9 +360,8 @@ def mtp_counts(shape, hc: HCConfig, depths: int, convention: str = "megatron") -
     flops = vanilla_flops_per_token(one, convention) + 6.0 * extra
     hcp = f_hc = 0
     if hc.enabled:
-        cfg = hc.replace(variant="xhc_flash") if hc.variant == "xhc_flash4" else hc
-        hcp = hc_params_total(cfg, C, 1).total - readout_params(cfg) + head_params(hc, C)
-        f_hc = float(training_flops_per_token(cfg, C, 1).f_hc)
+        hcp = hc_params_total(hc, C, 1).total  # one layer (Flash-4sub: a Flash window) and its head
+        f_hc = float(training_flops_per_token(hc, C, 1).f_hc)
     out = dict(params_total=total + hcp, params_activated=activated + hcp, params_hc=hcp, flops_backbone=flops,
                flops_hc=f_hc)
     return {k: v * depths for k, v in out.items()}

@@ -184,7 +184,7 @@ def test_hc_params_are_tagged_replicated_dense_and_counted(parallel, sequence_pa
     from xhc.accounting import hc_params_total
 
     for variant in ALL_VARIANTS:
-        for reduction in ("sum", "softmax"):
+        for reduction in ("sum", "softmax", "learned"):
             hc = hc_config(variant, reduction=reduction)
             cfg = tiny_moe_config()
             cfg.sequence_parallel = sequence_parallel  # (TP=1 here: only the tagging is checked)
@@ -192,11 +192,12 @@ def test_hc_params_are_tagged_replicated_dense_and_counted(parallel, sequence_pa
             params = _hc_params(model)
             assert sum(p.numel() for p in params.values()) == hc_params_total(hc, cfg.hidden_size, cfg.num_layers).total
             for name, p in params.items():
-                assert ("hyper_connection" in name) or name.endswith("hc_readout_logits"), name
+                assert ("hyper_connection" in name) or name.endswith("hc_readout_logits") or ".hc_head." in name, name
                 assert p.sequence_parallel is sequence_parallel, name
                 assert getattr(p, "allreduce", True) is True and not getattr(p, "tensor_model_parallel", False), name
                 assert p.dtype == torch.float32, name
-            tagged_modules = [n for n, _ in model.named_parameters() if "hyper_connection" in n or "readout" in n]
+            tagged_modules = [n for n, _ in model.named_parameters()
+                              if "hyper_connection" in n or "readout" in n or ".hc_head." in n]
             assert set(tagged_modules) == set(params), variant
             readout = [n for n in params if n.endswith("hc_readout_logits")]
             if reduction == "softmax":
@@ -204,6 +205,9 @@ def test_hc_params_are_tagged_replicated_dense_and_counted(parallel, sequence_pa
                 assert torch.equal(params[readout[0]], torch.zeros(hc.n))
             else:
                 assert readout == []
+            head = sorted(n for n in params if ".hc_head." in n)
+            want = [f"decoder.layers.{cfg.num_layers - 1}.hc_head.{k}" for k in ("hc_base", "hc_fn", "hc_scale")]
+            assert head == (want if reduction == "learned" else []), (variant, reduction)
 
 
 # ------------------------------------------------------------------------------------------------

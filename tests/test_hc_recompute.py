@@ -30,6 +30,8 @@ XHC = dict(n=4, k=2, m=1)
 
 
 def hc_config(variant: str, **kw) -> HCConfig:
+    if variant == "mhc_dsv4":  # DeepSeek-V4's convention and learned head (docs/math.md §2.h)
+        variant, kw = "mhc", {"convention": "deepseek_v4", "reduction": "learned", **kw}
     return HCConfig(variant=variant, **({**XHC, **kw} if variant.startswith("xhc") else {"n": 4, **kw}))
 
 
@@ -56,6 +58,7 @@ def _loss_and_grads(model, recompute: bool):
     ("mhc", False, "eager"), ("mhc", True, "eager"), ("hc", False, "eager"), ("kromhc", False, "eager"),
     ("xhc", False, "eager"), ("xhc", True, "eager"), ("xhc_flash", False, "eager"), ("xhc_flash4", True, "eager"),
     ("mhc", False, "compile"), ("xhc", False, "compile"), ("xhc_flash4", False, "compile"),
+    ("mhc_dsv4", False, "compile"),
 ])  # fmt: skip
 def test_recompute_gives_bit_identical_grads(parallel, variant, selective, kernels):
     from megatron.core import tensor_parallel
@@ -64,7 +67,7 @@ def test_recompute_gives_bit_identical_grads(parallel, variant, selective, kerne
     if selective:
         kw.update(recompute_granularity="selective", recompute_modules=["layernorm", "mlp"])
     hc = hc_config(variant, **({"kernels": kernels} if "kernels" in HCConfig.__dataclass_fields__ else {}),
-                   **({"res_logit_dropout": 0.2} if variant == "mhc" else {}))
+                   **({"res_logit_dropout": 0.2} if variant.startswith("mhc") else {}))
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     model = build_tiny_hc_gpt(tiny_moe_config(**kw), hc)

@@ -44,15 +44,16 @@ def perturb(modules, g: torch.Generator, noise: float = NOISE) -> None:
                     b.copy_(noise * torch.randn(b.shape, generator=g))
 
 
-def write_run(root: str, preset: str, model, step: int = 1) -> str:
-    """A run directory as training.pretrain lays it out (config.yaml + checkpoints/step_N)."""
+def write_run(root: str, preset: str, model, step: int = 1, hc: dict = None) -> str:
+    """A run directory as training.pretrain lays it out (config.yaml + checkpoints/step_N);
+    ``hc``: the run's ``model.hc`` overrides of the preset, if any."""
     import yaml
 
     from training.checkpoint import Checkpointer, build_state
 
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "config.yaml"), "w") as f:
-        yaml.safe_dump({"model": {"preset": preset}, "optimizer": {"name": "adamw"},
+        yaml.safe_dump({"model": {"preset": preset, **({"hc": hc} if hc else {})}, "optimizer": {"name": "adamw"},
                         "batch": {"seq_length": SEQ}}, f)
     state = build_state([model], trainer={"step": step, "consumed_samples": 0, "skipped_steps": 0}, rng=False)
     return Checkpointer(os.path.join(root, "checkpoints"), log=lambda *_: None).save(step, state, {"preset": preset})

@@ -120,7 +120,9 @@ def method_label(name: str, cfg: HCConfig) -> str:
     label = f"{cfg.variant}(N={cfg.n}"
     if cfg.is_xhc:
         label += f",k={cfg.k},m={cfg.m}"
-    return label + ("" if cfg.dynamic else ",static") + ")"
+    label += "" if cfg.dynamic else ",static"
+    label += ",deepseek_v4" if cfg.convention == "deepseek_v4" else ""
+    return label + (",learned head" if cfg.reduction == "learned" else "") + ")"
 
 
 def format_table(rows: List[dict]) -> str:
@@ -152,7 +154,8 @@ def format_table(rows: List[dict]) -> str:
     conv = rows[0]["convention"] if rows else DEFAULT_FLOPS_CONVENTION
     out += ["", "[...] = figure printed in [xHC] (display only).  coef·C/layer: GEMM + conv parameters / C "
                 "(Flash-4sub: half its two-layer window).",
-            "HC params include biases, gates, norm gains and readout; F_HC = 6·(GEMM + conv params)·L "
+            "HC params include biases, gates, norm gains and readout (or learned head); "
+            "F_HC = 6·(GEMM + conv params)·L (+ the learned head's GEMM once) "
             "(docs/math.md §5.2; Sinkhorn, mixing, norms, GS listed separately with --json).",
             f"overhead % = F_HC / F_vanilla with convention '{conv}': {FLOPS_CONVENTIONS[conv]}."]
     return "\n".join(out)

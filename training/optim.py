@@ -198,10 +198,10 @@ def hc_defaults_for_optimizer(hc: HCConfig, optimizer_name: str, explicit_keys: 
 _HC_RULES: Tuple[Tuple[str, "re.Pattern[str]"], ...] = tuple(
     (kind, re.compile(pattern))
     for kind, pattern in (
-        ("hc_projection", r"(^|\.)(W_pre|W_post|W_res|W_r|w_pre|w_post)$"),   # HC / mHC family
+        ("hc_projection", r"(^|\.)(W_pre|W_post|W_res|W_r|w_pre|w_post|hc_fn)$"),   # HC / mHC family, head
         ("hc_conv", r"(^|\.)conv\.\d+$"),                                     # xHC temporal kernels
-        ("hc_bias", r"(^|\.)(b_pre|b_post|b_res|bias)$"),
-        ("hc_gate", r"(^|\.)(alpha|alpha_pre|alpha_post|alpha_res|s_alpha|s_beta)$"),
+        ("hc_bias", r"(^|\.)(b_pre|b_post|b_res|bias|hc_base)$"),
+        ("hc_gate", r"(^|\.)(alpha|alpha_pre|alpha_post|alpha_res|s_alpha|s_beta|hc_scale)$"),
         ("hc_static", r"(^|\.)(a_pre|a_post|S_res|hc_readout_logits|logits)$"),  # static logits
         ("hc_norm", r"(^|\.)norm_weight$"),                                   # mapping-norm gain
         ("hc_projection", r"(^|\.)weight$"),   # xHC/Flash router, pre, res, post (after norm_weight)
@@ -227,7 +227,7 @@ def hc_param_kind(name: str, param: Optional[torch.Tensor] = None) -> str:
 def is_hc_param(name: str, param: torch.Tensor) -> bool:
     """Tagged by models.hc_layer (``is_hyper_connection``), or named like one (fallback)."""
     return bool(getattr(param, "is_hyper_connection", False)) or "hyper_connection" in name \
-        or name.endswith("hc_readout_logits")
+        or name.endswith("hc_readout_logits") or ".hc_head." in f".{name}"
 
 
 def is_routed_expert(name: str) -> bool:

@@ -12,7 +12,7 @@ function                                       what it counts (docs/math.md §)
 :func:`hc_params_per_layer`                    attention + MLP (Flash: one window, §4.1)
 :func:`hc_params_per_window`                   one grouping window (Flash: 1 layer, 4sub: 2)
 :func:`hc_params_flash4_layers`                the two layers of a Flash-4sub window (§4.2)
-:func:`hc_params_total`                        a whole model, readout included (§1.6, §4.3)
+:func:`hc_params_total`                        a whole model, readout or learned head included (§1.6, §4.3)
 :func:`dominant_coeff_per_window`              the coefficient of C (§5.1, §4.3)
 :func:`dominant_params_per_layer`              that coefficient · C per layer
 :func:`training_flops_per_token`               F_HC = 6·P·L plus the listed extra terms (§5.2)
@@ -48,7 +48,8 @@ from xhc.config import MHC_FAMILY, XHC_FAMILY, HCConfig
 
 __all__ = [
     "ParamCount", "hc_params_per_sublayer", "hc_params_per_layer", "hc_params_per_window",
-    "hc_params_total", "hc_params_flash4_layers", "readout_params", "window_layers", "dominant_coeff_per_window",
+    "hc_params_total", "hc_params_flash4_layers", "readout_params", "head_params", "sinkhorn_deepseek_flops",
+    "window_layers", "dominant_coeff_per_window",
     "dominant_coeff_per_layer", "dominant_params_per_layer",
     "FlopsBreakdown", "training_flops_per_token", "sinkhorn_flops",
     "TrafficRow", "TrafficTable", "TrafficSummary", "memory_traffic_per_sublayer",
@@ -303,8 +304,16 @@ def readout_params(cfg: HCConfig) -> int:
     return cfg.n if (cfg.enabled and cfg.reduction == "softmax") else 0
 
 
+def head_params(cfg: HCConfig, C: int) -> ParamCount:
+    """The learned head (``reduction="learned"``, §1.6, §2.h): ``hc_fn`` N·N·C (matrix), ``hc_base`` N
+    (bias), ``hc_scale`` 1 (gate); once per model.  None for the other reductions."""
+    if not (cfg.enabled and cfg.reduction == "learned"):
+        return _ZERO
+    return ParamCount(matrix=cfg.n * cfg.n * C, bias=cfg.n, gate=1)
+
+
 def hc_params_total(cfg: HCConfig, C: int, num_layers: int) -> ParamCount:
-    """All HC parameters of a model with ``num_layers`` layers, readout included.
+    """All HC parameters of a model with ``num_layers`` layers, readout (or learned head) included.
 
     Flash-4sub groups layers (2g, 2g+1); an odd last layer falls back to a Flash window (§4.3).
     """
@@ -317,7 +326,7 @@ def hc_params_total(cfg: HCConfig, C: int, num_layers: int) -> ParamCount:
             body = body + hc_params_per_window(cfg.replace(variant="xhc_flash"), C)
     else:
         body = hc_params_per_layer(cfg, C).scale(num_layers)
-    return body + ParamCount(readout=readout_params(cfg))
+    return body + ParamCount(readout=readout_params(cfg)) + head_params(cfg, C)
 
 
 def dominant_coeff_per_window(cfg: HCConfig) -> int:
@@ -381,8 +390,16 @@ def sinkhorn_flops(n: int, t_max: int) -> int:
     return (4 + 4 * t_max) * n * n
 
 
+def sinkhorn_deepseek_flops(n: int, iters: int) -> int:
+    """Forward FLOPs of DeepSeek-V4's n×n Sinkhorn (§2.h): softmax (shift, exp, sums, divides: 4n²) and
+    + ε (n²), then 2·iters − 1 normalisations of 2n² each.  Total (3 + 4·iters)·n²."""
+    return (3 + 4 * iters) * n * n
+
+
 def _res_map_flops(cfg: HCConfig, n: int) -> int:
     """Forward FLOPs of building H_res ∈ R^{n×n} from its logits (per sublayer, per token)."""
+    if cfg.variant == "mhc" and cfg.convention == "deepseek_v4":
+        return sinkhorn_deepseek_flops(n, cfg.sinkhorn_iters)
     if cfg.variant in ("mhc",) + XHC_FAMILY:
         return sinkhorn_flops(n, cfg.sinkhorn_iters)
     if cfg.variant == "mhc_lite":  # softmax over n! logits (≈3 each), then Σ_r a_r P_r (2n² each)
@@ -522,8 +539,19 @@ def training_flops_per_token(cfg: HCConfig, C: int, num_layers: int) -> FlopsBre
         out = _window_flops(cfg, C).scale(pairs)
         if odd:
             out = out + _window_flops(cfg.replace(variant="xhc_flash"), C)
-        return out
-    return _window_flops(cfg, C).scale(num_layers)
+        return out + _head_flops(cfg, C)
+    return _window_flops(cfg, C).scale(num_layers) + _head_flops(cfg, C)
+
+
+def _head_flops(cfg: HCConfig, C: int) -> FlopsBreakdown:
+    """The learned head, once per token (``reduction="learned"``): its GEMM (N outputs over N·C inputs,
+    in ``gemm``: F_HC then is 6·(P_layer·L + N²C)), the RMS statistics (2NC) and the weighted sum
+    (2NC); sigmoid and + ε (O(N)) ignored."""
+    if not (cfg.enabled and cfg.reduction == "learned"):
+        return FlopsBreakdown()
+    N = cfg.n
+    return FlopsBreakdown(gemm=2 * TRAIN_MULT * N * N * C, norms=2 * N * C * TRAIN_MULT,
+                          mixing=2 * N * C * TRAIN_MULT)
 
 
 # ================================================================================================

@@ -35,7 +35,9 @@ def learned_head_weights(X: torch.Tensor, hc_fn: torch.Tensor, hc_base: torch.Te
 
 
 def learned_head_collapse(w: torch.Tensor, X: torch.Tensor, backend: str = "eager") -> torch.Tensor:
-    """h = Σ_i w_i · X_i (fp32 accumulation) in X's dtype.  ``w`` ``[..., N]``, ``X`` ``[..., N, C]`` -> ``[..., C]``."""
+    """h = Σ_i w_i · X_i (fp32 accumulation) in X's dtype.
+
+    ``w`` ``[..., N]``, ``X`` ``[..., N, C]`` -> ``[..., C]``."""
     return kernels.read(w, X, X.dtype, backend=backend)
 
 

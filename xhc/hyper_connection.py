@@ -460,7 +460,8 @@ class HyperConnection(nn.Module):
     def extra_repr(self) -> str:
         c = self.cfg
         conv = "" if c.convention == "paper" else f", convention={c.convention}"
-        return f"variant={c.variant}, n={c.n}, dynamic={c.dynamic}, C={self.hidden_size}, layer_index={self.layer_index}{conv}"
+        return (f"variant={c.variant}, n={c.n}, dynamic={c.dynamic}, C={self.hidden_size}, "
+                f"layer_index={self.layer_index}{conv}")
 
 
 def _residual_logit_dropout(z: torch.Tensor, p: float, variant: str, n: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
-HC_NAMES = ("self_attention_hyper_connection.", "mlp_hyper_connection.", "hc_readout_logits")
+HC_NAMES = ("self_attention_hyper_connection.", "mlp_hyper_connection.", "hc_readout_logits", "hc_head.")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
@@ -45,7 +45,7 @@ _HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 # Tensors kept in fp32 in an exported folder whatever --dtype says (as in training, and as
 # transformers keeps the GLM-4.5 router in fp32).
-FP32_PATTERNS = ("_hyper_connection.", "hc_readout_logits", "mlp.gate.weight", "e_score_correction_bias")
+FP32_PATTERNS = ("_hyper_connection.", "hc_readout_logits", "hc_head.", "mlp.gate.weight", "e_score_correction_bias")
 
 
 class MappingError(ValueError):

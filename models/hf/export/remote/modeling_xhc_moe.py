@@ -10,7 +10,7 @@ exactly as the Megatron layer drives them::
     X       = expand(h)                                first layer     [s, b, C] -> [s, b, N, C]
     u, ctx  = attn_hc.read(X);   X = attn_hc.write(X, self_attn(input_layernorm(u)), ctx)
     u, ctx  = mlp_hc.read(X);    X = mlp_hc.write(X, mlp(post_attention_layernorm(u)), ctx, seq)
-    h       = reduce(X)                                last layer      [s, b, N, C] -> [s, b, C]
+    h       = reduce(X)  or  hc_head(X)                last layer      [s, b, N, C] -> [s, b, C]
 
 The N-stream state is kept sequence-first (``[s, b, N, C]``) as in training; the native layers see
 ``[b, s, C]``.  ``generate()`` works token by token: attention uses the ``transformers`` KV cache
@@ -40,6 +40,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import (
 
 from xhc.config import FLASH_FAMILY, HCConfig
 from xhc.flash import Flash4FirstLayer, Flash4SecondLayer, XHCFlashLayer
+from xhc.head import LearnedHead
 from xhc.hyper_connection import HyperConnection, expand_streams, reduce_streams
 from xhc.temporal import SequenceContext
 from xhc.xhc import XHCSublayer
@@ -52,7 +53,7 @@ _MASK_CACHE_KW = "cache" if "cache" in inspect.signature(create_causal_mask).par
 _ATTN_CACHE_KW = "cache" if "cache" in inspect.signature(Glm4MoeAttention.forward).parameters else "past_key_values"
 _OUT_CACHE_FIELD = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
-HC_MODULE_NAMES = ("self_attention_hyper_connection", "mlp_hyper_connection", "hc_readout_logits")
+HC_MODULE_NAMES = ("self_attention_hyper_connection", "mlp_hyper_connection", "hc_readout_logits", "hc_head")
 
 
 def _flash_part(hc: HCConfig, C: int, i: int, num_layers: int):
@@ -94,6 +95,8 @@ class XHCMoeDecoderLayer(GradientCheckpointingLayer):
             self.hc_readout_logits = nn.Parameter(torch.zeros(hc.n))
         else:
             self.hc_readout_logits = None
+        # reduction: learned (DeepSeek-V4's head, xhc head.py): hc_head.{hc_fn, hc_base, hc_scale}
+        self.hc_head = LearnedHead(hc, C) if (self.is_last and hc.reduction == "learned") else None
 
     # The two branches: native modules, [s, b, C] in and out.
     def _attn(self, u, **kw):
@@ -120,6 +123,8 @@ class XHCMoeDecoderLayer(GradientCheckpointingLayer):
                 carry[key] = st  # X is unchanged until the window's single scatter in layer 2g+1
             else:
                 X = st
+        if self.is_last and self.hc_head is not None:
+            return self.hc_head(X)
         if self.is_last:
             return reduce_streams(X, self.hc.reduction, self.hc_readout_logits)
         return X
@@ -140,7 +145,8 @@ class XHCMoePreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         if getattr(module, "_xhc_hc_owned", False):
             return  # HC modules initialise themselves (identity at init)
-        if isinstance(module, (HyperConnection, XHCSublayer, XHCFlashLayer, Flash4FirstLayer, Flash4SecondLayer)):
+        if isinstance(module, (HyperConnection, XHCSublayer, XHCFlashLayer, Flash4FirstLayer, Flash4SecondLayer,
+                               LearnedHead)):
             for m in module.modules():
                 m._xhc_hc_owned = True
             module.reset_parameters()
