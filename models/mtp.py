@@ -99,7 +99,7 @@ class HCMultiTokenPredictionLayer(MegatronModule):
     ``sequence_parallel`` so that SP all-reduces their gradients)."""
 
     def __init__(self, config, submodules, layer_number: int = 1, vp_stage: Optional[int] = None,
-                 pg_collection=None, hc_config: Optional[HCConfig] = None):
+                 pg_collection=None, hc_config: Optional[HCConfig] = None, **_megatron_kwargs):
         super().__init__(config=config)
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -110,7 +110,7 @@ class HCMultiTokenPredictionLayer(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         C = config.hidden_size
         with isolated_init_rng():
-            norm = functools.partial(build_module, config=config, hidden_size=C, eps=config.layernorm_epsilon)
+            norm = functools.partial(_build_norm, config=config, hidden_size=C)
             self.enorm = norm(submodules.enorm)
             self.hnorm = norm(submodules.hnorm)
             self.e_proj = torch.nn.Linear(C, C, bias=False)
@@ -125,7 +125,8 @@ class HCMultiTokenPredictionLayer(MegatronModule):
             except TypeError:  # pragma: no cover - older signature
                 offset = get_transformer_layer_offset(config)
             # global number L + k, as Megatron's own MTP layer: not the decoder's first nor last layer
-            self.transformer_layer = build_module(submodules.transformer_layer, config=config, vp_stage=vp_stage,
+            layer_spec = getattr(submodules, "transformer_layer", None) or getattr(submodules, "mtp_model_layer")
+            self.transformer_layer = build_module(layer_spec, config=config, vp_stage=vp_stage,
                                                   layer_number=layer_number + config.num_layers - offset)
             _single_flash_window(self.transformer_layer)
             self.final_layernorm = norm(submodules.layer_norm)
@@ -151,11 +152,13 @@ class HCMultiTokenPredictionLayer(MegatronModule):
 
     def forward(self, input_ids, position_ids, hidden_states, attention_mask, context=None, context_mask=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None,
-                inference_params=None, packed_seq_params=None, sequence_len_offset=None, embedding=None, **kwargs):
+                inference_params=None, packed_seq_params=None, sequence_len_offset=None, embedding=None,
+                padding_mask=None, **kwargs):
         if context is not None:
             raise NotImplementedError("multi-token prediction with cross-attention context is not supported")
         input_ids = _roll(input_ids, self.cp_group, packed_seq_params)
         position_ids = _roll(position_ids, self.cp_group, packed_seq_params)
+        padding_mask = _roll(padding_mask, self.cp_group, packed_seq_params)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         args = (hidden_states, decoder_input, attention_mask, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
@@ -165,10 +168,28 @@ class HCMultiTokenPredictionLayer(MegatronModule):
         else:
             out = self._body(*args)
         out = make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
+        if _megatron_layer_returns_padding_mask():  # newer Megatron-Core chains the padding mask too
+            return out, input_ids, position_ids, padding_mask
         return out, input_ids, position_ids
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_layer_returns_padding_mask() -> bool:
+    """Whether Megatron's ``MultiTokenPredictionLayer.forward`` takes (and returns) ``padding_mask``
+    (not in 0.16.1; the block then unpacks four values)."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return "padding_mask" in inspect.signature(MultiTokenPredictionLayer.forward).parameters
+
+
+def _build_norm(spec, config, hidden_size):
+    """A norm from an MTP submodule entry: a ``ModuleSpec`` / class (0.16) or a norm builder callable."""
+    if isinstance(spec, (ModuleSpec, type)):
+        return build_module(spec, config=config, hidden_size=hidden_size, eps=config.layernorm_epsilon)
+    return spec(config=config, hidden_size=hidden_size, eps=config.layernorm_epsilon)
 
 
 def _init_weight(config, weight):
@@ -282,13 +303,8 @@ def finish_mtp_model(model, hc: HCConfig) -> None:
         D = int(model.config.mtp_num_layers)
 
         def ensure_tracker(module, args, kwargs):
-            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
             hs = kwargs.get("hidden_states", args[2] if len(args) > 2 else None)
-            dev = hs.device if hs is not None else torch.device("cpu")
-            tr = MTPLossLoggingHelper.tracker
-            if "values" not in tr or tr["values"].numel() != D or tr["values"].device != dev:
-                tr["values"] = torch.zeros(D, device=dev)
+            ensure_mtp_tracker(D, hs.device if hs is not None else torch.device("cpu"))
 
         model.mtp.register_forward_pre_hook(ensure_tracker, with_kwargs=True)
     if getattr(model.config, "mtp_num_layers", None) and hc.enabled and model.post_process:
@@ -303,30 +319,52 @@ def mtp_parameters(model):
 # ------------------------------------------------------------------------------------------------
 # Per-depth loss logging
 # ------------------------------------------------------------------------------------------------
-def mtp_tracker_prepare(num_layers: int, device) -> None:
-    """Give Megatron's ``MTPLossLoggingHelper`` its per-depth buffer on ``device`` (Megatron allocates it
-    on the current CUDA device, which a CPU run lacks); zeroes it."""
+def _tracker_keys():
+    """The per-depth buffers of Megatron's ``MTPLossLoggingHelper.tracker``: ``values`` (0.16) or
+    ``loss_values`` plus acceptance counts (newer Megatron-Core); the loss buffer first."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        return ("loss_values", "correct_values", "total_values")
+    return ("values",)
+
+
+def ensure_mtp_tracker(num_layers: int, device, zero: bool = False) -> None:
+    """Give Megatron's per-depth MTP buffers a home on ``device`` (Megatron allocates them on the current
+    CUDA device, which a CPU run lacks); ``zero``: clear them."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tr = MTPLossLoggingHelper.tracker
-    if "values" not in tr or tr["values"].numel() != num_layers or tr["values"].device != torch.device(device):
-        tr["values"] = torch.zeros(num_layers, device=device)
-    else:
-        tr["values"].zero_()
-    tr["reduce_group"] = None
-    tr["avg_group"] = None
+    for key in _tracker_keys():
+        t = tr.get(key)
+        if t is None or t.numel() != num_layers or t.device != torch.device(device):
+            tr[key] = torch.zeros(num_layers, device=device)
+        elif zero:
+            t.zero_()
+
+
+def mtp_tracker_prepare(num_layers: int, device) -> None:
+    """Before a step: the per-depth buffers on ``device``, zeroed."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    ensure_mtp_tracker(num_layers, device, zero=True)
+    MTPLossLoggingHelper.tracker["reduce_group"] = None
+    MTPLossLoggingHelper.tracker["avg_group"] = None
 
 
 def mtp_tracker_take(num_layers: int) -> list:
     """The per-depth Σ over this step's micro-batches of each micro-batch's token-mean MTP loss on this
-    rank (zeros where no depth ran), and clear it."""
+    rank (zeros where no depth ran), and clear the buffers."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tr = MTPLossLoggingHelper.tracker
-    if "values" not in tr:
+    keys = _tracker_keys()
+    if keys[0] not in tr:
         return [0.0] * num_layers
-    vals = [float(v) for v in tr["values"].detach().double().cpu()]
-    tr["values"].zero_()
+    vals = [float(v) for v in tr[keys[0]].detach().double().cpu()]
+    for key in keys:
+        if key in tr:
+            tr[key].zero_()
     return vals
 
 

@@ -152,7 +152,8 @@ class StepRunner:
 
         from models.mtp import mtp_tracker_prepare
 
-        mtp_tracker_prepare(self.mtp_layers, "cuda" if self.uses_megatron else "cpu")
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.uses_megatron else torch.device("cpu")
+        mtp_tracker_prepare(self.mtp_layers, dev)
         if scale_backward:
             MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_micro))
         self.last_mtp = [0.0] * self.mtp_layers
