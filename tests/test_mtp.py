@@ -183,3 +183,18 @@ def test_training_loop_lambda_zero_trajectory_logging_and_resume(tmp_path):
     for s in (3, 4):
         assert (d[s]["loss"], d[s]["grad_norm"], d[s]["mtp_loss"]) == (c[s]["loss"], c[s]["grad_norm"],
                                                                        c[s]["mtp_loss"]), s
+
+
+def test_accounting_cli_counts_the_depths(capsys):
+    """``python -m tools.accounting --mtp-layers D``: one row per backbone × method, linear in D."""
+    from tools.accounting import main
+
+    rows = {}
+    for d in (1, 2):
+        assert main(["--sizes", "2.5B", "--methods", "vanilla", "mhc4", "--mtp-layers", str(d), "--json"]) == 0
+        rows[d] = json.loads(capsys.readouterr().out)["mtp"]
+    assert [r["method"] for r in rows[1]] == [r["method"] for r in rows[2]] and len(rows[1]) == 2
+    for r1, r2 in zip(rows[1], rows[2]):
+        assert r2["params_total"] == 2 * r1["params_total"] and r2["flops_per_token"] == 2 * r1["flops_per_token"]
+        assert 0 < r1["flops_share_pct"] < 100
+    assert rows[1][0]["params_hc"] == 0 < rows[1][1]["params_hc"]
