@@ -178,6 +178,20 @@ def test_training_loop_lambda_zero_trajectory_logging_and_resume(tmp_path):
     c = _train(tmp_path / "c", *mtp)
     assert c[4]["mtp_loss"][0] < c[1]["mtp_loss"][0]
     assert c[2]["loss"] != a[2]["loss"]
+    # tools.inspect draws the depth's layer as it draws the decoder's (mtp_*.png); mHC's H_res stays
+    # doubly stochastic there too
+    from tools.inspect import main as inspect_main
+
+    assert inspect_main([str(tmp_path / "c"), "--output", str(tmp_path / "insp"), "--tokens", "32"]) == 0
+    with open(tmp_path / "insp" / "inspect.json") as f:
+        m = json.load(f)["runs"][0]["inspections"][-1]
+    mtp_subs = m["mtp"]["sublayers"]
+    assert m["mtp"]["depths"] == 1 and [r["kind"] for r in mtp_subs] == ["attention", "mlp"]
+    for r in mtp_subs:
+        H = torch.tensor(r["H_mean"], dtype=torch.float64)
+        assert torch.allclose(H.sum(0), torch.ones(4, dtype=torch.float64), atol=1e-3)
+        assert torch.allclose(H.sum(1), torch.ones(4, dtype=torch.float64), atol=1e-3)
+    assert (tmp_path / "insp" / "mtp_mixing_mean.png").is_file()
     _train(tmp_path / "d", *mtp, "run.exit_at_step=2")
     d = _train(tmp_path / "d", *mtp)                                                      # resumes at step 2
     for s in (3, 4):
