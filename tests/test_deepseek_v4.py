@@ -156,6 +156,7 @@ def test_sublayer_matches_transformers(n, backend):
     order (normalise, then project) and the fused backends' (project, then normalise: §1.5), by up
     to ~4e-6 of their value at these sizes, which is rounding, not a different map."""
     err, info = _errors(n, backend)
+    print(f"PARITY sublayer N={n} {backend}: " + " ".join(f"{k}={v:.2e}" for k, v in {**err, **info}.items()))
     bad = {k: v for k, v in err.items() if not v <= BOUND}
     assert not bad, f"N={n} {backend}: relative errors above {BOUND}: {bad} (all: {err}, per tensor: {info})"
     if backend == "eager":  # the same operations in the same order
@@ -168,6 +169,7 @@ def test_transposed_comb_fails(n):
     gradients miss the reference by far more than the bound.  (N = 2 cannot show it: every 2×2 doubly
     stochastic matrix is symmetric, see below.)"""
     err, _ = _errors(n, "eager", transpose_comb=True)
+    print(f"TRANSPOSED N={n}: " + " ".join(f"{k}={v:.2e}" for k, v in err.items()))
     assert err["comb"] <= BOUND  # the same comb ...
     assert err["mixed"] > 1e3 * BOUND and err["dX"] > 1e3 * BOUND, err  # ... applied the wrong way round
 
@@ -206,6 +208,7 @@ def test_learned_head_matches_transformers(n, backend):
     info = {k: _rel(a, b) for k, a, b in zip(("dfn", "dbase", "dscale"), go[1:], gr[1:])}
     err = {"h": _rel(ho, hr), "dX": _rel(go[0], gr[0]),
            "dparams": _rel(torch.cat([t.flatten() for t in go[1:]]), torch.cat([t.flatten() for t in gr[1:]]))}
+    print(f"PARITY head N={n} {backend}: " + " ".join(f"{k}={v:.2e}" for k, v in {**err, **info}.items()))
     assert all(v <= BOUND for v in err.values()), f"N={n} {backend}: {err} (per tensor: {info})"
     if backend == "eager":
         assert max(info.values()) <= BOUND, info
