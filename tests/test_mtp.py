@@ -45,7 +45,8 @@ def _build(preset_name, mtp=None, factor=0.1, hc=None, small=None):
     bb = dict(SMALL if small is None else small)
     if mtp:
         bb.update(mtp_num_layers=mtp, mtp_loss_scaling_factor=factor)
-    preset = load_preset(preset_name, backbone_overrides=bb, hc_overrides=hc)
+    # eager HC kernels: the model-level checks need no inductor compile (the training-loop test runs the default)
+    preset = load_preset(preset_name, backbone_overrides=bb, hc_overrides={"kernels": "eager", **(hc or {})})
     config = build_transformer_config(preset, cpu=True)
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -143,6 +144,13 @@ def test_analytic_counts_match_the_built_depths(parallel, preset, hc):
     assert counts["params_total"] == sum(p.numel() for p in params.values())
     assert counts["params_hc"] == sum(p.numel() for p in params.values() if getattr(p, "is_hyper_connection", False))
     assert counts["flops_backbone"] > 6 * counts["params_activated"] - 6 * counts["params_hc"]  # + head GEMM
+    # the training FLOPs of MFU and of the sweep's compute include the depths
+    from training.metrics import model_flops_per_token
+
+    with_mtp = load_preset(preset, {**SMALL, "mtp_num_layers": 2}, hc)
+    f0 = model_flops_per_token(load_preset(preset, SMALL, hc), 16, 64)
+    f2 = model_flops_per_token(with_mtp, 16, 64)
+    assert f2["total"] == pytest.approx(f0["total"] + f2["mtp"], rel=1e-12) and f2["mtp"] > 0
 
 
 # ------------------------------------------------------------------------------------------------
