@@ -291,6 +291,7 @@ def allreduce_mtp_embedding_grads(chunks, config=None) -> None:
     chunk = chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
     emb = getattr(chunk, "embedding", None)
     w = emb.word_embeddings.weight if emb is not None else None
-    g = None if w is None else (getattr(w, "main_grad", None) if getattr(w, "main_grad", None) is not None else w.grad)
+    g = getattr(w, "main_grad", None) if w is not None else None
+    g = g if g is not None else (w.grad if w is not None else None)
     if g is not None:
         dist.all_reduce(g, group=group)

@@ -24,7 +24,8 @@ def validate_hc_transformer_config(config, hc: HCConfig) -> None:
             f"(variant {name!r}): {why}; {alternative}"
         )
 
-    if getattr(config, "mtp_num_layers", None) and getattr(config, "pipeline_model_parallel_layout", None) is not None:
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if getattr(config, "mtp_num_layers", None) and layout is not None:
         bad("pipeline_model_parallel_layout", "(set)", "multi-token prediction through the streams runs on the "
             "last pipeline stage only", "drop the layout (MTP then sits on the last stage)")
     if getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):

@@ -142,7 +142,8 @@ def run_tp_sp():
     for hc, batch, mtp in ((_hc("mhc", reduction="softmax"), plain_batch, {}),
                            (_hc("xhc", reduction="softmax"), doc_batch, {}),
                            (_hc("xhc_flash"), doc_batch, {}), (_hc("xhc_flash4"), plain_batch, {}),
-                           (_hc("mhc", convention="deepseek_v4", reduction="learned"), plain_batch, MTP)):  # fmt: skip
+                           (_hc("mhc", convention="deepseek_v4", reduction="learned"), plain_batch,
+                            MTP)):  # fmt: skip
         ref, state = reference(hc, seq=SEQ_HALO, **mtp)
         ref_loss = _loss(ref, batch)
         ref_loss.backward()
