@@ -220,3 +220,15 @@ def test_accounting_cli_counts_the_depths(capsys):
         assert r2["params_total"] == 2 * r1["params_total"] and r2["flops_per_token"] == 2 * r1["flops_per_token"]
         assert 0 < r1["flops_share_pct"] < 100
     assert rows[1][0]["params_hc"] == 0 < rows[1][1]["params_hc"]
+
+
+@pytest.mark.parametrize("override,key", [("model.backbone.mtp_num_layers=0", "mtp_num_layers"),
+                                          ("model.backbone.mtp_num_layers=1.5", "mtp_num_layers"),
+                                          ("model.backbone.mtp_loss_scaling_factor=-0.1", "mtp_loss_scaling_factor")])
+def test_bad_mtp_settings_name_the_key(override, key):
+    from training.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.preset=tiny-moe:mhc", override])
+    msg = str(err.value)
+    assert f"model.backbone.{key}" in msg and "\n" not in msg, msg
