@@ -8,6 +8,9 @@
 #   bash bench/gpu_check.sh --cpu-smoke      # the Python checks shrunk, on CPU (no GPU needed)
 #   bash bench/gpu_check.sh --nproc 2        # two GPUs (TP, PP, VPP, EP, CP, DP); refused at once
 #                                            #   where fewer are visible (no device time spent)
+#   bash bench/gpu_check.sh --perf           # speed (issue 35): ceilings, HC kernels vs the copy
+#                                            #   bandwidth, autotune, realistic throughput, a table
+#   bash bench/gpu_check.sh --perf --dry-run # its time plan (540 s with a cold Triton cache)
 #
 # Options: --out DIR (results; default $OUT when set, else runs/gpu_check-<time>), --python PY
 # (an interpreter with torch; default $XHC_PYTHON, then python3), --wheels DIR (carried wheels
@@ -18,6 +21,8 @@
 # Results (in DIR; at most 8 files, the device tool returns 8): gpu_check.log (everything),
 # summary.json (rewritten after every step), step-<i>-<name>.json (one per step: written as
 # "pending" at the start, "running" while it runs, then its rows, exit status and time).
+# With --perf the step JSONs live inside summary.json ("steps"), beside hc_perf.json (bench.hc_kernels
+# --perf's files packed), tuned_blocks.json (the autotuned block sizes to commit) and throughput.json.
 # Exit status: 0 when no check failed, 1 when any did, 2 for bad options or --nproc 2 refused.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -32,13 +37,15 @@ PY="${XHC_PYTHON:-}"
 WHEELS=".whl"
 BUDGET=540
 ONLY=""
+PERF=0
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --nproc) NPROC="${2:-}"; shift 2 || shift ;;
     --dry-run) DRY=1; shift ;;
     --cpu-smoke) SMOKE=1; shift ;;
+    --perf) PERF=1; shift ;;
     --out) RESULTS="${2:-}"; shift 2 || shift ;;
     --python) PY="${2:-}"; shift 2 || shift ;;
     --wheels) WHEELS="${2:-}"; shift 2 || shift ;;
@@ -50,6 +57,7 @@ while [ $# -gt 0 ]; do
 done
 case "$NPROC" in 1|2) ;; *) echo "error: --nproc must be 1 or 2, got '$NPROC'" >&2; exit 2 ;; esac
 case "$BUDGET" in ''|*[!0-9]*) echo "error: --budget must be whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac
+if [ "$PERF" = 1 ] && [ "$NPROC" != 1 ]; then echo "error: --perf runs on one GPU; drop --nproc $NPROC" >&2; exit 2; fi
 
 # ---- the plan: name, time limit (s), command (limits sum to the default budget, 540 s) -----------
 STAMP=$(date +%Y%m%d-%H%M%S)
@@ -59,7 +67,27 @@ CHK="\$PY -m bench.gpu_checks --workdir $WORK/checks"
 [ "$SMOKE" = 1 ] && CHK="$CHK --device cpu --smoke"
 NAMES=(); LIMITS=(); CMDS=()
 plan() { NAMES+=("$1"); LIMITS+=("$2"); CMDS+=("$3"); }
-if [ "$NPROC" = 1 ]; then
+# --perf (issue 35): C and tokens of the HC kernel timing and autotuning (the benchmark shape)
+PERF_HIDDEN="${XHC_PERF_HIDDEN:-2048}"
+PERF_TOKENS="${XHC_PERF_TOKENS:-8192}"
+if [ "$PERF" = 1 ]; then
+  # Limits (540 s in all, a cold Triton cache included): env as the check above; the ceilings take
+  # seconds; the HC kernel timing compiles every kernel once (the first H200 run compiled its ten
+  # benchmark rows, Triton and inductor, in 0.9-17.2 s each); autotuning compiles one kernel per grid
+  # point; the throughput check builds four models and compiles their HC modules (inductor).
+  plan env 45 "(environment, below)"
+  plan roofline 30 "$CHK --json \$STEP_JSON roofline"
+  if [ "$SMOKE" = 1 ]; then
+    plan hc_perf 150 "echo 'SKIP hc_perf: CPU smoke run (bench.hc_kernels --perf times CUDA kernels)'"
+    plan autotune 120 "echo 'SKIP autotune: CPU smoke run (bench.hc_kernels --autotune tunes CUDA kernels)'"
+    plan throughput 180 "\$PY -m bench.throughput --smoke --json $RESULTS/throughput.json && echo 'PASS throughput: tiny-moe on CPU (smoke), throughput.json' || echo 'FAIL throughput: bench.throughput --smoke failed (see the log)'"
+  else
+    plan hc_perf 150 "\$PY -m bench.hc_kernels --perf --device cuda --out $WORK/hc_perf \${COPY_GBPS:+--copy-gbps \$COPY_GBPS}; rc=\$?; \$PY -m bench.gpu_checks pack $WORK/hc_perf $RESULTS/hc_perf.json; [ \$rc = 0 ] && echo 'PASS hc_perf: every HC kernel and sublayer timed against the copy bandwidth (hc_perf.json)' || echo \"FAIL hc_perf: bench.hc_kernels --perf exited \$rc\""
+    plan autotune 120 "\$PY -m bench.hc_kernels --autotune --device cuda --hidden $PERF_HIDDEN --tokens $PERF_TOKENS --out $RESULTS/tuned_blocks.json && echo 'PASS autotune: C=$PERF_HIDDEN, $PERF_TOKENS tokens; commit the winners with: cp <files_at>/tuned_blocks.json xhc/kernels/tuned_blocks.json' || echo 'FAIL autotune: bench.hc_kernels --autotune failed (see the log)'"
+    plan throughput 180 "\$PY -m bench.throughput --realistic --json $RESULTS/throughput.json && echo 'PASS throughput: moe-2p5b, grouped experts, 16k tokens per step (throughput.json)' || echo 'FAIL throughput: bench.throughput --realistic failed (see the log)'"
+  fi
+  plan table 15 "$CHK --results $RESULTS --json \$STEP_JSON perf_table"
+elif [ "$NPROC" = 1 ]; then
   # Limits: the first H200 run (2026-12-04, docs/gpu.md) took env 28 s, kernels 67 s (75 s once with
   # a cold Triton cache: timed out), train 47 s, resume 37-55 s, throughput 76 s, bench 82 s.
   plan env 45 "(environment, below)"
@@ -90,7 +118,11 @@ if [ "$DRY" = 1 ]; then
     selected "${NAMES[$i]}" || continue
     echo "  step $i ${NAMES[$i]} (limit ${LIMITS[$i]}s): ${CMDS[$i]}"
   done
-  echo "  then, if step train failed on the triton backend: step train again with --hc-kernels compile (limit: what is left, at most 150s)"
+  if [ "$PERF" = 1 ]; then
+    echo "  (roofline exports COPY_GBPS for hc_perf; results: gpu_check.log, summary.json with every step, hc_perf.json, tuned_blocks.json, throughput.json)"
+  else
+    echo "  then, if step train failed on the triton backend: step train again with --hc-kernels compile (limit: what is left, at most 150s)"
+  fi
   exit 0
 fi
 
@@ -132,7 +164,12 @@ with open(tmp, "w") as f:
 os.replace(tmp, path)
 PY
 }
-step_json() { echo "$RESULTS/step-$1-$2.json"; }
+if [ "$PERF" = 1 ]; then  # the step files go into summary.json: the device tool returns 8 files
+  mkdir -p "$WORK/steps"
+  step_json() { echo "$WORK/steps/step-$1-$2.json"; }
+else
+  step_json() { echo "$RESULTS/step-$1-$2.json"; }
+fi
 SUMMARY=()
 write_summary() {  # $1: state (running / done / killed)
   local nfail=0 l
@@ -142,12 +179,21 @@ import json, os, sys
 lines = [l for l in sys.stdin.read().splitlines() if l]
 d = {"state": sys.argv[2], "elapsed_s": int(sys.argv[3]), "budget_s": int(sys.argv[4]), "failed": int(sys.argv[5]),
      "current_step": sys.argv[6], "lines": lines}
+if sys.argv[7]:  # --perf: every step JSON inside the summary
+    import glob
+    d["steps"] = {}
+    for p in sorted(glob.glob(os.path.join(sys.argv[7], "step-*.json"))):
+        try:
+            d["steps"][os.path.basename(p)[:-5]] = json.load(open(p))
+        except ValueError:
+            pass
 tmp = sys.argv[1] + ".tmp"
 json.dump(d, open(tmp, "w"), indent=1)
-os.replace(tmp, sys.argv[1])' "$SUMMARY_JSON" "$1" "$(( $(date +%s) - T0 ))" "$BUDGET" "$nfail" "${CURRENT:-}"
+os.replace(tmp, sys.argv[1])' "$SUMMARY_JSON" "$1" "$(( $(date +%s) - T0 ))" "$BUDGET" "$nfail" "${CURRENT:-}" \
+    "$([ "$PERF" = 1 ] && echo "$WORK/steps")"
 }
 
-echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) nproc=$NPROC $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo cuda) budget=${BUDGET}s results=$RESULTS"
+echo "[gpu_check] $(date -u +%Y-%m-%dT%H:%M:%SZ) nproc=$NPROC $([ "$SMOKE" = 1 ] && echo 'CPU smoke' || echo cuda)$([ "$PERF" = 1 ] && echo ' perf') budget=${BUDGET}s results=$RESULTS"
 if command -v git >/dev/null 2>&1 && git rev-parse --git-dir >/dev/null 2>&1; then
   echo "[gpu_check] commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ local changes)')"
 fi
@@ -304,7 +350,7 @@ print(json.dumps(rows))')"
 
 env_step
 WARM_PID=""
-if [ "$SMOKE" = 0 ] && selected bench && [[ "$ENV_LINE" == PASS* ]]; then
+if [ "$SMOKE" = 0 ] && [ "$PERF" = 0 ] && selected bench && [[ "$ENV_LINE" == PASS* ]]; then
   # Every step shares one Triton and one inductor cache; the benchmark's rows are compiled once in
   # the background while steps 1-4 run, so that step 5 times warm-cache code (its "first call").
   export TRITON_CACHE_DIR="$WORK/cache/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/cache/inductor"
@@ -324,6 +370,14 @@ case "$ENV_LINE" in
         else echo "[gpu_check] benchmark warm-up done: $(grep -c '^\[warm\]' "$WORK/warm.out") rows compiled"; fi
       fi
       run_step "$i" "${NAMES[$i]}" "${LIMITS[$i]}" "${CMDS[$i]}"
+      if [ "${NAMES[$i]}" = roofline ]; then  # the measured ceilings, for the steps after it
+        eval "$("$SYSPY" -c 'import json, sys
+for r in json.load(open(sys.argv[1])).get("rows", []):
+    d = r.get("data") or {}
+    if r.get("name") == "roofline" and d:
+        print(f"export COPY_GBPS={d[\"copy_gbps\"]:.0f} GEMM_TFLOPS={d[\"gemm_tflops\"]:.1f}")' "$(step_json "$i" roofline)" 2>/dev/null)"
+        echo "[gpu_check] ceilings: COPY_GBPS=${COPY_GBPS:-?} GEMM_TFLOPS=${GEMM_TFLOPS:-?}"
+      fi
       if [ "${NAMES[$i]}" = train ] && [ "$STEP_STATUS" != PASS ] && [ "$SMOKE" = 0 ]; then
         # The training checks failed on the triton backend (auto on CUDA): once more on compile, which
         # says whether the Triton kernels or something else failed.  Its time comes off the later steps.
@@ -345,6 +399,13 @@ echo "=== summary ($(( $(date +%s) - T0 ))s of ${BUDGET}s, results in $RESULTS)"
 printf '%s\n' "${SUMMARY[@]}"
 if [ "$NFAIL" = 0 ]; then echo "[gpu_check] ALL PASSED (SKIP lines are not failures)"; else echo "[gpu_check] $NFAIL FAILED"; fi
 write_summary done
+if [ "$PERF" = 1 ] && selected table; then  # the table last, as the device tool's reply ends
+  echo ""
+  "$SYSPY" -c 'import json, sys
+for r in json.load(open(sys.argv[1])).get("rows", []):
+    for line in (r.get("data") or {}).get("lines", []):
+        print(line)' "$(step_json 5 table)" 2>/dev/null || echo "[gpu_check] no perf table (step table did not run)"
+fi
 # the run's scratch (installed wheels, caches, checkpoints); the results stay
-if [ "$RESULTS" != "$WORK" ]; then rm -rf "$WORK"; else rm -rf "$WORK/site" "$WORK/checks" "$WORK/cache" "$WORK/warm"; fi
+if [ "$RESULTS" != "$WORK" ]; then rm -rf "$WORK"; else rm -rf "$WORK/site" "$WORK/checks" "$WORK/cache" "$WORK/warm" "$WORK/hc_perf"; fi
 [ "$NFAIL" = 0 ]

@@ -10,6 +10,9 @@ Run::
     torchrun --nproc_per_node 2 -m bench.gpu_checks multi      # two GPUs (TP, PP, VPP, EP, CP, DP)
     python -m bench.gpu_checks --smoke --device cpu train_eval # the same code, shrunk, on CPU
     python -m bench.gpu_checks --json step.json --hc-kernels compile variants
+    python -m bench.gpu_checks roofline                        # copy bandwidth, bf16 GEMM rate (--perf)
+    python -m bench.gpu_checks --results DIR perf_table        # the --perf run's last table
+    python -m bench.gpu_checks pack DIR FILE                   # DIR's JSON/text files as one JSON file
 
 ``--json FILE``: every line is also appended to ``rows`` of that JSON file the moment it is
 printed (bench/gpu_check.sh's step files), so a kill keeps what was measured.  ``--hc-kernels``:
@@ -62,6 +65,7 @@ class Ctx:
         self.json_path = json_path
         self.hc_kernels = hc_kernels
         self.warm = warm  # bench: compile every row once (fills the caches), measure nothing
+        self.results_dir: Optional[str] = None  # perf_table: bench/gpu_check.sh --perf's results
         self.results: List[str] = []
         rank = int(os.environ.get("RANK", "0"))
         self.main = rank == 0
@@ -713,12 +717,197 @@ def check_overlap_param_gather_save(ctx: Ctx) -> None:
                f"checkpoint vs synced weights {err:.3g}")
 
 
+# ------------------------------------------------------------------------------------------------
+# --perf (bench/gpu_check.sh --perf): the machine's ceilings, then the table of the whole run
+# ------------------------------------------------------------------------------------------------
+def _median_time(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up (CUDA events on a GPU)."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def check_roofline(ctx: Ctx) -> None:
+    """The two ceilings of this machine, measured as METHOD says: a large device-to-device copy
+    (bytes read + bytes written; 1 GiB each way, far over L2) and a large bf16 matrix product on
+    random data (8192^3).  On CPU (smoke) the same at toy sizes in fp32."""
+    dev = "cuda" if ctx.cuda else "cpu"
+    n_copy = (1 << 28) if ctx.cuda else (1 << 20)  # fp32 elements: 1 GiB on the GPU, 4 MiB on CPU
+    src = torch.randn(n_copy, device=dev)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), 20 if ctx.cuda else 3, ctx.cuda)
+    gbps = 2 * src.numel() * src.element_size() / t / 1e9
+    del src, dst
+    m = 8192 if ctx.cuda else 256
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    a = torch.randn(m, m, device=dev, dtype=dtype)
+    b = torch.randn(m, m, device=dev, dtype=dtype)
+    t_mm = _median_time(lambda: a @ b, 10 if ctx.cuda else 3, ctx.cuda)
+    tflops = 2 * m ** 3 / t_mm / 1e12
+    name = torch.cuda.get_device_name() if ctx.cuda else "CPU"
+    ctx.report("PASS" if gbps > 0 and tflops > 0 else "FAIL", "roofline",
+               f"{name}: copy {gbps:,.0f} GB/s (read + write, {n_copy * 4 >> 20} MiB each way, median of "
+               f"{20 if ctx.cuda else 3}), {str(dtype).split('.')[-1]} GEMM {tflops:,.1f} TFLOP/s "
+               f"({m}^3 random, median "
+               f"of {10 if ctx.cuda else 3})", data={"copy_gbps": gbps, "gemm_tflops": tflops, "device": name})
+
+
+def pack_dir(src: str, dst: str) -> int:
+    """Every ``.json`` (parsed), ``.txt`` / ``.csv`` / ``.log`` (as text) file under ``src`` as one JSON
+    object ``{relative path: content}`` in ``dst``: the device tool returns at most 8 files."""
+    import json
+
+    out = {}
+    for root, _, files in os.walk(src):
+        for f in sorted(files):
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, src)
+            try:
+                with open(path) as fh:
+                    text = f.endswith((".txt", ".csv", ".log"))
+                    out[rel] = json.load(fh) if f.endswith(".json") else fh.read() if text else None
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                out[rel] = f"unreadable: {type(e).__name__}"
+    with open(dst, "w") as fh:
+        json.dump(out, fh, indent=1)
+    return len(out)
+
+
+PERF_UNITS = (("mhc", "mHC N=4 sublayer", 0.50), ("xhc-mlp", "xHC MLP sublayer", 0.40),
+              ("flash4", "Flash-4sub window", 0.40))
+PERF_RATIOS = (("mhc", "mHC", 0.93), ("xhc", "xHC", None), ("xhc_flash4", "Flash-4sub", 0.80))
+_FRACTION_KEYS = ("fraction_of_copy", "fraction_of_floor", "bw_fraction", "fraction")
+
+
+def bandwidth_fractions(packed, log_text: str = "") -> Dict[str, float]:
+    """``{unit: fraction of the copy bandwidth}`` for whole sublayers from ``bench.hc_kernels --perf``.
+
+    Read from its JSON (any record with ``variant`` and ``scope: sublayer`` (or no scope) and one of
+    ``fraction_of_copy`` / ``fraction_of_floor`` / ``bw_fraction`` / ``fraction``), else from its printed
+    lines ``perf <variant> sublayer ... <p>% of copy``."""
+    import re
+
+    found: Dict[str, float] = {}
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            v = obj.get("variant") or obj.get("unit")
+            if isinstance(v, str) and obj.get("scope", obj.get("kind", "sublayer")) == "sublayer":
+                for k in _FRACTION_KEYS:
+                    if isinstance(obj.get(k), (int, float)):
+                        found.setdefault(v, float(obj[k]))
+                        break
+            for x in obj.values():
+                walk(x)
+        elif isinstance(obj, list):
+            for x in obj:
+                walk(x)
+
+    walk(packed)
+    for m in re.finditer(r"^perf (\S+) sublayer\b.*?([\d.]+)\s*% of (?:the )?copy", log_text, re.M):
+        found.setdefault(m.group(1), float(m.group(2)) / 100)
+    return found
+
+
+def perf_table(results: str, log_text: str = "") -> List[str]:
+    """The --perf run's last table from the files in ``results`` (rows in docs/gpu.md)."""
+    import json
+
+    def load(name):
+        try:
+            with open(os.path.join(results, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    summary = load("summary.json") or {}
+    roof = {}
+    for step in (summary.get("steps") or {}).values():
+        for row in step.get("rows", []):
+            if row.get("name") == "roofline" and row.get("data"):
+                roof = row["data"]
+    tput = load("throughput.json") or {}
+    rows = {r["variant"]: r for r in tput.get("rows", [])}
+    fracs = bandwidth_fractions(load("hc_perf.json") or {}, log_text)
+    lines = [f"perf table: {roof.get('device', tput.get('device', '?'))}; copy "
+             + (f"{roof['copy_gbps']:,.0f} GB/s, {roof.get('gemm_dtype', 'bfloat16')} GEMM "
+                f"{roof['gemm_tflops']:,.1f} TFLOP/s"
+                if roof else "not measured")]
+    head = f"  {'quantity':<54} {'measured':>12} {'target':>9}  verdict"
+    lines += [head, "  " + "-" * (len(head) - 2)]
+
+    def row(label, value, target, ok):
+        verdict = "n/a" if ok is None else ("MET" if ok else "MISSED")
+        lines.append(f"  {label:<54} {value:>12} {target:>9}  {verdict}")
+
+    van = rows.get("none")
+    if van:
+        extra = f", {van['mfu'] * tput['peak_tflops'] / roof['gemm_tflops']:.1%} of GEMM" if roof else ""
+        row(f"vanilla tokens/s ({van['layers']} layers, {tput.get('tokens_per_step', '?')} tok/step)",
+            f"{van['tokens_per_s']:,.0f}", "-", None)
+        row(f"vanilla MFU (of {tput.get('peak_tflops', 0):g} TFLOP/s{extra})", f"{van['mfu']:.1%}", "-", None)
+    for key, label, target in PERF_RATIOS:
+        r = rows.get(key)
+        if r is None:
+            row(f"{label} / vanilla tokens/s", "not measured", f">= {target:.2f}x" if target else "-",
+                None if not target else False)
+            continue
+        share = (r.get("profile") or {}).get("hc_share")
+        row(f"{label} / vanilla tokens/s ({r['backend']}; HC share {'-' if share is None else f'{share:.0%}'})",
+            f"{r['ratio']:.3f}x", f">= {target:.2f}x" if target else "-", None if not target else r["ratio"] >= target)
+    for key, label, target in PERF_UNITS:
+        f = fracs.get(key)
+        row(f"{label} fwd+bwd, share of copy bandwidth", "not measured" if f is None else f"{f:.1%}",
+            f">= {target:.0%}", False if f is None else f >= target)
+    if os.path.exists(os.path.join(results, "tuned_blocks.json")):
+        lines.append("  autotuned block sizes: commit them with  "
+                     "cp <files_at>/tuned_blocks.json xhc/kernels/tuned_blocks.json")
+    return lines
+
+
+def check_perf_table(ctx: Ctx) -> None:
+    results = ctx.results_dir or ctx.workdir
+    log = ""
+    try:
+        with open(os.path.join(results, "gpu_check.log")) as f:
+            log = f.read()
+    except OSError:
+        pass
+    lines = perf_table(results, log)
+    if ctx.main:
+        print("\n".join(lines), flush=True)
+    missed = sum(1 for line in lines if line.endswith("MISSED"))
+    ctx.report("PASS", "perf table", f"{sum(1 for x in lines if x.endswith(('MET', 'MISSED')))} targets, "
+               f"{missed} missed (targets are reported, not failed)", data={"lines": lines})
+
+
 CHECKS = {"train_eval": check_train_eval, "variants": check_variants, "resume": check_resume,
           "pipeline": check_pipeline, "spec": check_spec, "throughput": check_throughput, "multi": check_multi,
-          "bench": check_bench}
+          "bench": check_bench, "roofline": check_roofline, "perf_table": check_perf_table}
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pack"]:
+        if len(argv) != 3:
+            print("usage: python -m bench.gpu_checks pack DIR FILE", file=sys.stderr)
+            return 2
+        print(f"[gpu_checks] packed {pack_dir(argv[1], argv[2])} file(s) of {argv[1]} into {argv[2]}")
+        return 0
     p = argparse.ArgumentParser(prog="python -m bench.gpu_checks", description=__doc__.split("\n\n")[0])
     p.add_argument("checks", nargs="+", choices=sorted(CHECKS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -727,6 +916,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="append every PASS/FAIL/SKIP line to `rows` of this JSON file")
     p.add_argument("--hc-kernels", default=None, choices=KERNEL_BACKENDS,
                    help="HC kernel backend of every model (default: the models' auto)")
+    p.add_argument("--results", default=None, help="perf_table: the results folder of bench/gpu_check.sh --perf")
     p.add_argument("--warm", action="store_true", help="bench: only the first call of every row (fills the "
                    "Triton and inductor caches for a later run), nothing measured")
     args = p.parse_args(argv)
@@ -737,6 +927,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     workdir = args.workdir or tempfile.mkdtemp(prefix="xhc-gpu-check-")
     ctx = Ctx(args.device, args.smoke, workdir, json_path=args.json, hc_kernels=args.hc_kernels, warm=args.warm)
+    ctx.results_dir = args.results
     try:
         for name in args.checks:
             t0 = time.perf_counter()
@@ -750,9 +941,10 @@ def main(argv=None) -> int:
                 print(f"[gpu_checks] {name} took {time.perf_counter() - t0:.1f}s", flush=True)
                 ctx.update_json(**{f"{name}_s": round(time.perf_counter() - t0, 1)})
     finally:
-        from models.parallel import destroy_parallel
+        if "models.parallel" in sys.modules:  # perf_table alone never imports Megatron
+            from models.parallel import destroy_parallel
 
-        destroy_parallel(destroy_process_group=True)
+            destroy_parallel(destroy_process_group=True)
         if args.workdir is None and ctx.main:
             shutil.rmtree(workdir, ignore_errors=True)
     return 1 if any(r.startswith("FAIL") for r in ctx.results) else 0

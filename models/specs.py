@@ -86,12 +86,26 @@ def _use_te(use_transformer_engine: Optional[bool]) -> bool:
     return use_transformer_engine
 
 
+def default_grouped_experts() -> bool:
+    """The local spec's expert module when the preset does not say (``moe_grouped_gemm: null``):
+    grouped GEMMs (:class:`models.grouped_experts.GroupedExperts`) on CUDA, ``SequentialMLP`` on CPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def get_hc_layer_local_spec(hc: HCConfig, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                             qk_layernorm: bool = False, normalization: Optional[str] = "RMSNorm",
                             **kwargs) -> ModuleSpec:
-    """Local-backend (Megatron-Core modules only) layer spec with hyper-connections."""
-    base = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                    qk_layernorm=qk_layernorm, normalization=normalization, **kwargs)
+    """Local-backend (Megatron-Core modules only) layer spec with hyper-connections.
+    ``moe_grouped_gemm``: routed experts as :class:`models.grouped_experts.GroupedExperts`
+    (grouped matmuls, no Transformer Engine) instead of ``SequentialMLP``."""
+    base = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                    normalization=normalization, **kwargs)
+    if moe_grouped_gemm and num_experts:
+        from models.grouped_experts import use_grouped_experts
+
+        base = use_grouped_experts(base)
     return to_hc_layer_spec(substitute_norms(base), hc)
 
 
@@ -107,10 +121,16 @@ def get_hc_layer_with_transformer_engine_spec(hc: HCConfig, num_experts: Optiona
 
 def get_hc_decoder_block_spec(config, hc: HCConfig, use_transformer_engine: Optional[bool] = None,
                               normalization: Optional[str] = None, vp_stage: Optional[int] = None,
-                              pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                              pp_rank: Optional[int] = None,
+                              grouped_experts: Optional[bool] = None) -> TransformerBlockSubmodules:
     """Decoder block spec: ``config.moe_layer_freq`` decides dense vs MoE layers (e.g. one leading
     dense layer, then MoE), each turned into an HC layer.  Local backend by default when Transformer
-    Engine is missing; its norms are replaced by the SP-capable :mod:`models.norms`."""
+    Engine is missing; its norms are replaced by the SP-capable :mod:`models.norms`.
+
+    ``grouped_experts`` (local backend only; the preset's ``moe_grouped_gemm``): routed experts as
+    :class:`models.grouped_experts.GroupedExperts` (True) or ``SequentialMLP`` (False); None:
+    ``config.moe_grouped_gemm`` if set, else :func:`default_grouped_experts` (grouped on CUDA).
+    With Transformer Engine ``config.moe_grouped_gemm`` picks TE's own grouped experts as before."""
     te = _use_te(use_transformer_engine)
     normalization = normalization or config.normalization
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=normalization,
@@ -118,5 +138,15 @@ def get_hc_decoder_block_spec(config, hc: HCConfig, use_transformer_engine: Opti
     if not te:
         block = substitute_norms(block)
     block = copy.copy(block)
+    if not te:
+        if grouped_experts is None:
+            grouped_experts = bool(config.moe_grouped_gemm) or default_grouped_experts()
+        elif not grouped_experts and config.moe_grouped_gemm:
+            raise ValueError("grouped_experts=False contradicts config.moe_grouped_gemm=True on the local spec "
+                             "(it would build the legacy GroupedMLP); set both alike")
+        if grouped_experts:
+            from models.grouped_experts import use_grouped_experts
+
+            block.layer_specs = [use_grouped_experts(s) for s in block.layer_specs]
     block.layer_specs = [to_hc_layer_spec(s, hc) for s in block.layer_specs]
     return block

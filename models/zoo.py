@@ -135,6 +135,8 @@ def transformer_config_kwargs(preset: ModelPreset) -> Dict[str, Any]:
     """Backbone settings as ``TransformerConfig`` keyword arguments (zoo-only keys translated)."""
     b = dict(preset.backbone)
     kw = {k: v for k, v in b.items() if k not in ZOO_KEYS}
+    if kw.get("moe_grouped_gemm", False) is None:  # null: the spec builder decides (models.specs)
+        del kw["moe_grouped_gemm"]
     act = b.get("activation", "silu")
     if act not in ACTIVATIONS:
         raise ZooError(f"model preset {preset.name}: backbone.activation={act!r}; allowed: {', '.join(ACTIVATIONS)}")
@@ -192,8 +194,10 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     from models.specs import get_hc_decoder_block_spec
 
     pp_rank = pg_collection.pp.rank() if pg_collection is not None and pg_collection.pp is not None else None
+    grouped = preset.backbone.get("moe_grouped_gemm")  # null: grouped experts on CUDA (models.specs)
     spec = get_hc_decoder_block_spec(config, preset.hc, use_transformer_engine=use_transformer_engine,
-                                     vp_stage=vp_stage, pp_rank=pp_rank)
+                                     vp_stage=vp_stage, pp_rank=pp_rank,
+                                     grouped_experts=None if grouped is None else bool(grouped))
     from models.mtp import finish_mtp_model, get_mtp_block_spec
 
     from models.specs import _use_te

@@ -197,20 +197,25 @@ def test_isolation_without_xhc_models_training(exported, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["mhc", "xhc"])
+@pytest.mark.parametrize("variant, hc", [("mhc", {}), ("xhc", {}),
+                                         ("mhc", {"convention": "deepseek_v4", "reduction": "learned"}),
+                                         ("xhc", {"reduction": "learned"})])  # fmt: skip
 @pytest.mark.slow
-def test_upcycling_keeps_vanilla_logits(exported, variant, tmp_path):
-    """from-hf --to-variant: the hyper-connection model computes the vanilla model (≤ 1e-5)."""
+def test_upcycling_keeps_vanilla_logits(exported, variant, hc, tmp_path):
+    """from-hf --to-variant (--hc): the hyper-connection model computes the vanilla model (≤ 1e-5),
+    also with DeepSeek-V4's convention (its + ε terms compensated) and its learned head."""
     from tools import conversion as C
     from models.zoo import load_preset
+    from xhc.head import LearnedHead
 
     res = C.from_hf(exported["vanilla"]["hf"], str(tmp_path / "up"), to_variant=variant.replace("-", "_"),
-                    progress=False)
+                    hc_overrides=hc, progress=False)
     preset = load_preset(res["preset"])
-    assert preset.hc.variant == variant
+    assert preset.hc.variant == variant and {k: getattr(preset.hc, k) for k in hc} == hc
     model = _load_megatron(res["checkpoint"], preset, VOCAB, SEQ)
+    assert sum(isinstance(m, LearnedHead) for m in model.modules()) == (hc.get("reduction") == "learned")
     err = (_megatron_logits(model, _tokens()) - exported["vanilla"]["logits"]).abs().max().item()
-    print(f"UPCYCLE vanilla->{variant} {err:.3g}")
+    print(f"UPCYCLE vanilla->{variant} {hc} {err:.3g}")
     assert err <= UPCYCLE_TOL, f"upcycled {variant}: max |Δlogit| = {err:.3g}"
     # it is a real HC model: its HC parameters exist and train (nonzero gradient on them)
     hc = [p for n, p in model.named_parameters() if getattr(p, "is_hyper_connection", False)]
@@ -350,6 +355,12 @@ def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     with pytest.raises(C.ConversionError, match="already a hyper-connection model"):
         C.from_hf(exported["mhc"]["hf"], str(tmp_path / "y"), to_variant="xhc", progress=False)
     assert not (tmp_path / "y").exists()
+    # DeepSeek-V4's convention on a variant that has no such maps: one line naming the field and the fix
+    with pytest.raises(C.ConversionError, match=r"^--to-variant / --hc: HCConfig\.convention='deepseek_v4' .*"
+                                                r"use convention: paper$"):
+        C.from_hf(exported["vanilla"]["hf"], str(tmp_path / "z"), to_variant="xhc",
+                  hc_overrides={"convention": "deepseek_v4"}, progress=False)
+    assert not (tmp_path / "z").exists()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ backend (``triton`` in the interpreter on CPU); a transposed comb must not.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -236,6 +237,42 @@ def test_learned_head_init_and_readout():
         StreamReadout(4, "learned")
 
 
+def _upcycled_stack(compensate: bool, L: int = 12):
+    """L DeepSeek-V4 mHC sublayers and the learned head in the upcycling state (tools.conversion),
+    driven by pre-norm branches y = tanh(RMSNorm(u) W_l), against the vanilla residual stack."""
+    from tools.conversion import upcycle_init, upcycle_overrides
+    from xhc.hyper_connection import expand_streams
+
+    cfg = HCConfig(variant="mhc", n=4, kernels="eager",
+                   **{**upcycle_overrides("mhc"), "convention": "deepseek_v4", "reduction": "learned"})
+    subs = torch.nn.ModuleList([HyperConnection(cfg, C, i) for i in range(L)]).double()  # float64: no round-off
+    head = LearnedHead(cfg, C).double()
+    if compensate:
+        upcycle_init(torch.nn.ModuleList([subs, head]), cfg)
+    g = torch.Generator().manual_seed(3)
+    Ws = [torch.randn(C, C, generator=g, dtype=torch.float64) / C**0.5 for _ in range(L)]
+    rms = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+    x = torch.randn(B, S, C, generator=g, dtype=torch.float64)
+    X, v = expand_streams(x, cfg.n), x
+    with torch.no_grad():
+        for hc, W in zip(subs, Ws):
+            u, ctx = hc.read(X)
+            X = hc.write(X, torch.tanh(rms(u) @ W), ctx)
+            v = v + torch.tanh(rms(v) @ W)
+        return rms(head(X)), rms(v)  # the final norm sees the head's output
+
+
+def test_upcycling_state_computes_the_vanilla_stack():
+    """tools.conversion.upcycle_init: with DeepSeek-V4's + ε terms compensated (h_pre = 1/N, h_post =
+    γ_0⋯γ_l, head weights 1/N) the normalised output equals the vanilla residual stack's in float64
+    (up to the final norm's own eps acting on the stream's overall scale, ~1e-11); without it the
+    ε terms shift it by ~L·ε (12 sublayers: ~1e-5)."""
+    got, want = _upcycled_stack(True)
+    assert (got - want).abs().max() <= 1e-9
+    got, want = _upcycled_stack(False)
+    assert (got - want).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(variant="kromhc"), "convention"),
     (dict(variant="mhc_lite"), "convention"),
@@ -277,7 +314,8 @@ def test_identity_takes_the_pre_eps():
 ])
 def test_export_logits_equal_megatron(variant, hc, tmp_path):
     """A perturbed tiny model with DeepSeek's convention and head (and the head on an xHC variant)
-    exports to HF remote code whose logits equal Megatron's (the conversion suite's tolerance)."""
+    exports to HF remote code whose logits equal Megatron's (the conversion suite's tolerance),
+    from-hf reads it back exactly, and xhc-inspect reports the head's weights (run and folder)."""
     from models.parallel import initialize_parallel
     from models.zoo import build_model, build_transformer_config, load_preset
     from tests.test_convert_hf import PARITY_TOL, _hf, _hf_logits
@@ -297,7 +335,6 @@ def test_export_logits_equal_megatron(variant, hc, tmp_path):
     write_run(run, f"tiny-moe:{variant}", model, hc=hc)
     conversion.to_hf(conversion.resolve_source(run=run), str(tmp_path / "hf"), dtype="fp32", progress=False,
                      log=lambda *_: None)
-    import json
 
     exported_hc = json.load(open(tmp_path / "hf" / "config.json"))["hc"]
     assert {k: exported_hc[k] for k in hc} == hc  # the export runs the run's convention and head
@@ -308,6 +345,51 @@ def test_export_logits_equal_megatron(variant, hc, tmp_path):
     err = (_hf_logits(hf, toks) - ref).abs().max().item()
     print(f"PARITY {variant} {hc} {err:.3g}")
     assert err <= PARITY_TOL, f"{variant} {hc}: max |Δlogit| = {err:.3g}"
+
+    # from-hf reads the folder back with the run's convention and head: every tensor bit for bit
+    from tests.test_convert_hf import _load_megatron
+
+    back = conversion.from_hf(str(tmp_path / "hf"), str(tmp_path / "back"), progress=False)
+    back_preset = load_preset(back["preset"])
+    assert {k: getattr(back_preset.hc, k) for k in hc} == hc
+    sd, got = model.state_dict(), _load_megatron(back["checkpoint"], back_preset, VOCAB, SEQ).state_dict()
+    names = [k for k, v in sd.items() if torch.is_tensor(v) and "_extra_state" not in k]
+    assert any(".hc_head." in k for k in names)
+    assert all(torch.equal(got[k], sd[k]) for k in names), [k for k in names if not torch.equal(got[k], sd[k])][:3]
+
+    # xhc-inspect on the run and on the folder: the head's weights, as a float64 recomputation from
+    # the state the exported model's own forward hands its head (hook), on the inspector's tokens
+    from tools.inspect import main as inspect_main
+
+    heads = {}
+    figures = [] if variant == "mhc" else ["--no-figures"]  # drawing costs seconds: one case draws
+    for kind, src, extra in (("run", run, ["--no-figures"]), ("hf", str(tmp_path / "hf"), figures)):
+        out = tmp_path / f"inspect-{kind}"
+        assert inspect_main([src, "--output", str(out), "--tokens", str(SEQ), "--quiet", *extra]) == 0
+        m = json.load(open(out / "inspect.json"))["runs"][0]["inspections"][0]
+        assert m["tokens"]["from"].startswith("random token ids"), m["tokens"]
+        heads[kind] = m["head"]
+    assert (tmp_path / "inspect-hf" / "head.png").is_file() == (variant == "mhc")
+    assert "learned head: stream weights" in (tmp_path / "inspect-hf" / "report.md").read_text()
+    ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(0)).view(1, SEQ)
+    seen = []
+    last = hf.model.layers[-1]
+    hook = last.hc_head.register_forward_hook(lambda mod, args, out: seen.append(args[0].detach()))
+    with torch.no_grad():
+        hf(ids)
+    hook.remove()
+    cfg, H = last.hc_head.cfg, last.hc_head
+    x = seen[0].double().flatten(-2)  # [s, b, N·C]
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    w = (torch.sigmoid(H.hc_scale.double() * (x @ H.hc_fn.double().T) + H.hc_base.double())
+         + cfg.sinkhorn_eps).flatten(0, -2)
+    want = {"weights_mean": w.mean(0), "weights_min": w.min(0).values, "weights_max": w.max(0).values,
+            "sum_mean": w.sum(-1).mean()}
+    for kind, head in heads.items():
+        for key, v in want.items():
+            torch.testing.assert_close(torch.tensor(head[key], dtype=torch.float64), v, rtol=1e-5, atol=0,
+                                       msg=f"{kind} {key}")
+    assert float(w.std(0).max()) > 1e-3  # perturbed weights: the head's weights vary over tokens
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,8 +415,6 @@ def test_tools_accounting_custom_yaml_counts_the_head(tmp_path, capsys):
 
     (tmp_path / "hc.yaml").write_text("variant: mhc\nn: 4\nconvention: deepseek_v4\nreduction: learned\n")
     T.main(["--hidden", "64", "--layers", "2", "--hc-yaml", str(tmp_path / "hc.yaml"), "--json"])
-    import json
-
     rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if r["variant"] == "mhc"]
     plain = HCConfig(variant="mhc", n=4, convention="deepseek_v4")
     from xhc.accounting import hc_params_total

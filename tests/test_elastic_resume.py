@@ -39,15 +39,18 @@ BASE = ["data.mock=true", "batch.micro_batch_size=2", "batch.global_batch_size=4
 LAYOUTS = {"1": [], "ep2": ["parallel.ep=2"], "tp2sp": ["parallel.tp=2", "parallel.sp=true"],
            "pp2": ["parallel.pp=2"], "dp2": []}
 WORLD = {"1": 1, "ep2": 2, "tp2sp": 2, "pp2": 2, "dp2": 2}
-# (preset variant, optimizer, layout A, layout B): every pair the issue names, AdamW and Muon, xHC, mHC, vanilla
-TRANSITIONS = [("xhc", "adamw", "ep2", "1"), ("xhc", "muon", "1", "ep2"), ("mhc", "muon", "tp2sp", "1"),
+# (preset variant, optimizer, layout A, layout B): every pair the issue names, AdamW and Muon, xHC, mHC, vanilla;
+# mhc-dsv4: mHC with DeepSeek-V4's convention and learned head (docs/math.md §2.h), the head on TP=2+SP
+TRANSITIONS = [("xhc", "adamw", "ep2", "1"), ("xhc", "muon", "1", "ep2"), ("mhc-dsv4", "muon", "tp2sp", "1"),
                ("mhc", "adamw", "1", "tp2sp"), ("vanilla", "adamw", "pp2", "1"), ("vanilla", "muon", "dp2", "1")]
 IDS = [f"{a}-to-{b}-{v}-{o}" for v, o, a, b in TRANSITIONS]
+VARIANT_ARGS = {"mhc-dsv4": ["model.preset=tiny-moe:mhc", "model.hc.convention=deepseek_v4",
+                             "model.hc.reduction=learned"]}
 
 
 def _args(root, name, variant, opt, layout, steps, load=None):
-    args = [*BASE, f"model.preset=tiny-moe:{variant}", f"optimizer.name={opt}", *LAYOUTS[layout],
-            f"run.train_steps={steps}", f"run.dir={os.path.join(root, name)}"]
+    args = [*BASE, *VARIANT_ARGS.get(variant, [f"model.preset=tiny-moe:{variant}"]), f"optimizer.name={opt}",
+            *LAYOUTS[layout], f"run.train_steps={steps}", f"run.dir={os.path.join(root, name)}"]
     return args + ([f"checkpoint.load={load}"] if load else [])
 
 
@@ -122,6 +125,10 @@ def test_resume_on_another_layout(runs, transition):
     moments = "exp_avg" if o == "adamw" else "momentum_buffer"
     assert sum(k.startswith(f"optimizer.{o}.{moments}.") for k in ta) >= 10, sorted(ta)[:5]
     assert set(ta) == set(tr)
+    if v == "mhc-dsv4":  # the learned head (last layer, an SP parameter at TP=2) and its AdamW moments
+        head = [k for k in ta if ".hc_head." in k]
+        assert any(k.startswith("optimizer.adamw.exp_avg") for k in head) and \
+            any(not k.startswith("optimizer.") for k in head), sorted(head)
     unequal = [k for k in ta if not torch.equal(ta[k], tr[k])]
     assert not unequal, unequal[:5]
     ca, cr = dist_checkpointing.load_common_state_dict(saved), dist_checkpointing.load_common_state_dict(loaded)

@@ -449,8 +449,10 @@ def hc_dist_run(run_torchrun):
 def test_two_rank_hc_equivalence(hc_dist_run, mode):
     """tp_sp: TP=2+SP == TP=1 (loss, every grad incl. HC/conv/router after the SP all-reduce) for
     mHC (softmax readout), xHC (conv halo across the rank boundary, Megatron reset mask, explicit
-    sequence_context), xHC-Flash and Flash-4sub; ep: EP=2 == EP=1 for mHC and xHC;
-    pp: PP=2 over Megatron p2p with [s, b, N·C] edges == PP=1 (mHC, Flash-4sub);
+    sequence_context), xHC-Flash, Flash-4sub and mHC with DeepSeek-V4's convention + learned head;
+    ep: EP=2 == EP=1 for mHC, xHC and DeepSeek-V4 mHC + learned head;
+    pp: PP=2 over Megatron p2p with [s, b, N·C] edges == PP=1 (mHC, Flash-4sub, DeepSeek-V4 mHC with
+    the learned head on the last stage);
     cp: CP=2 xHC MLP sublayer with the Megatron-derived SequenceContext == full sequence (BSHD, THD);
     ckpt: dist_checkpointing save at TP=2+SP, load at TP=1: tensors exact, loss equal;
     ddp: Megatron DDP + finalize_model_grads treat HC params like our finalize_grads (TP=2+SP, EP=2)."""

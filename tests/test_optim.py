@@ -437,10 +437,13 @@ def _equal_nested(a, b) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Bitwise resume
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
-def test_resume_is_bitwise(parallel, opt_name):
+@pytest.mark.parametrize("opt_name, hc", [("adamw", {}), ("muon", {}),
+                                         ("muon", {"convention": "deepseek_v4", "reduction": "learned"})],
+                         ids=["adamw", "muon", "muon-deepseek_v4-learned"])  # fmt: skip
+def test_resume_is_bitwise(parallel, opt_name, hc):
     """N steps straight == k steps, save (model, optimiser, scheduler) to bytes, rebuild
-    everything, load, N − k steps — bit for bit, including Muon momentum and AdamW moments."""
+    everything, load, N − k steps — bit for bit, including Muon momentum and AdamW moments (and
+    DeepSeek-V4's convention with the learned head, whose parameters AdamW updates under Muon)."""
     n_steps, k = 3, 2
     ocfg = OptimizerConfig(name=opt_name, lr=3e-3, clip_grad=0.5)
     scfg = ScheduleConfig(kind="wsd", total_steps=n_steps, warmup_steps=1, decay_fraction=0.34)
@@ -455,7 +458,7 @@ def test_resume_is_bitwise(parallel, opt_name):
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)
-        model = zoo_model("tiny-moe:mhc", backbone=TINY)
+        model = zoo_model("tiny-moe:mhc", backbone=TINY, **hc)
         opt = build_optimizer(model, ocfg)
         return model, opt, build_scheduler(opt, scfg, ocfg)
 
@@ -488,6 +491,9 @@ def test_resume_is_bitwise(parallel, opt_name):
 
     for (n, a), (_, b) in zip(straight[0].named_parameters(), second[0].named_parameters()):
         assert torch.equal(a, b), f"{n} differs after resume"
+    head = [n for n, _ in straight[0].named_parameters() if ".hc_head." in n]
+    assert len(head) == (3 if hc else 0)  # hc_fn, hc_base, hc_scale of the last layer
+    assert all(not torch.equal(straight[0].state_dict()[n], init[n]) for n in head)  # the head trained
     assert _equal_nested(straight[1].state_dict(), second[1].state_dict())
     if opt_name == "muon":
         bufs = [s["momentum_buffer"] for s in second[1].optimizers["muon"].state.values()]

@@ -38,7 +38,8 @@ from models.hf.export import mapping as M
 from models.zoo import CONFIG_DIR, ModelPreset, ZooError, _read_yaml, build_model, build_transformer_config, load_preset
 from xhc.config import FLASH_FAMILY, XHC_FAMILY, HCConfig, HCConfigError
 from xhc.flash import XHCFlashLayer
-from xhc.hyper_connection import HyperConnection
+from xhc.head import LearnedHead
+from xhc.hyper_connection import HyperConnection, logit
 from xhc.xhc import PostMapping, ReadMapping, ResMapping, XHCSublayer
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
@@ -909,7 +910,36 @@ def upcycle_overrides(variant: str) -> dict:
 def upcycle_init(model, hc) -> None:
     """xHC family: read one-hot on stream 0 (always active, slot 0), H_res = I, write the branch
     output to slot 0 with weight 1 and its temporal components with weight 0, read out stream 0
-    (all up to σ(−UPCYCLE_LOGIT)).  The mHC family needs nothing beyond :func:`upcycle_overrides`."""
+    (all up to σ(−UPCYCLE_LOGIT)).  The mHC family needs nothing beyond :func:`upcycle_overrides`,
+    except where DeepSeek-V4's ``+ ε`` terms would shift the uniform maps (docs/math.md §2.h):
+
+    - ``convention: deepseek_v4``: h_pre = σ(b) + ε, so b_pre = logit(1/N − ε) gives h_pre = 1/N;
+      the ``+ ε`` denominators of its Sinkhorn leave the rows of H_res = combᵀ summing to γ = 1 − O(ε),
+      which shrinks the equal streams by γ per sublayer: sublayer l writes with h_post = γ_0···γ_l, so
+      the state stays the vanilla residual times one scalar, which the final norm removes;
+    - ``reduction: learned`` (its projection starts at 0, w = σ(b) + ε): b = logit(1/N − ε) on every
+      stream (the mean readout) in the mHC family; in the xHC family b = logit(1 − ε) on stream 0
+      and −UPCYCLE_LOGIT on the others (leakage σ(−16) + ε per stream).
+    """
+    eps, n = hc.sinkhorn_eps, hc.n
+    if hc.convention == "deepseek_v4":
+        scale = 1.0
+        for mod in sorted((m for m in model.modules() if isinstance(m, HyperConnection)), key=lambda m: m.layer_index):
+            if mod.b_pre is not None:
+                mod.b_pre.fill_(logit(1.0 / n - eps))
+            dtype = next(mod.parameters()).dtype
+            _, _, H = mod.coefficients(torch.ones(1, n, mod.hidden_size, dtype=dtype))  # input-independent: W = 0
+            scale *= 1.0 if H is None else H.double().sum(-1).mean().item()
+            if mod.b_post is not None:
+                mod.b_post.fill_(logit(scale / 2))  # h_post = 2σ(b)
+    for mod in model.modules():
+        if isinstance(mod, LearnedHead):
+            mod.hc_fn.zero_()
+            if hc.is_xhc:
+                mod.hc_base.fill_(-UPCYCLE_LOGIT)
+                mod.hc_base[0] = logit(1.0 - eps)
+            else:
+                mod.hc_base.fill_(logit(1.0 / n - eps))
     if not hc.is_xhc:
         return
     if hc.m < 1:

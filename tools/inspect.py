@@ -761,7 +761,7 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
     if hasattr(cfg, "_experts_implementation"):
         cfg._experts_implementation = "eager"
     rec = Recorder(info.hc)
-    X = emb = mask = pos_emb = None
+    X = emb = mask = pos_emb = head = None
     b, s = tokens.shape
     position_ids = torch.arange(s, device=device).unsqueeze(0)
     peak_group = 0
@@ -788,6 +788,8 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
                       position_embeddings=pos_emb)
             X = rec.run_layer(i, layer.self_attention_hyper_connection, layer.mlp_hyper_connection,
                               lambda u, _l=layer: _l._attn(u, **kw), layer._mlp, X, None, i == info.num_layers - 1)
+            if i == info.num_layers - 1 and getattr(layer, "hc_head", None) is not None:
+                head = head_measures(layer.hc_head.weights(X))
             del layer
             log(f"layer {i + 1}/{info.num_layers} ({nbytes / 1e6:.1f} MB of tensors) {time.perf_counter() - t0:.1f}s, "
                 f"RSS {_rss_mb():.0f} MB")
@@ -796,6 +798,8 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
     if keep is not None:
         keep.update(X=X, emb=emb)
     out = rec.result()
+    if head is not None:
+        out["head"] = head
     out["largest_group_bytes"] = peak_group
     return out
 
@@ -879,6 +883,14 @@ def inspect_mtp(src, preset, info: ModelInfo, keep: dict, depths: int, device: s
     out["depth"]["labels"] = ["MTP input (depth 1)"] + [f"MTP depth {k + 1}" for k in range(depths)]
     out["depths"] = depths
     return out
+
+
+def head_measures(w) -> dict:
+    """The learned head's per-token stream weights ``w`` ``[s, b, N]`` (``reduction: learned``,
+    xhc/head.py): per stream their mean, min and max over the tokens, and the mean of Σ_i w_i."""
+    w = w.double().flatten(0, -2)
+    return {"weights_mean": w.mean(0).tolist(), "weights_min": w.min(0).values.tolist(),
+            "weights_max": w.max(0).values.tolist(), "sum_mean": w.sum(-1).mean().item()}
 
 
 # ================================================================================================
@@ -1150,6 +1162,18 @@ def figures_one(run: dict, m: dict, out_dir: str, prefix: str = "") -> list:
         fig.suptitle(tag, fontsize=9, y=1.03)
         _save(fig, out_dir, f"{prefix}router.png", figs,
               "xHC router: load per stream per routing decision (sublayer, or window for Flash), fixed vs routed share, routed entropy.")
+    head = m.get("head")
+    if head:
+        fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * run["n"]), 3.0))
+        mean = np.asarray(head["weights_mean"])
+        ax.bar(range(len(mean)), mean, yerr=[mean - np.asarray(head["weights_min"]),
+                                             np.asarray(head["weights_max"]) - mean], capsize=3)
+        ax.set_xlabel("stream i")
+        ax.set_ylabel("w_i")
+        ax.set_title(f"learned head: stream weights (mean, min–max over tokens): {tag}", fontsize=8)
+        _save(fig, out_dir, f"{prefix}head.png", figs,
+              "The learned head's weights w_i = σ(·) + ε over the streams (reduction: learned): mean over the "
+              "sampled tokens, bars from the smallest to the largest.")
     conv = [r for r in subs if r.get("conv_kernels")]
     if conv:
         scales = len(conv[0]["conv_kernels"])
@@ -1299,6 +1323,9 @@ def write_report(result: dict, out_dir: str) -> str:
                       f"last-sublayer forward / backward gain {_fmt(m['gain']['forward'][-1])} / "
                       f"{_fmt(m['gain']['backward'][-1])}; max ‖H̄ − I‖_F "
                       f"{_fmt(max(s['dist_identity'] for s in m['sublayers']))}"]
+            if m.get("head"):
+                means = ", ".join(_fmt(v) for v in m["head"]["weights_mean"])
+                lines += [f"- learned head: stream weights (token mean) {means}; Σ w {_fmt(m['head']['sum_mean'])}"]
         lines.append("")
         for fgr in r.get("figures", []):
             lines += [f"![{fgr['caption']}]({fgr['file']})", "", f"*{fgr['caption']}*", ""]

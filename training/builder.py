@@ -249,6 +249,12 @@ class Builder:
         run.num_params_local = sum(prm.numel() for c in chunks for prm in c.parameters())
         run.num_hc_params_local = sum(prm.numel() for c in chunks for prm in c.parameters()
                                       if getattr(prm, "is_hyper_connection", False))
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        experts = sorted({type(m.experts).__name__ for c in chunks for m in c.modules() if isinstance(m, MoELayer)})
+        if experts:  # model.backbone.moe_grouped_gemm (null: grouped on CUDA), docs/architecture.md
+            run.log(f"[xhc] routed experts: {', '.join(experts)}"
+                    + (" (grouped GEMMs, models.grouped_experts)" if "GroupedExperts" in experts else ""))
         if run.cfg.model.compile_hc:
             n = sum(compile_hc_modules(c) for c in chunks)
             run.log(f"[xhc] model.compile_hc: {n} HC modules under torch.compile (inductor; the first "

@@ -12,15 +12,19 @@ sharded model with ``tests.megatron_utils.load_from_reference``.  Models come fr
 
 - ``tp_sp``: TP=2 + sequence parallel, same full batch on both ranks, for mHC (softmax readout),
   xHC (N=4, k=2, m=1, κ=(4,8,12); sequence 32, so each rank holds 16 rows and the conv's 11-row
-  halo crosses the rank boundary; Megatron's document-resetting mask), xHC-Flash and Flash-4sub.
+  halo crosses the rank boundary; Megatron's document-resetting mask), xHC-Flash, Flash-4sub and
+  mHC with DeepSeek-V4's convention and learned head (``DEEPSEEK``; the head's parameters are SP
+  parameters of the last layer).
   Loss equals the reference and every grad (HC params incl. conv weights and router, after the
   SP all-reduce of ``models.parallel.finalize_grads``) equals the reference grad.  An explicit
   ``sequence_context`` from Megatron's reset position ids gives the same loss as the mask.
-- ``ep``: EP=2 (DP=2 for dense params, half the batch per rank), mHC and xHC: DP-averaged loss
+- ``ep``: EP=2 (DP=2 for dense params, half the batch per rank), mHC, xHC and mHC with
+  ``DEEPSEEK``: DP-averaged loss
   and every grad equal the full-batch reference.
 - ``pp``: PP=2 (4 layers, 2 micro-batches) over Megatron's ``P2PCommunicator``
   (``models.pipeline.gpipe_forward_backward``) with ``[s, b, N·C]`` edges
-  (``hc_p2p_shapes(p2p_num_streams(hc))``), mHC and Flash-4sub: loss and grads equal PP=1.
+  (``hc_p2p_shapes(p2p_num_streams(hc))``), mHC, Flash-4sub and mHC with ``DEEPSEEK`` (the learned
+  head on the last stage): loss and grads equal PP=1.
 - ``cp``: CP=2 (Megatron's load-balanced layout from ``get_batch_on_this_cp_rank``, and THD
   packing with ``cu_seqlens_q_padded``): the xHC MLP sublayer with the temporal conv, given
   ``models.sequence.sequence_context_from_megatron``'s context, equals the full-sequence run in
@@ -59,6 +63,7 @@ LOSS_RTOL = 2e-6  # observed <= 4e-7
 TIMEOUT_MINUTES = 2.0
 XHC = dict(n=4, k=2, m=1)
 PERTURB = 0.5  # std of the noise added to HC params: streams become clearly distinct
+DEEPSEEK = dict(convention="deepseek_v4", reduction="learned")  # DeepSeek-V4's maps and head (docs/math.md §2.h)
 
 
 def _imports():
@@ -142,8 +147,8 @@ def run_tp_sp():
     for hc, batch, mtp in ((_hc("mhc", reduction="softmax"), plain_batch, {}),
                            (_hc("xhc", reduction="softmax"), doc_batch, {}),
                            (_hc("xhc_flash"), doc_batch, {}), (_hc("xhc_flash4"), plain_batch, {}),
-                           (_hc("mhc", convention="deepseek_v4", reduction="learned"), plain_batch,
-                            MTP)):  # fmt: skip
+                           (_hc("mhc", **DEEPSEEK), plain_batch, {}),
+                           (_hc("mhc", **DEEPSEEK), plain_batch, MTP)):  # fmt: skip
         ref, state = reference(hc, seq=SEQ_HALO, **mtp)
         ref_loss = _loss(ref, batch)
         ref_loss.backward()
@@ -193,7 +198,7 @@ def _half(batch):
 def run_ep():
     n_total = 0
     batch = (*U.tiny_batch(BATCH), None)
-    for hc, mtp in ((_hc("mhc"), {}), (_hc("xhc"), {}), (_hc("xhc"), MTP)):
+    for hc, mtp in ((_hc("mhc"), {}), (_hc("xhc"), {}), (_hc("mhc", **DEEPSEEK), {}), (_hc("xhc"), MTP)):
         ref, state = reference(hc, **mtp)
         ref_loss = _loss(ref, batch)
         ref_loss.backward()
@@ -246,8 +251,8 @@ def run_pp():
     four = dict(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
     tokens, labels, pos = U.tiny_batch(BATCH)
     n_total = 0
-    for hc, mtp in ((_hc("mhc", reduction="softmax"), {}), (_hc("xhc_flash4"), {}),
-                    (_hc("mhc", convention="deepseek_v4", reduction="learned"), MTP)):
+    for hc, mtp in ((_hc("mhc", reduction="softmax"), {}), (_hc("xhc_flash4"), {}), (_hc("mhc", **DEEPSEEK), {}),
+                    (_hc("mhc", **DEEPSEEK), MTP)):
         ref, state = reference(hc, **four, **mtp)
         ref_loss = _loss(ref, (tokens, labels, pos, None))
         ref_loss.backward()
