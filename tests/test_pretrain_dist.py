@@ -45,6 +45,11 @@ def test_layout_fits_the_mock_data(results, mode, dp):
     assert [c for c in r["checkpoints"] if c.startswith("step_")] == ["step_00000008", "step_00000016", "step_00000024"]
     assert r["verified"] == [8, 16, 24]
     assert r["hc"] > 0  # HC health hooks found the xHC modules
+    if mode == "pp":  # one MTP depth on the last stage (models/mtp.py): logged per logging interval, learning
+        assert r["mtp"] and all(len(m) == 1 and math.isfinite(m[0]) for m in r["mtp"])
+        assert r["mtp"][-1][0] < r["mtp"][0][0] - 1.0, r["mtp"]
+    else:
+        assert not r["mtp"]
 
 
 def test_dp_and_tp_sp_agree_on_the_first_step(results):

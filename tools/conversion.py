@@ -104,14 +104,20 @@ def resolve_source(run: Optional[str] = None, checkpoint: Optional[str] = None) 
                   hc_overrides=model.get("hc") or {})
 
 
+MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+
+
 def effective_preset(src: Source):
     """The preset with the run's overrides and the optimizer-dependent HC defaults training applied."""
     import yaml
 
     from training.optim import hc_defaults_for_optimizer
 
+    # The main model only: multi-token prediction depths (models/mtp.py) are a training device with
+    # no transformers counterpart; their weights stay in the checkpoint (docs/conversion.md).
+    backbone = {k: v for k, v in (src.backbone_overrides or {}).items() if k not in MTP_KEYS}
     try:
-        preset = load_preset(src.preset_name, backbone_overrides=src.backbone_overrides or None,
+        preset = load_preset(src.preset_name, backbone_overrides=backbone or None,
                              hc_overrides=src.hc_overrides or None)
     except ZooError as e:
         raise ConversionError(str(e)) from None

@@ -549,15 +549,26 @@ def _unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") and hasattr(chunk, "finish_grad_sync") else chunk
 
 
+def _chunk_sharded_state(model) -> dict:
+    """``model.sharded_state_dict()``.  A pipeline stage with MTP but no embedding input (the last stage)
+    ties its embedding copy to the first stage's, and Megatron's ``GPTModel`` (0.16) reads
+    ``metadata['dp_cp_group']`` there without filling it in: it is given explicitly."""
+    if getattr(model, "mtp_process", False) and not getattr(model, "pre_process", True):
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    return model.sharded_state_dict()
+
+
 def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict:
     if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
+        return {"model": _chunk_sharded_state(_unwrap(chunks[0]))}
     from megatron.core import parallel_state as ps
 
     out = {}
     for i, c in enumerate(chunks):
         ps.set_virtual_pipeline_model_parallel_rank(i)
-        out[f"model{i}"] = _unwrap(c).sharded_state_dict()
+        out[f"model{i}"] = _chunk_sharded_state(_unwrap(c))
     return out
 
 

@@ -194,7 +194,9 @@ class Trainer:
         with self.health.recording() if health_now else contextlib.nullcontext():
             total, count = self.forward_backward(iterators)
         self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
-        s, n, *flags = self._all_reduce([total, count, *self.life.local_stop_flags()])
+        mtp = self.runner.mtp_stats()  # [Σ loss_k per depth..., micro-batches], empty without MTP
+        s, n, *rest = self._all_reduce([total, count, *mtp, *self.life.local_stop_flags()])
+        mtp, flags = rest[:len(mtp)], rest[len(mtp):]
         self.life.agreed_flags = flags
         loss = s / n if n > 0 else float("nan")
         if not math.isfinite(loss):
@@ -217,6 +219,8 @@ class Trainer:
                "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
                "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_samples * self.seq,
                "skipped_steps": self.skipped_steps}
+        if mtp:  # per-depth MTP loss: the mean over ranks and micro-batches of each micro-batch's token mean
+            rec["mtp_loss"] = [v / mtp[-1] if mtp[-1] > 0 else float("nan") for v in mtp[:-1]]
         if health_now:
             rec["hc"] = self.health.summary()
         if self.cfg.logging.sample_ids:

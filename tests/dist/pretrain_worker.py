@@ -37,7 +37,7 @@ MODES = {
     "dp": ["parallel.tp=1"],
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "ep": ["parallel.ep=2"],
-    "pp": ["parallel.pp=2"],
+    "pp": ["parallel.pp=2", "model.backbone.mtp_num_layers=1"],  # with one MTP depth on the last stage
 }
 
 
@@ -56,9 +56,15 @@ def run_mode(mode: str, out_dir: str) -> dict:
                 "dp": trainer.dp, "checkpoints": sorted(os.listdir(trainer.paths["checkpoints"])),
                 "verified": [verify_checkpoint(os.path.join(trainer.paths["checkpoints"], n))["step"]
                              for n in sorted(os.listdir(trainer.paths["checkpoints"])) if n.startswith("step_")],
-                "hc": trainer.health.num_wrapped}
+                "hc": trainer.health.num_wrapped,
+                "mtp": [r["mtp_loss"] for r in _train_records(trainer) if "mtp_loss" in r]}
     finally:
         trainer.close(destroy_process_group=False)
+
+
+def _train_records(trainer):
+    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == "train"]
 
 
 def main(argv):
