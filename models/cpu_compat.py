@@ -266,6 +266,22 @@ def enable_cpu_mode() -> bool:
             if hasattr(mod, name):
                 _patch(mod, name, fn)
 
+    # 5. Multi-token prediction under PP: LanguageModule.setup_embeddings_and_output_layer moves the
+    #    last stage's embedding copy to CUDA (``weight.data.cuda()``) before the all-reduce that gives
+    #    it the first stage's values.  On CPU the copy stays where it is.
+    lm = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    original_setup = lm.LanguageModule.setup_embeddings_and_output_layer
+
+    def _cpu_setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return original_setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    _patch(lm.LanguageModule, "setup_embeddings_and_output_layer", _cpu_setup_embeddings_and_output_layer)
+
     _ENABLED = True
     return True
 

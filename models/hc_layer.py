@@ -119,15 +119,11 @@ class HyperConnectionTransformerLayer(TransformerLayer):
                 self.mlp_hyper_connection = _build_hc(mlp_cls, hc_config, C, True, 2 * i + 1)
             self._driver = _make_driver(self)
             _mark_hc_parameters(self, config)
-            if self.is_last_hc_layer and hc_config.reduction == "softmax":
-                self.hc_readout_logits = torch.nn.Parameter(torch.zeros(hc_config.n))
-                _mark_param(self.hc_readout_logits, config)
-            if self.is_last_hc_layer and hc_config.reduction == "learned":  # DeepSeek-V4's head (xhc/head.py)
-                from xhc.head import LearnedHead
-
-                self.hc_head = LearnedHead(hc_config, C)
-                for p in self.hc_head.parameters():
-                    _mark_param(p, config)
+            if self.is_last_hc_layer:
+                attach_stream_head(self, hc_config, C, config)
+            # With multi-token prediction the last layer also hands its N streams to the MTP depths
+            # (models/mtp.py): it returns cat(collapse(X), X) on the hidden axis.
+            self.mtp_streams_out = self.is_last_hc_layer and bool(getattr(config, "mtp_num_layers", None))
 
     # --------------------------------------------------------------------------------------------
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
@@ -195,10 +191,10 @@ class HyperConnectionTransformerLayer(TransformerLayer):
         drv.write(st, "mlp", self._bias_dropout(mlp_out), seq)
         X = drv.end(st)
 
-        if self.is_last_hc_layer and self.hc_config.reduction == "learned":
-            out = self.hc_head(X)
-        elif self.is_last_hc_layer:
-            out = reduce_streams(X, self.hc_config.reduction, getattr(self, "hc_readout_logits", None))
+        if self.is_last_hc_layer:
+            out = apply_stream_head(self, X)
+            if self.mtp_streams_out:
+                out = torch.cat([out, X.reshape(s, b, n * C)], dim=-1)
         else:
             out = X.reshape(s, b, n * C)
         out = make_viewless_tensor(inp=out, requires_grad=out.requires_grad, keep_graph=True)
@@ -260,6 +256,29 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         return sequence_context_from_megatron(self.config, attention_mask, packed_seq_params, s, b,
                                               self.hc_config.conv_doc_reset)
+
+
+def attach_stream_head(module: torch.nn.Module, hc: HCConfig, hidden_size: int, config) -> None:
+    """The final collapse of the N streams (docs/math.md §1.6) as parameters of ``module``: nothing for
+    ``sum`` / ``mean``, ``hc_readout_logits`` [N] for ``softmax``, ``hc_head`` (:class:`xhc.head.LearnedHead`,
+    DeepSeek-V4's head) for ``learned``.  Used by the decoder's last layer and by every MTP depth."""
+    if hc.reduction == "softmax":
+        module.hc_readout_logits = torch.nn.Parameter(torch.zeros(hc.n))
+        _mark_param(module.hc_readout_logits, config)
+    elif hc.reduction == "learned":
+        from xhc.head import LearnedHead
+
+        module.hc_head = LearnedHead(hc, hidden_size)
+        for p in module.hc_head.parameters():
+            _mark_param(p, config)
+
+
+def apply_stream_head(module: torch.nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """``[..., N, C]`` -> ``[..., C]`` by the head :func:`attach_stream_head` gave ``module``."""
+    hc = module.hc_config
+    if hc.reduction == "learned":
+        return module.hc_head(X)
+    return reduce_streams(X, hc.reduction, getattr(module, "hc_readout_logits", None))
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import inspect
 import random
 import socket
 from typing import Iterable, List, Optional, Union
@@ -272,4 +273,25 @@ def finalize_grads(model: Models, config=None) -> None:
         return
     allreduce_data_parallel_grads(chunks)
     allreduce_sequence_parallel_grads(chunks, config)
+    allreduce_mtp_embedding_grads(chunks, config)
     update_router_expert_bias(chunks, config)
+
+
+def allreduce_mtp_embedding_grads(chunks, config=None) -> None:
+    """Multi-token prediction under PP: the last stage holds a copy of the word embedding (the MTP
+    depths embed the shifted tokens); the two copies' gradients are summed over Megatron's embedding
+    group (first and last stage), as ``finalize_model_grads`` does on the DDP path."""
+    cfg = config or getattr(chunks[0], "config", None)
+    if not getattr(cfg, "mtp_num_layers", None) or ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    group = ps.get_embedding_group(check_initialized=False) if "check_initialized" in \
+        inspect.signature(ps.get_embedding_group).parameters else ps.get_embedding_group()
+    if group is None or dist.get_world_size(group) == 1 or dist.get_rank() not in dist.get_process_group_ranks(group):
+        return
+    chunk = chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
+    emb = getattr(chunk, "embedding", None)
+    w = emb.word_embeddings.weight if emb is not None else None
+    g = getattr(w, "main_grad", None) if w is not None else None
+    g = g if g is not None else (w.grad if w is not None else None)
+    if g is not None:
+        dist.all_reduce(g, group=group)

@@ -24,9 +24,10 @@ def validate_hc_transformer_config(config, hc: HCConfig) -> None:
             f"(variant {name!r}): {why}; {alternative}"
         )
 
-    if getattr(config, "mtp_num_layers", None):
-        bad("mtp_num_layers", config.mtp_num_layers, "multi-token prediction layers expect a single residual stream",
-            "set mtp_num_layers=None (no MTP) or use variant 'none'")
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if getattr(config, "mtp_num_layers", None) and layout is not None:
+        bad("pipeline_model_parallel_layout", "(set)", "multi-token prediction through the streams runs on the "
+            "last pipeline stage only", "drop the layout (MTP then sits on the last stage)")
     if getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
         opt = "enable_cuda_graph" if getattr(config, "enable_cuda_graph", False) else "external_cuda_graph"
         bad(opt, True, "CUDA graphs are not supported with hyper-connection layers yet",

@@ -198,6 +198,13 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
     spec = get_hc_decoder_block_spec(config, preset.hc, use_transformer_engine=use_transformer_engine,
                                      vp_stage=vp_stage, pp_rank=pp_rank,
                                      grouped_experts=None if grouped is None else bool(grouped))
+    from models.mtp import finish_mtp_model, get_mtp_block_spec
+
+    from models.specs import _use_te
+
+    te = _use_te(use_transformer_engine)
+    mtp_spec = get_mtp_block_spec(config, spec, preset.hc, use_transformer_engine=te, vp_stage=vp_stage,
+                                  pp_rank=pp_rank)
     b = preset.backbone
     kwargs = dict(
         config=config,
@@ -214,7 +221,10 @@ def build_model(preset: ModelPreset, config, pre_process: bool = True, post_proc
         kwargs["vp_stage"] = vp_stage
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
+    if mtp_spec is not None:
+        kwargs["mtp_block_spec"] = mtp_spec
     model = GPTModel(**kwargs)
+    finish_mtp_model(model, preset.hc)  # MTP: parameter tags, the streams through the final norm (no-op without)
     rc = preset.hc_recompute if hc_recompute is None else hc_recompute
     if rc:
         from models.hc_layer import set_hc_recompute

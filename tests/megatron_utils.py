@@ -76,11 +76,14 @@ def build_tiny_gpt(config, vocab_size: int = VOCAB, seq_len: int = SEQ, pre_proc
     return _tiny_gpt_model(config, substitute_norms(spec), vocab_size, seq_len, pre_process, post_process)
 
 
-def _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection=None):
+def _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection=None,
+                    mtp_block_spec=None):
     """The tiny model's ``GPTModel`` arguments, shared by the stock and the HC builders."""
     from megatron.core.models.gpt import GPTModel
 
     kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
+    if mtp_block_spec is not None:
+        kwargs["mtp_block_spec"] = mtp_block_spec
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -187,7 +190,16 @@ def build_tiny_hc_gpt(config, hc, vocab_size: int = VOCAB, seq_len: int = SEQ, p
 
     pp_rank = pg_collection.pp.rank() if pg_collection is not None else None
     spec = get_hc_decoder_block_spec(config, hc, use_transformer_engine=False, pp_rank=pp_rank)
-    return _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection)
+    if not getattr(config, "mtp_num_layers", None):
+        return _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection)
+    # multi-token prediction (models/mtp.py): the depths on the last stage, as models.zoo.build_model
+    from models.mtp import finish_mtp_model, get_mtp_block_spec
+
+    mtp_spec = get_mtp_block_spec(config, spec, hc, use_transformer_engine=False, pp_rank=pp_rank)
+    model = _tiny_gpt_model(config, spec, vocab_size, seq_len, pre_process, post_process, pg_collection,
+                            mtp_block_spec=mtp_spec)
+    finish_mtp_model(model, hc)
+    return model
 
 
 def document_batch(batch: int, seq_len: int, eod: int, doc_starts, seed: int = 0):

@@ -84,7 +84,8 @@ def runs(tmp_path_factory, run_torchrun):
     for (v, o, a, b), tid in zip(TRANSITIONS, IDS):
         # A: uninterrupted at layout A (saves its initial state, 20 and 30); B: uninterrupted at layout
         # B from A's initial weights; R: A's step 20 resumed at layout B
-        A = {"args": _args(root, f"{tid}-A", v, o, a, 30), "save_at_start": True}
+        # (A writes its step-20 checkpoint in the background: the resume on another layout reads an async save)
+        A = {"args": [*_args(root, f"{tid}-A", v, o, a, 30), "checkpoint.async_save=true"], "save_at_start": True}
         B = {"args": _args(root, f"{tid}-B", v, o, b, 30, load=ckpt(f"{tid}-A", 0))}
         R = {"args": _args(root, f"{tid}-R", v, o, b, 30, load=ckpt(f"{tid}-A", 20)), "resave": True}
         (first if WORLD[a] == 1 else launch).append(A)

@@ -407,10 +407,13 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
         cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig(),
                                   checkpoint=CheckpointConfig()),
         metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {},
-        _compat_info=lambda: {}, check_parameters=lambda why: events.append("finite check"))
+        _compat_info=lambda: {}, check_parameters=lambda why: events.append("finite check"),
+        async_save=False, wait_for_checkpoint=lambda: events.append("wait for the save in flight"))
     Trainer.save_checkpoint(fake, "interval")
-    # the finite-parameter check reads the synced parameters too, so it runs inside the sync
-    assert events == [("sync", True), "finite check", "build_state", "save", "hooks back"]
+    # the finite-parameter check reads the synced parameters too, so it runs inside the sync; a save
+    # still in flight is finished before the next state is built
+    assert events == [("sync", True), "finite check", "wait for the save in flight", "build_state", "save",
+                      "hooks back"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -607,7 +607,9 @@ def _cfg(**kw):
 
 
 REJECTED = [
-    ("mtp_num_layers", dict(mtp_num_layers=1), "mtp_num_layers=None"),
+    # multi-token prediction through the streams is supported (tests/test_mtp.py), on the last stage only
+    ("pipeline_model_parallel_layout", dict(mtp_num_layers=1, pipeline_model_parallel_layout="Et|tmL"),
+     "drop the layout"),
     ("enable_cuda_graph", dict(enable_cuda_graph=True), "set it to False"),
     ("external_cuda_graph", dict(external_cuda_graph=True), "set it to False"),
     ("cuda_graph_impl", dict(cuda_graph_impl="transformer_engine"), "cuda_graph_impl='none'"),

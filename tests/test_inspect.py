@@ -534,3 +534,30 @@ def test_checkpoint_stream_holds_one_group_at_a_time(zoo):
             del tensors
         assert all(p.is_meta for p in model.parameters())
     assert seen == ["embedding", "layer.0", "layer.1", "layer.2", "layer.3", "head"]
+
+
+def test_an_unnamed_default_corpus_is_never_taken_from_the_working_directory(tmp_path, monkeypatch):
+    """The README's order (the main job, then the tests) leaves data/default in the checkout.  A run
+    whose config names no data must not pick up the working directory's corpus or tokenizer: its
+    checkpoint and its Hugging Face export would inspect other tokens.  Next to the run directory
+    (runs/<name> in the checkout that trained it) the default corpus is still found."""
+    from tools import conversion as C
+    from tools.inspect import Target, _validation_tokens
+    from training.data.default import PREFIX_NAME, TOKENIZER_NAME
+
+    checkout = tmp_path / "checkout"
+    (checkout / "data" / "default").mkdir(parents=True)
+    for name in (PREFIX_NAME + ".idx", PREFIX_NAME + ".bin", TOKENIZER_NAME):
+        (checkout / "data" / "default" / name).write_bytes(b"not read")  # opened only if chosen
+    elsewhere = tmp_path / "elsewhere" / "run"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(checkout)
+    run = Target(str(elsewhere), "run", "run", [], str(elsewhere), {"model": {"preset": "tiny-moe:xhc"}})
+    assert _validation_tokens(run, 16) is None  # random ids, as for the HF export of the same model
+    src = C.Source(str(elsewhere / "checkpoints" / "step_00000001"), str(elsewhere), {}, "tiny-moe:xhc", {}, {})
+    assert C._tokenizer_path(src) is None
+    # the run that was trained in this checkout (runs/<name>) still finds the corpus it used
+    inside = checkout / "runs" / "x"
+    inside.mkdir(parents=True)
+    src = C.Source(str(inside / "checkpoints" / "step_00000001"), str(inside), {}, "tiny-moe:xhc", {}, {})
+    assert C._tokenizer_path(src) == str(checkout / "data" / "default" / TOKENIZER_NAME)

@@ -54,7 +54,7 @@ def _check_body():
 
 
 def test_marked_blocks_exist_and_parse():
-    expected = {"default-run", "generate", "resume", "from-hf", "upcycle", "peft", "finetune", "sweep", "zoo"}
+    expected = {"default-run", "generate", "resume", "from-hf", "upcycle", "peft", "finetune", "sweep", "zoo", "mtp"}
     assert expected <= set(BLOCKS)
     for b in BLOCKS.values():
         assert b.lang in ("bash", "python"), b.where

@@ -105,3 +105,12 @@ def test_zoo_and_accounting(ws):
     for v in ("tiny-moe:xhc", "tiny-moe:mhc-lite", "moe-18b:xhc-flash4"):
         assert v in listed
     assert "1256" in acc.replace(",", "")  # per-layer xHC parameters per C, docs/math.md §5
+
+
+def test_mtp_deepseek_v4_recipe(ws):
+    """README "Multi-token prediction": tiny mHC with DeepSeek-V4's convention and head and one MTP depth."""
+    (out,) = run_block(ws, "mtp")
+    assert f"done: step {STEPS}/{STEPS}" in out
+    rows = [r for r in _metrics(ws.root / "runs" / "tiny-mtp") if r.get("kind") == "train"]
+    assert rows and all(len(r["mtp_loss"]) == 1 for r in rows)
+    assert rows[-1]["mtp_loss"][0] < rows[0]["mtp_loss"][0]

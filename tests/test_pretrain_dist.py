@@ -1,6 +1,7 @@
 """xhc-pretrain under torchrun (2 ranks, gloo, CPU): DP=2, TP=2+SP, EP=2 and PP=2 each fit the
 mock data (a repeated id pattern) far below the initial loss, in one torchrun launch
-(tests/dist/pretrain_worker.py drives training.pretrain.Trainer for each layout)."""
+(tests/dist/pretrain_worker.py drives training.pretrain.Trainer for each layout), saving
+asynchronously (``checkpoint.async_save``) on every layout."""
 
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def test_layout_fits_the_mock_data(results, mode, dp):
     assert abs(losses[0] - INITIAL) < 0.1, losses[0]
     assert losses[-1] < THRESHOLD, losses[-5:]
     assert r["eval"][-1] < THRESHOLD
-    assert r["checkpoints"][-1] == "step_00000024"  # saved by both ranks, manifest written, older pruned
+    # saved by both ranks (8 and 16 in the background, checkpoint.async_save), manifests written and verified
+    assert [c for c in r["checkpoints"] if c.startswith("step_")] == ["step_00000008", "step_00000016", "step_00000024"]
+    assert r["verified"] == [8, 16, 24]
     assert r["hc"] > 0  # HC health hooks found the xHC modules
+    if mode == "pp":  # one MTP depth on the last stage (models/mtp.py): logged per logging interval, learning
+        assert r["mtp"] and all(len(m) == 1 and math.isfinite(m[0]) for m in r["mtp"])
+        assert r["mtp"][-1][0] < r["mtp"][0][0] - 1.0, r["mtp"]
+    else:
+        assert not r["mtp"]
 
 
 def test_dp_and_tp_sp_agree_on_the_first_step(results):

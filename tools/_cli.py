@@ -8,13 +8,32 @@ import argparse
 from typing import Callable, Optional
 
 
+class MissingExtra(RuntimeError):
+    """An optional package a tool needs is not installed (the message names the extra to install)."""
+
+
+def require(tool: str, extra: str, *modules: str) -> None:
+    """Raise :class:`MissingExtra` (one line: the tool, the missing package, ``pip install 'xhc[extra]'``)
+    unless every module in ``modules`` can be imported.  Called before any work starts."""
+    import importlib.util
+
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise MissingExtra(f"{tool} needs {name.split('.')[0]}, which is not installed: pip install 'xhc[{extra}]' "
+                               f"(or pip install -e '.[{extra}]' in a checkout)")
+
+
 def run_main(body: Callable[[], Optional[int]], *expected: type) -> int:
     """Run ``body()`` and return its exit status (``None`` counts as 0).  An exception of one of the
-    ``expected`` classes (the tool's input errors) prints ``error: <message>`` on stderr and returns 2;
-    any other exception propagates (a bug shows its traceback)."""
+    ``expected`` classes (the tool's input errors) or :class:`MissingExtra` prints ``error: <message>``
+    on stderr and returns 2; any other exception propagates (a bug shows its traceback)."""
     try:
         status = body()
-    except expected as e:
+    except (MissingExtra, *expected) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0 if status is None else status

@@ -262,6 +262,10 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--kernels", type=int, nargs="*", help="temporal conv kernel sizes, e.g. 4 8 12")
     h.add_argument("--static", action="store_true", help="static (not dynamic) coefficients")
     h.add_argument("--hc-yaml", help="YAML file with HCConfig fields for the custom method")
+    t = p.add_argument_group("multi-token prediction")
+    t.add_argument("--mtp-layers", type=int, default=0, metavar="D",
+                   help="also count D MTP depths per model (models.mtp.mtp_counts): parameters and training "
+                        "FLOPs per token, and their share of the model's")
     o = p.add_argument_group("output")
     o.add_argument("--convention", default=DEFAULT_FLOPS_CONVENTION, choices=list(FLOPS_CONVENTIONS),
                    help="F_vanilla model for the overhead %% (default: %(default)s)")
@@ -320,6 +324,37 @@ def _methods(a) -> Dict[str, HCConfig]:
     return methods
 
 
+def mtp_rows(shapes: List[BackboneShape], methods: Dict[str, HCConfig], depths: int, convention: str) -> List[dict]:
+    """One row per backbone × method: the MTP depths' parameters and training FLOPs per token
+    (:func:`models.mtp.mtp_counts`) and their share of the main model's training FLOPs."""
+    from models.mtp import mtp_counts
+
+    rows = []
+    for s in shapes:
+        if not backbone_complete(s):
+            continue
+        for name, cfg in methods.items():
+            m = mtp_counts(s, cfg, depths, convention)
+            main = vanilla_flops_per_token(s, convention) + (
+                training_flops_per_token(cfg, s.hidden, s.num_layers).f_hc if cfg.enabled else 0.0)
+            f = m["flops_backbone"] + m["flops_hc"]
+            rows.append({"size": s.name, "method": method_label(name, cfg), "depths": depths, **m,
+                         "flops_per_token": f, "flops_share_pct": 100.0 * f / main})
+    return rows
+
+
+def mtp_table(rows: List[dict]) -> str:
+    out = [f"{'size':<6}{'method':<16}{'D':>3}{'MTP params':>14}{'activated':>14}{'HC':>12}{'F_MTP/token':>14}"
+           f"{'of model':>10}"]
+    for r in rows:
+        out.append(f"{r['size']:<6}{r['method']:<16}{r['depths']:>3}{human(r['params_total']):>14}"
+                   f"{human(r['params_activated']):>14}{human(r['params_hc']):>12}{human(r['flops_per_token']):>14}"
+                   f"{r['flops_share_pct']:>9.1f}%")
+    out.append("MTP depth: enorm, hnorm, h_proj + e_proj (vanilla: eh_proj), one layer of the decoder's last kind "
+               "with its HC modules and head, final norm; FLOPs include the shared output layer's GEMM.")
+    return "\n".join(out)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parser().parse_args(argv)
     shapes, methods = _shapes(a), _methods(a)
@@ -332,12 +367,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   if backbone_complete(s) else None} for s in shapes],
                    "paper": {"overhead_pct": {f"{k[0]}/{k[1]}": v for k, v in PAPER["overhead_pct"].items()},
                              "traffic_C": PAPER["traffic_C"]}}
+        if a.mtp_layers:
+            payload["mtp"] = mtp_rows(shapes, methods, a.mtp_layers, a.convention)
         json.dump(payload, sys.stdout, indent=1)
         print()
         return 0
     print(format_table(rows))
     print()
     print(backbone_table(shapes, a.convention))
+    if a.mtp_layers:
+        print()
+        print(mtp_table(mtp_rows(shapes, methods, a.mtp_layers, a.convention)))
     if paper_shapes and not any(n == "custom" for n in methods):
         print()
         print(conventions_report(paper_shapes))

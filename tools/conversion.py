@@ -104,14 +104,20 @@ def resolve_source(run: Optional[str] = None, checkpoint: Optional[str] = None) 
                   hc_overrides=model.get("hc") or {})
 
 
+MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
+
+
 def effective_preset(src: Source):
     """The preset with the run's overrides and the optimizer-dependent HC defaults training applied."""
     import yaml
 
     from training.optim import hc_defaults_for_optimizer
 
+    # The main model only: multi-token prediction depths (models/mtp.py) are a training device with
+    # no transformers counterpart; their weights stay in the checkpoint (docs/conversion.md).
+    backbone = {k: v for k, v in (src.backbone_overrides or {}).items() if k not in MTP_KEYS}
     try:
-        preset = load_preset(src.preset_name, backbone_overrides=src.backbone_overrides or None,
+        preset = load_preset(src.preset_name, backbone_overrides=backbone or None,
                              hc_overrides=src.hc_overrides or None)
     except ZooError as e:
         raise ConversionError(str(e)) from None
@@ -639,12 +645,18 @@ def _tokenizer_path(src: Source) -> Optional[str]:
         return None
     path = tok.get("path")
     data = src.run_config.get("data") or {}
+    implicit = False  # the default corpus's tokenizer: where that run built it, never the working directory's
     if not path and not data.get("prefixes") and not data.get("mock") and not data.get("per_split"):
         path = os.path.join(data.get("default_dir") or "data/default", "tokenizer.model")
-    if path and not os.path.isabs(path) and src.run_dir and not os.path.exists(path):
+        implicit = not data.get("default_dir") or data.get("default_dir") == "data/default"
+    if implicit and not src.run_dir:
+        return None
+    if path and not os.path.isabs(path) and src.run_dir and (implicit or not os.path.exists(path)):
         for base in (os.path.dirname(os.path.abspath(src.run_dir)), os.path.dirname(os.path.dirname(os.path.abspath(src.run_dir)))):
             if os.path.exists(os.path.join(base, path)):
                 return os.path.join(base, path)
+        if implicit:
+            return None
     return path if path and os.path.exists(path) else None
 
 

@@ -11,7 +11,8 @@
 #                     cluster set e.g. XHC_TORCH_SPEC="torch" or use the NGC container's torch and
 #                     XHC_VENV_SYSTEM=1)
 #   XHC_VENV_SYSTEM=1 create the venv with --system-site-packages (reuse a container's torch/TE/apex)
-#   XHC_EXTRAS        pip extras to install (default: test,hf,plot,kernels; kernels = Triton, run by the tests under TRITON_INTERPRET=1)
+#   XHC_EXTRAS        pip extras to install (default: test, which holds everything the suite needs:
+#                     hf, eval, plot and kernels (Triton, run by the tests under TRITON_INTERPRET=1))
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${XHC_VENV:-$root/.venv}"
@@ -27,14 +28,14 @@ source "$venv/bin/activate"
 stamp="$venv/.xhc-installed"
 # No pip cache: the wheels would take as much disk again as the venv (CI machines share their disk).
 export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
-want="$(cat "$root/setup.py" | sha1sum | cut -c1-12)-${XHC_EXTRAS:-test,hf,plot,kernels}-${XHC_TORCH_SPEC:-torch==2.13.0}"
+want="$(cat "$root/setup.py" | sha1sum | cut -c1-12)-${XHC_EXTRAS:-test}-${XHC_TORCH_SPEC:-torch==2.13.0}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[xhc] installing dependencies into $venv (once)" >&2
   python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
   if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "${XHC_TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" >&2 || true
   fi
-  python -m pip install -q -e "$root[${XHC_EXTRAS:-test,hf,plot,kernels}]" 2>&1 | grep -v "is ignored" >&2 || true
+  python -m pip install -q -e "$root[${XHC_EXTRAS:-test}]" 2>&1 | grep -v "is ignored" >&2 || true
   python -c "import torch, megatron.core, xhc" || { echo "[xhc] installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from configs import config_dir
-from tools._cli import run_main
+from tools._cli import require, run_main
 
 TASK = "xhc_heldout"
 TASK_YAML = str(config_dir("lm_eval") / f"{TASK}.yaml")  # package data: found from any directory
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def body() -> None:
+        require("python -m tools.evaluate", "eval", "lm_eval", "transformers", "safetensors")
         res = evaluate(args.hf_dir, args.corpus, args.split, args.limit, args.batch_size, args.device)
         print(f"[xhc-eval] {args.hf_dir}: {TASK} over {res['documents']} held-out documents: "
               f"word_perplexity {res.get('word_perplexity'):.3f}, byte_perplexity {res.get('byte_perplexity'):.4f}, "

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from tools._cli import run_main
+from tools._cli import require, run_main
 from training.process_defaults import cpu_entry_point, set_omp_wait_policy
 from xhc.config import FLASH_FAMILY
 
@@ -329,17 +329,23 @@ def _validation_tokens(target: Target, count: int) -> Optional[Tuple[List[int], 
     d = cfg.get("data") or {}
     if not target.run_dir or d.get("mock") or d.get("per_split") and not (d.get("per_split") or {}).get("valid"):
         return None
+    named = True  # the config names its data (else the default corpus, wherever that run built it)
     if d.get("per_split"):
         prefix, split = d["per_split"]["valid"][0], "0,1,0"
     elif d.get("prefixes"):
         prefix, split = d["prefixes"][0], d.get("split") or "969,30,1"
     else:
-        from training.data.default import default_paths
+        from training.data.default import PREFIX_NAME
 
-        prefix, split = default_paths(d.get("default_dir") or "data/default")["data_prefix"], d.get("split") or "969,30,1"
-    candidates = [prefix] if os.path.isabs(prefix) else [
-        prefix, os.path.join(os.path.dirname(os.path.abspath(target.run_dir)), prefix),
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(target.run_dir))), prefix)]
+        named = bool(d.get("default_dir")) and d.get("default_dir") != "data/default"
+        prefix, split = os.path.join(d.get("default_dir") or "data/default", PREFIX_NAME), d.get("split") or "969,30,1"
+    # A relative path: next to the run directory (runs/<name> in the checkout that trained it), and the
+    # working directory only when the config names the data itself: an unnamed default must not pick up
+    # whatever data/default the current directory holds (another run's corpus, other tokens than the
+    # same model's checkpoint or export would get).
+    run_parent = os.path.dirname(os.path.abspath(target.run_dir))
+    candidates = [prefix] if os.path.isabs(prefix) else (
+        ([prefix] if named else []) + [os.path.join(run_parent, prefix), os.path.join(os.path.dirname(run_parent), prefix)])
     prefix = next((p for p in candidates if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin")), None)
     if prefix is None:
         return None
@@ -747,8 +753,9 @@ def _rss_mb() -> float:
 
 
 def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, log: Callable[[str], None],
-                   device: str = "cpu") -> dict:
-    """Run the tokens through the streamed layers, one at a time, on ``device``, and return the measures."""
+                   device: str = "cpu", keep: Optional[dict] = None) -> dict:
+    """Run the tokens through the streamed layers, one at a time, on ``device``, and return the measures.
+    ``keep``: filled with the final N-stream state ``X`` and the token embeddings ``emb`` (for MTP)."""
     import torch
     from transformers.masking_utils import create_causal_mask
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
@@ -794,10 +801,93 @@ def inspect_stream(groups: Iterator[Tuple[str, Dict]], info: ModelInfo, tokens, 
                 f"RSS {_rss_mb():.0f} MB")
     if len(rec.depth_labels) != info.num_layers + 1:
         raise InspectError(f"the source holds {len(rec.depth_labels) - 1} of {info.num_layers} layers")
+    if keep is not None:
+        keep.update(X=X, emb=emb)
     out = rec.result()
     if head is not None:
         out["head"] = head
     out["largest_group_bytes"] = peak_group
+    return out
+
+
+def _mtp_tensors(src, preset, info: ModelInfo, depths: int) -> Dict[str, "object"]:
+    """The MTP depths' tensors of a checkpoint (Megatron names ``mtp.layers.<k>.*``), read by
+    ``dist_checkpointing`` from a meta-device single-rank model that has the depths."""
+    import dataclasses
+
+    from megatron.core import dist_checkpointing
+
+    from tools import conversion as C
+    from models.zoo import load_preset
+
+    bb = dict(src.backbone_overrides or {})
+    with_mtp = load_preset(src.preset_name, backbone_overrides=bb, hc_overrides=src.hc_overrides or None)
+    with_mtp = dataclasses.replace(with_mtp, hc=preset.hc)
+    with C.single_rank():
+        model = C.build_single_rank_model(with_mtp, info.vocab_size, info.seq_length)
+        part = {k: C._materialise(v) for k, v in model.sharded_state_dict().items() if k.startswith("mtp.")}
+        part = {k: v for k, v in part.items() if v is not None}
+        try:
+            loaded = dist_checkpointing.load(part, src.checkpoint)
+        except Exception as e:
+            raise InspectError(f"{src.checkpoint}: cannot read the MTP depths ({type(e).__name__})") from None
+    return {k: v for k, v in loaded.items() if hasattr(v, "shape")}
+
+
+def inspect_mtp(src, preset, info: ModelInfo, keep: dict, depths: int, device: str = "cpu") -> dict:
+    """The multi-token prediction depths (models/mtp.py), recorded like the decoder's layers.
+
+    Depth k takes the N streams the previous depth (the decoder for k = 1) left and the embeddings of the
+    tokens k ahead: U_i = h_proj(hnorm(X_i)) + e_proj(enorm(E)); its HC layer runs through the same
+    remote-code layer as the decoder's.  Positions whose token k ahead lies outside the sample are
+    dropped (Megatron pads them with id 0)."""
+    import torch
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
+
+    from models.hf.export import mapping as M
+    from xhc.norms import rms_norm_flat
+
+    tensors = _mtp_tensors(src, preset, info, depths)
+    arch = M.arch_of(preset.backbone)
+    eps = float(preset.backbone.get("layernorm_epsilon", 1e-5))
+    cfg, L, hc = info.hf_config, info.num_layers, info.hc
+    rec = Recorder(hc)
+    X, emb = keep["X"], keep["emb"]  # [s, b, N, C], [b, s, C]
+
+    def norm(x, w):
+        return rms_norm_flat(x.float(), eps) * w.float()
+
+    with torch.no_grad():
+        for k in range(depths):
+            p = f"mtp.layers.{k}."
+            t = {n[len(p):]: v.to(device) for n, v in tensors.items() if n.startswith(p)}
+            s = X.shape[0] - 1
+            if s < 1:
+                raise InspectError(f"too few tokens for MTP depth {k + 1}")
+            E = emb[:, 1:1 + s].transpose(0, 1)  # [s, b, C]: the next token of each of the depth's inputs
+            X = X[:s]
+            U = norm(X, t["hnorm.weight"]) @ t["h_proj.weight"].float().T \
+                + (norm(E, t["enorm.weight"]) @ t["e_proj.weight"].float().T).unsqueeze(2)
+            # the depth's layer as a decoder layer: an even index past the decoder's is a stand-alone
+            # Flash window for Flash-4sub, as models.mtp builds it
+            i = L + k + ((L + k) % 2 if hc.variant == "xhc_flash4" else 0)
+            layer_t = {f"decoder.layers.{i}.{n[len('transformer_layer.'):]}": v for n, v in t.items()
+                       if n.startswith("transformer_layer.")}
+            layer = build_layer(info, i, M.megatron_to_hf(layer_t, arch, fused_experts=True)).to(device)
+            position_ids = torch.arange(s, device=device).unsqueeze(0)
+            x_emb = U[:, :, 0].transpose(0, 1)
+            mask = create_causal_mask(config=cfg, inputs_embeds=x_emb, attention_mask=None, cache=None,
+                                      position_ids=position_ids)
+            pos_emb = Glm4MoeRotaryEmbedding(config=cfg).to(device)(x_emb, position_ids)
+            kw = dict(attention_mask=mask, position_ids=position_ids, cache=None, use_cache=False,
+                      position_embeddings=pos_emb)
+            X = rec.run_layer(i, layer.self_attention_hyper_connection, layer.mlp_hyper_connection,
+                              lambda u, _l=layer: _l._attn(u, **kw), layer._mlp, U.to(X.dtype), None, False)
+            emb = emb[:, 1:]
+    out = rec.result()
+    out["depth"]["labels"] = ["MTP input (depth 1)"] + [f"MTP depth {k + 1}" for k in range(depths)]
+    out["depths"] = depths
     return out
 
 
@@ -871,7 +961,12 @@ def inspect_target(target: Target, tokens_count: int, text: Optional[str], log: 
             f"{tokens.numel()} tokens from {where_tokens}")
         groups = (stream_hf_layers(target.path, info) if target.kind == "hf"
                   else stream_checkpoint_layers(src, preset, info, progress))
-        m = inspect_stream(groups, info, tokens, log if progress else (lambda _m: None), device)
+        keep: dict = {}
+        m = inspect_stream(groups, info, tokens, log if progress else (lambda _m: None), device, keep)
+        depths = int((src.backbone_overrides or {}).get("mtp_num_layers") or 0) if src is not None else 0
+        if depths:
+            m["mtp"] = inspect_mtp(src, preset, info, keep, depths, device)
+            log(f"{depths} multi-token prediction depth(s) inspected")
         m.update({"step": step if step is not None else info.step, "checkpoint": where,
                   "tokens": {"count": int(tokens.numel()), "shape": list(tokens.shape), "from": where_tokens},
                   "seconds": round(time.perf_counter() - t0, 3)})
@@ -1350,6 +1445,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                 r["figures"] += figures_steps(r, args.output)
             m = r["inspections"][-1]
             r["figures"] += figures_one(r, m, args.output, prefix=f"{r['label']}_" if multi else "")
+            if m.get("mtp"):  # the multi-token prediction depths, drawn as the decoder's layers are
+                r["figures"] += figures_one(r, m["mtp"], args.output,
+                                            prefix=(f"{r['label']}_" if multi else "") + "mtp_")
         result["figures"] = figures_curves(runs, args.output) + figures_compare(runs, args.output)
     with open(os.path.join(args.output, "inspect.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
@@ -1390,6 +1488,9 @@ def _run_main(argv=None) -> int:
             return 0
         if not args.source:
             raise InspectError("SOURCE is required (a run directory, a checkpoint directory or a Hugging Face folder)")
+        if not args.no_figures:
+            require("xhc-inspect (its figures; --no-figures writes inspect.json and report.md only)", "plot",
+                    "matplotlib")
         result = run(args, log)
         for r in result["runs"]:
             if r.get("message"):

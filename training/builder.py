@@ -41,7 +41,7 @@ from models.hc_layer import compile_hc_modules
 from models.parallel import initialize_parallel
 from models.pipeline import install_hc_p2p_shapes, p2p_shapes_installed, uninstall_hc_p2p_shapes
 from models.zoo import ZooError, build_model, build_transformer_config, load_preset
-from training.checkpoint import MANIFEST, Checkpointer, check_compatible
+from training.checkpoint import MANIFEST, Checkpointer, check_compatible, remove_partial_saves
 from training.config import ConfigError, config_to_dict, pad_vocab_size, validate_runtime
 from training.data import DataConfig, NullTokenizer, Tokenizer, build_datasets, prepare_default_data
 from training.data.default import default_paths
@@ -49,7 +49,7 @@ from training.data.gpt import check_indexed_pair
 from training.hc_health import HCHealth
 from training.metrics import MetricsLogger, model_flops_per_token, peak_tflops
 from training.optim import build_optimizer, hc_defaults_for_optimizer
-from training.reliability import check_free_space, exit_with_launcher
+from training.reliability import check_free_space, exit_with_launcher, human_mb
 from training.schedule import build_scheduler
 from training.step_runner import make_step_runner, unwrap
 from xhc.kernels import backend_reason, liger
@@ -282,6 +282,7 @@ class Builder:
         ck = run.cfg.checkpoint
         run.ckpt = Checkpointer(run.paths["checkpoints"], keep_last=ck.keep_last, checksum=ck.checksum,
                                 log=run.log)
+        run.async_save = bool(ck.async_save)
         run.step = 0
         run.consumed_samples = 0
         run.skipped_steps = 0
@@ -299,6 +300,10 @@ class Builder:
         error = None
         if run.is_main and (run.cfg.checkpoint.interval or run.cfg.checkpoint.save_final
                             or run.cfg.checkpoint.save_on_signal):
+            freed = remove_partial_saves(run.paths["checkpoints"])  # crashed / failed saves: their space counts
+            if freed:
+                run.log(f"[xhc] removed the partial saves of an earlier run under {run.paths['checkpoints']} "
+                        f"({human_mb(freed)})")
             try:
                 check_free_space(run.paths["checkpoints"], needed, "checkpoint.dir")
             except ConfigError as e:

@@ -8,7 +8,7 @@ Layout under the checkpoint root::
       manifest.json           written last: every file's size (+ sha256), the step, the layout
     step_00000200/
     latest                    name of the newest finished checkpoint (informational)
-    .step_00000300.tmp/       a save in progress (or a crashed one: removed by the next save)
+    .step_00000300.tmp/       a save in progress (or a crashed one: removed by the next save or start)
 
 **Atomicity.**  Every rank writes into ``.step_XXXXXXXX.tmp``; after a barrier rank 0 writes
 ``manifest.json`` (temp file, fsync, rename), fsyncs and renames the directory to
@@ -35,6 +35,19 @@ whole process group (``kill -TERM -- -<pgid>``, torchrun's and SLURM's shutdown)
 them mid-write.  The results queue of the synchronous save is an in-process queue instead of
 Megatron's default ``multiprocessing.Manager`` server process (a separate process that a group
 signal killed, giving ``BrokenPipeError``, and that a ``kill -9`` of the trainer left behind).
+
+**Asynchronous saves** (:meth:`Checkpointer.save_async`, ``checkpoint.async_save``).  The plan and
+a snapshot of every tensor (pinned host memory on GPU, a copy on CPU) are taken in the caller's
+thread; a thread per rank writes the files into the ``.tmp`` directory; :meth:`Checkpointer.poll`,
+called at step boundaries, runs Megatron's finalize once every rank's write is done and then rank
+0's manifest, verification, rename and pruning in another thread.  Until then the checkpoint is a
+``.tmp`` directory like any unfinished save.  At most one save is in flight.
+
+**Storage faults.**  A failed save (sync or async) removes its ``.tmp`` directory and raises one
+line: for a full disk (:func:`is_no_space`: ENOSPC, torch's ``inline_container ... unexpected
+pos``, short writes, whatever exception wraps them) it names the disk, its free space and the
+previous checkpoint that is kept.  :func:`remove_partial_saves` clears the ``.tmp`` directories of
+crashed saves (every save, and the trainer's start-up before its free-space check).
 
 **Selection and fallback.**  ``checkpoint.load=auto`` takes the newest checkpoint that passes
 :func:`verify_checkpoint`; a newer one that fails is renamed ``step_XXXXXXXX.corrupt`` (kept for
@@ -446,6 +459,43 @@ def describe_os_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+_NO_SPACE_WORDS = ("no space left", "unexpected pos", "pytorchstreamwriter failed", "basic_ios::clear",
+                   "short write", "disk quota exceeded", "file write failed")
+"""How writers report a full disk besides ENOSPC: torch's zip writer (``inline_container.cc ...
+unexpected pos N vs M``, ``PytorchStreamWriter failed writing file``), its C++ streams
+(``basic_ios::clear``) and short writes."""
+
+
+def mount_point(path: str) -> str:
+    """The mount point of the filesystem holding ``path`` (the disk a message should name)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    while not os.path.ismount(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def is_no_space(e: BaseException, directory: str) -> bool:
+    """True when the save error ``e`` means the disk holding ``directory`` is full, whatever the
+    writer's exception looks like (ENOSPC / EDQUOT, ``CheckpointException`` wrapping a worker's
+    ``inline_container`` error, a short write), or the disk is nearly full after it."""
+    for x in _causes(e):
+        if isinstance(x, OSError) and getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(x).lower()
+        if any(w in text for w in _NO_SPACE_WORDS):
+            return True
+    try:
+        usage = shutil.disk_usage(directory)
+    except OSError:
+        return False
+    return usage.free < max(64 << 20, usage.total // 100)
+
+
 def _explain_save_error(e: BaseException, directory: str) -> str:
     """:func:`describe_os_error`, plus the free space when the disk is (nearly) full: torch's C++
     writer reports a full disk as ``basic_ios::clear: iostream error``."""
@@ -499,15 +549,26 @@ def _unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") and hasattr(chunk, "finish_grad_sync") else chunk
 
 
+def _chunk_sharded_state(model) -> dict:
+    """``model.sharded_state_dict()``.  A pipeline stage with MTP but no embedding input (the last stage)
+    ties its embedding copy to the first stage's, and Megatron's ``GPTModel`` (0.16) reads
+    ``metadata['dp_cp_group']`` there without filling it in: it is given explicitly."""
+    if getattr(model, "mtp_process", False) and not getattr(model, "pre_process", True):
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    return model.sharded_state_dict()
+
+
 def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict:
     if len(chunks) == 1:
-        return {"model": _unwrap(chunks[0]).sharded_state_dict()}
+        return {"model": _chunk_sharded_state(_unwrap(chunks[0]))}
     from megatron.core import parallel_state as ps
 
     out = {}
     for i, c in enumerate(chunks):
         ps.set_virtual_pipeline_model_parallel_rank(i)
-        out[f"model{i}"] = _unwrap(c).sharded_state_dict()
+        out[f"model{i}"] = _chunk_sharded_state(_unwrap(c))
     return out
 
 
@@ -591,6 +652,120 @@ def _broadcast_text(text: Optional[str]) -> Optional[str]:
     return box[0]
 
 
+def _save_errors() -> tuple:
+    try:  # torch's CheckpointException derives from BaseException, not Exception
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        return (Exception, CheckpointException)
+    except ImportError:
+        return (Exception,)
+
+
+_SAVE_ERRORS = _save_errors()
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce_max(value: float) -> float:
+    """The maximum of ``value`` over all ranks (on the GPU under NCCL, else on the CPU)."""
+    import torch.distributed as dist
+
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def remove_partial_saves(root: str) -> int:
+    """Delete the ``.step_*.tmp`` directories of crashed or failed saves under ``root``; the bytes freed."""
+    freed = 0
+    if not os.path.isdir(root):
+        return 0
+    for stale in os.listdir(root):
+        if stale.startswith(".step_") and stale.endswith(".tmp"):
+            path = os.path.join(root, stale)
+            for base, _dirs, names in os.walk(path):
+                for n in names:
+                    with contextlib.suppress(OSError):
+                        freed += os.path.getsize(os.path.join(base, n))
+            shutil.rmtree(path, ignore_errors=True)
+    return freed
+
+
+class _PendingSave:
+    """An asynchronous save in flight (:meth:`Checkpointer.save_async`)."""
+
+    def __init__(self, step, final, tmp, info, request, thread, t0):
+        self.step, self.final, self.tmp, self.info = step, final, tmp, info
+        self.request, self.thread, self.t0 = request, thread, t0
+        self.publisher: Optional[threading.Thread] = None  # rank 0's manifest / verify / rename thread
+        self.error: Optional[str] = None
+
+    def publish(self, ckpt: "Checkpointer") -> None:
+        self.error = ckpt._publish(self.step, self.final, self.tmp, self.info)
+
+
+def snapshot_write_buckets(buckets):
+    """A copy of every tensor in Megatron's write buckets, taken now: GPU tensors into pinned host
+    memory (one device sync), CPU tensors cloned.  The serialised non-tensor objects are already
+    bytes.  Training may then update the parameters while the copy is written."""
+    out, cuda = [], False
+    for bucket in buckets:
+        file_name, storage_key, (bytes_data, tensor_data) = bucket
+        staged = []
+        for item, t in tensor_data:
+            if t.is_cuda:
+                c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                c.copy_(t, non_blocking=True)
+                cuda = True
+            else:
+                c = t.detach().clone()
+            staged.append((item, c))
+        out.append((file_name, storage_key, (bytes_data, staged)))
+    if cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+def _write_in_background(async_fn, args) -> None:
+    """The body of the writer thread: Megatron's per-file writer, one file after the other, in this
+    thread (its own function forks a writer process per file, which a thread should not do); the
+    results (or the exception) go to the results queue the finalize step reads."""
+    results = args[2] if len(args) > 2 else None
+    try:
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        fn = getattr(async_fn, "func", None)
+        if getattr(fn, "__name__", "") != "write_preloaded_data_multiproc" or results is None:
+            async_fn(*args)
+            return
+        transforms = async_fn.args[0] if async_fn.args else []
+        _rank_, buckets, results = args[:3]
+        local: "queue.Queue" = queue.Queue()
+        count: "queue.Queue" = queue.Queue()
+        written = {}
+        for i, bucket in enumerate(buckets):
+            count.put(i)
+            FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, True)
+            idx, out = local.get()
+            if isinstance(out, Exception):
+                results.put(out)
+                return
+            written[idx] = out
+        results.put(written)
+    except Exception as e:  # reported by the finalize step, on every rank
+        if results is not None:
+            results.put(e)
+        else:
+            raise
+
+
 class Checkpointer:
     """Save / find / verify / load checkpoints under ``root`` (see the module docstring).
 
@@ -607,6 +782,8 @@ class Checkpointer:
         self.checksum = checksum
         self.log = log
         self.last_save_seconds: Optional[float] = None
+        self.snapshot_seconds: Optional[float] = None  # the caller's share of the last asynchronous save
+        self.pending: Optional[_PendingSave] = None  # the asynchronous save in flight
 
     # ---- discovery -----------------------------------------------------------------------------
     def checkpoints(self) -> List[Tuple[int, str]]:
@@ -669,62 +846,219 @@ class Checkpointer:
         with deferred_signals():
             return self._save(step, state, info)
 
-    def _save(self, step: int, state: dict, info: Optional[dict]) -> str:
-        from megatron.core import dist_checkpointing
-
-        t0 = time.perf_counter()
+    def _begin(self, step: int) -> Tuple[str, str]:
+        """Rank 0 removes crashed saves and creates ``.step_<step>.tmp`` (collective); (final, tmp)."""
         name = checkpoint_name(step)
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".{name}.tmp")
-        keep = f"; the previous checkpoint{'s are' if self.keep_last > 1 else ' is'} kept"
         error = None
         if _rank() == 0:
             try:
                 os.makedirs(self.root, exist_ok=True)
-                for stale in os.listdir(self.root):  # crashed saves
-                    if stale.startswith(".step_") and stale.endswith(".tmp"):
-                        shutil.rmtree(os.path.join(self.root, stale), ignore_errors=True)
+                remove_partial_saves(self.root)
                 os.makedirs(tmp)
             except OSError as e:
-                error = describe_os_error(e)
+                error = self._failure(e, tmp)
         error = _broadcast_text(error)
         if error:
-            raise CheckpointError(f"checkpoint {final}: save failed: {error}{keep}")
+            raise CheckpointError(f"checkpoint {final}: save failed: {error}")
+        return final, tmp
+
+    def _agree(self, error: Optional[BaseException], tmp: str) -> Optional[str]:
+        """Every rank's verdict on a step of a save (collective): None when all succeeded, else rank 0's
+        one-line explanation (:meth:`_failure`, which also removes the partial ``tmp``) on every rank."""
+        local = None if error is None else (str(error) or type(error).__name__)
+        if _world() > 1:
+            import torch.distributed as dist
+
+            texts: List[Optional[str]] = [None] * _world()
+            dist.all_gather_object(texts, local)
+            local = next((t for t in texts if t), None)
+        if local is None:
+            return None
+        text = None
+        if _rank() == 0:
+            text = self._failure(error if error is not None else CheckpointError(local), tmp)
+        return _broadcast_text(text)
+
+    def _failure(self, e: BaseException, tmp: str) -> str:
+        """Rank 0: remove the partial ``tmp`` and say in one line why the save failed and what is kept."""
+        full = is_no_space(e, self.root)
+        try:
+            usage = shutil.disk_usage(self.root)
+        except OSError:
+            usage = None
+        shutil.rmtree(tmp, ignore_errors=True)  # partial: free its space
+        previous = self.latest()
+        kept = (f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists")
+        if full:
+            disk = mount_point(self.root)
+            space = (f", {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "")
+            return (f"no space left on device (disk {disk}{space}); the partial save was removed and {kept}: free "
+                    f"space or point checkpoint.dir at a larger disk, then rerun the same command to resume")
+        why = e if isinstance(e, CheckpointError) else _explain_save_error(e, self.root)
+        return f"{why}; the partial save was removed and {kept}"
+
+    def _save(self, step: int, state: dict, info: Optional[dict]) -> str:
+        from megatron.core import dist_checkpointing
+
+        t0 = time.perf_counter()
+        final, tmp = self._begin(step)
+        error = None
         try:
             with _inprocess_results_queue():
                 dist_checkpointing.save(state, tmp)
-        except Exception as e:
-            why = _explain_save_error(e, self.root)
-            if _rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)  # partial: free its space
-            raise CheckpointError(f"checkpoint {final}: save failed: {why}{keep}") from e
-        _barrier()
-        if _rank() == 0:
-            try:
-                import megatron.core
+        except _SAVE_ERRORS as e:
+            error = e
+        error = self._agree(error, tmp)
+        if error:
+            raise CheckpointError(f"checkpoint {final}: save failed: {error}")
+        path = self._finish(step, final, tmp, info)
+        self.last_save_seconds = time.perf_counter() - t0
+        return path
 
-                meta = {"step": int(step), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                        "megatron_core": getattr(megatron.core, "__version__", "?"), **(info or {})}
-                write_manifest(tmp, meta, self.checksum)
-                verify_checkpoint(tmp)
-                if os.path.isdir(final):
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                _fsync_dir(self.root)
-                latest_tmp = os.path.join(self.root, "latest.tmp")
-                with open(latest_tmp, "w") as f:
-                    f.write(name + "\n")
-                os.replace(latest_tmp, os.path.join(self.root, "latest"))
-            except Exception as e:  # report on every rank rather than hang the others
-                error = _explain_save_error(e, self.root) if not isinstance(e, CheckpointError) else str(e)
-                shutil.rmtree(tmp, ignore_errors=True)
-            if error is None:
-                self._prune()
+    def _finish(self, step: int, final: str, tmp: str, info: Optional[dict]) -> str:
+        """After every rank wrote its part: manifest, verification, rename to ``step_*``, pruning (collective)."""
+        _barrier()
+        error = self._publish(step, final, tmp, info) if _rank() == 0 else None
         error = _broadcast_text(error)
         if error:
-            raise CheckpointError(f"checkpoint {final}: save failed: {error}{keep}")
-        self.last_save_seconds = time.perf_counter() - t0
+            raise CheckpointError(f"checkpoint {final}: save failed: {error}")
         return final
+
+    def _publish(self, step: int, final: str, tmp: str, info: Optional[dict]) -> Optional[str]:
+        """Rank 0, once every file is written: manifest, verification, rename, ``latest``, pruning; the
+        one-line error (partial removed) or None.  Not collective (an async save runs it in a thread)."""
+        try:
+            import megatron.core
+
+            meta = {"step": int(step), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "megatron_core": getattr(megatron.core, "__version__", "?"), **(info or {})}
+            write_manifest(tmp, meta, self.checksum)
+            verify_checkpoint(tmp)
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            latest_tmp = os.path.join(self.root, "latest.tmp")
+            with open(latest_tmp, "w") as f:
+                f.write(os.path.basename(final) + "\n")
+            os.replace(latest_tmp, os.path.join(self.root, "latest"))
+        except Exception as e:  # reported on every rank rather than hang the others
+            return self._failure(e, tmp)
+        self._prune()
+        return None
+
+    # ---- asynchronous save ---------------------------------------------------------------------
+    def save_async(self, step: int, state: dict, info: Optional[dict] = None) -> None:
+        """Start saving ``state`` as ``step_<step>`` in the background; collective over all ranks.
+
+        Waits for (and finalizes) a save still in flight first.  What happens now, in the caller's
+        thread: the plan (Megatron's collectives), the non-tensor objects serialised, and a snapshot
+        of every tensor this rank writes (pinned host memory for GPU tensors, a copy for CPU ones),
+        so training may change the parameters at once.  A thread then writes the files; the
+        manifest, verification, rename to ``step_*`` and pruning happen in :meth:`poll` once every
+        rank's write has finished, so an unfinished save is never the newest checkpoint.
+        """
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        with deferred_signals():
+            t0 = time.perf_counter()
+            final, tmp = self._begin(step)
+            error, request, args = None, None, []
+            try:
+                with _inprocess_results_queue():
+                    request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
+                args = list(request.async_fn_args)
+                if request.async_fn is not None and len(args) >= 2:
+                    args[1] = snapshot_write_buckets(args[1])
+            except _SAVE_ERRORS as e:
+                error = e
+            error = self._agree(error, tmp)
+            if error:
+                raise CheckpointError(f"checkpoint {final}: save failed: {error}")
+            thread = None
+            if request.async_fn is not None:
+                thread = threading.Thread(target=_write_in_background, args=(request.async_fn, args),
+                                          name=f"xhc-checkpoint-{step}", daemon=True)
+                thread.start()
+            self.pending = _PendingSave(step, final, tmp, info, request, thread, t0)
+            self.snapshot_seconds = time.perf_counter() - t0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    def poll(self, blocking: bool = False) -> Optional[str]:
+        """Finalize the save in flight if every rank's write has finished (``blocking``: wait for it);
+        the new checkpoint's path, or None.  Collective while a save is in flight.  A failed write
+        raises the same one-line :class:`CheckpointError` as a synchronous save (partial removed).
+
+        Two phases: the files (every rank's writer thread; then Megatron's finalize, which gathers
+        the write results and writes ``.metadata``, collectively), then rank 0's manifest, hashes,
+        verification, rename and pruning in a thread of its own (hashing a large checkpoint takes
+        seconds that training need not wait for)."""
+        p = self.pending
+        if p is None:
+            return None
+        if p.publisher is None:  # phase 1: the files
+            if blocking and p.thread is not None:
+                p.thread.join()
+            alive = p.thread is not None and p.thread.is_alive()
+            if _world() > 1:
+                alive = _all_reduce_max(float(alive)) > 0
+            if alive:
+                return None
+            if p.thread is not None:
+                p.thread.join()
+            error = None
+            try:
+                with _inprocess_results_queue():
+                    for fn in p.request.finalize_fns:  # Megatron's: gather the write results, write .metadata
+                        fn()
+                _barrier()
+            except _SAVE_ERRORS as e:
+                error = e
+            error = self._agree(error, p.tmp)
+            if error:
+                self.pending = None
+                raise CheckpointError(f"checkpoint {p.final}: save failed: {error}")
+            p.publisher = threading.Thread(target=p.publish, args=(self,), name=f"xhc-checkpoint-{p.step}-publish",
+                                           daemon=True)
+            if _rank() == 0:
+                p.publisher.start()
+        # phase 2: rank 0 publishes
+        if blocking and p.publisher.is_alive():
+            p.publisher.join()
+        alive = p.publisher.is_alive()
+        if _world() > 1:
+            alive = _all_reduce_max(float(alive)) > 0
+        if alive:
+            return None
+        self.pending = None
+        error = _broadcast_text(p.error)
+        if error:
+            raise CheckpointError(f"checkpoint {p.final}: save failed: {error}")
+        self.last_save_seconds = time.perf_counter() - p.t0
+        return p.final
+
+    def wait(self) -> Optional[str]:
+        """Finish the save in flight, if any (collective); its path or None."""
+        return self.poll(blocking=True)
+
+    def abandon(self) -> None:
+        """The run is failing: let the write in flight end, never finalize it, remove its partial
+        directory (the previous verified checkpoint stays the newest).  Not collective."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        if p.thread is not None:
+            p.thread.join()
+        if p.publisher is not None and p.publisher.is_alive():
+            p.publisher.join()  # a checkpoint being published is whole: let it become step_*
+        if _rank() == 0:
+            shutil.rmtree(p.tmp, ignore_errors=True)
 
     def _prune(self) -> None:
         """Delete the oldest checkpoints beyond ``keep_last``; the newest one is never deleted."""

@@ -224,6 +224,13 @@ class CheckpointConfig(_Section):
     """Save when training finishes."""
     save_on_signal: bool = True
     """On SIGTERM (SLURM preemption, torchrun shutdown) or SIGUSR1: save at the next step boundary, exit 0."""
+    async_save: bool = False
+    """Write checkpoints in the background.  The step that saves only plans the save and snapshots
+    the state (pinned host memory on GPU, a copy on CPU); a thread writes the files while training
+    goes on, and the checkpoint becomes ``step_*`` (manifest, verification, pruning) only once every
+    rank's write has finished.  At most one save is in flight: the next save, a stop and the end of
+    training wait for it.  Off by default: on CPU the writer competes with training for the same
+    cores, and on GPU it has not been measured yet (docs/reliability.md, "Asynchronous saves")."""
     checksum: str = "auto"
     """Manifest hashes: ``all`` files, ``metadata`` only, ``none`` (sizes only), ``auto`` (all below 2 GiB)."""
     optimizer_sharding: str = "dp_reshardable"
@@ -501,6 +508,15 @@ def validate_config(cfg: PretrainConfig) -> None:
         raise _err("model.compile_hc", f"{m.compile_hc!r} must be true or false")
     if m.hc_recompute is not None and not isinstance(m.hc_recompute, bool):
         raise _err("model.hc_recompute", f"{m.hc_recompute!r} must be true or false")
+    # multi-token prediction (models/mtp.py): Megatron's TransformerConfig names, given as backbone overrides
+    depths = (m.backbone or {}).get("mtp_num_layers")
+    if depths is not None and (isinstance(depths, bool) or not isinstance(depths, int) or depths < 1):
+        raise _err("model.backbone.mtp_num_layers", f"{depths!r} must be an integer >= 1 (the MTP depths), or "
+                   "null for no multi-token prediction")
+    lam = (m.backbone or {}).get("mtp_loss_scaling_factor")
+    if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float)) or not lam >= 0):
+        raise _err("model.backbone.mtp_loss_scaling_factor", f"{lam!r} must be a number >= 0 (the weight λ of "
+                   "the MTP losses: loss = main + λ/D · Σ depth losses)")
     if m.hc:
         from xhc.config import HCConfig
 

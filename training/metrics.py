@@ -57,7 +57,9 @@ def model_flops_per_token(preset, seq_length: int, vocab_size: int, convention: 
     """``{"backbone", "hc", "total"}`` training FLOPs per token (forward + backward).
 
     ``hc``: the HCConfig actually used (default: the preset's).  The HC part is the documented F_HC =
-    6·P_HC·L (§5.2); Sinkhorn iterations and element-wise mixing are not counted.
+    6·P_HC·L (§5.2); Sinkhorn iterations and element-wise mixing are not counted.  With multi-token
+    prediction (backbone ``mtp_num_layers``) the depths are included (:func:`models.mtp.mtp_counts`)
+    and ``"mtp"`` holds their share.
     """
     from models.zoo import backbone_shape
     from xhc.accounting import training_flops_per_token, vanilla_flops_per_token
@@ -66,7 +68,15 @@ def model_flops_per_token(preset, seq_length: int, vocab_size: int, convention: 
     backbone = float(vanilla_flops_per_token(shape, convention))
     hc = hc if hc is not None else preset.hc
     f_hc = float(training_flops_per_token(hc, preset.hidden_size, preset.num_layers).f_hc) if hc.enabled else 0.0
-    return {"backbone": backbone, "hc": f_hc, "total": backbone + f_hc}
+    depths = int(preset.backbone.get("mtp_num_layers") or 0)
+    if not depths:
+        return {"backbone": backbone, "hc": f_hc, "total": backbone + f_hc}
+    from models.mtp import mtp_counts  # multi-token prediction depths: their layers, maps and output GEMMs
+
+    m = mtp_counts(shape, hc, depths, convention)
+    backbone, f_hc = backbone + m["flops_backbone"], f_hc + m["flops_hc"]
+    return {"backbone": backbone, "hc": f_hc, "total": backbone + f_hc,
+            "mtp": m["flops_backbone"] + m["flops_hc"]}
 
 
 def format_duration(seconds: float) -> str:

@@ -381,7 +381,7 @@ def grad_norm(params_or_model, norm_type: float = 2.0) -> float:
     groups = _megatron_groups()
     tp_rank = groups[0] if groups else 0
     device = None
-    dense, expert = [], []
+    dense, expert, mtp_dense, mtp_expert = [], [], [], []
     for p in _params_of(params_or_model):
         g = _grad(p)
         if g is None or getattr(p, "shared", False):
@@ -390,12 +390,19 @@ def grad_norm(params_or_model, norm_type: float = 2.0) -> float:
             continue
         device = g.device
         sq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double() ** 2
-        (dense if getattr(p, "allreduce", True) else expert).append(sq)
+        if getattr(p, "is_mtp", False):  # summed apart: an MTP run with λ = 0 clips as the run without MTP
+            (mtp_dense if getattr(p, "allreduce", True) else mtp_expert).append(sq)
+        else:
+            (dense if getattr(p, "allreduce", True) else expert).append(sq)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)
     dense_sum = torch.stack(dense).sum() if dense else zero.clone()
     expert_sum = torch.stack(expert).sum() if expert else zero.clone()
+    if mtp_dense:
+        dense_sum = dense_sum + torch.stack(mtp_dense).sum()
+    if mtp_expert:
+        expert_sum = expert_sum + torch.stack(mtp_expert).sum()
     if groups is not None:
         _, mp_group, expert_group = groups
         if dist.get_world_size(mp_group) > 1:

@@ -81,6 +81,9 @@ class Trainer:
         self.history: List[dict] = []
         self.evals: List[dict] = []
         self.failed = False  # a refused start (close() removes the directories it created)
+        self.ckpt = None
+        self.async_save = False  # checkpoint.async_save, resolved for this device (training.builder)
+        self.pending_save = None  # (step, reason) of the asynchronous save in flight
 
     # ----------------------------------------------------------------------------------------
     # The recipe: build, maybe resume, then step, log, evaluate and save until done
@@ -135,15 +138,18 @@ class Trainer:
                     self.log(f"[xhc] stopping at step {self.step}: {stop_reason}")
                     if self.last_saved_step != self.step:
                         self.save_checkpoint(stop_reason)
+                    self.wait_for_checkpoint()
                     self.stopped_early = stop_reason
                     return 0
                 self.stopped_early = None
                 if not self.evals or self.evals[-1]["step"] != self.step:
                     self.run_eval()
+                self.wait_for_checkpoint()
                 if ck.save_final and self.last_saved_step != self.step:
                     self.save_checkpoint("final")
                 return 0
             except NonFiniteState as e:
+                self.wait_for_checkpoint()  # its state was checked finite before the snapshot
                 self.roll_back(e)  # or TrainingAborted
 
     def _train_loop(self, t_loop: float) -> Optional[str]:
@@ -157,6 +163,7 @@ class Trainer:
                 return stop_reason
             rec = self.train_step(its)
             self.steps_this_run += 1
+            self.poll_checkpoint()
             self.history.append({"step": self.step, "loss": rec["loss"]})
             self.metrics.write("train", self.step, rec)
             if self.step % lg.interval == 0 or self.step == 1 or self.step == r.train_steps:
@@ -187,7 +194,9 @@ class Trainer:
         with self.health.recording() if health_now else contextlib.nullcontext():
             total, count = self.forward_backward(iterators)
         self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
-        s, n, *flags = self._all_reduce([total, count, *self.life.local_stop_flags()])
+        mtp = self.runner.mtp_stats()  # [Σ loss_k per depth..., micro-batches], empty without MTP
+        s, n, *rest = self._all_reduce([total, count, *mtp, *self.life.local_stop_flags()])
+        mtp, flags = rest[:len(mtp)], rest[len(mtp):]
         self.life.agreed_flags = flags
         loss = s / n if n > 0 else float("nan")
         if not math.isfinite(loss):
@@ -210,6 +219,8 @@ class Trainer:
                "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
                "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_samples * self.seq,
                "skipped_steps": self.skipped_steps}
+        if mtp:  # per-depth MTP loss: the mean over ranks and micro-batches of each micro-batch's token mean
+            rec["mtp_loss"] = [v / mtp[-1] if mtp[-1] > 0 else float("nan") for v in mtp[:-1]]
         if health_now:
             rec["hc"] = self.health.summary()
         if self.cfg.logging.sample_ids:
@@ -303,16 +314,42 @@ class Trainer:
                 "optimizer_sharding": sharding,
                 "optimizer_format": "megatron" if is_megatron_optimizer(self.optimizer) else "torch-sharded",
                 **self._compat_info()}
+        asynchronous = self.async_save and reason == "interval"  # a stop or the end would wait for it at once
         with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
-            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree
+            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree (before a snapshot)
+            self.wait_for_checkpoint()  # at most one save in flight
             state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
                                 optimizer_sharding=sharding)
+            if asynchronous:
+                self.ckpt.save_async(self.step, state, info)
+                self.pending_save = (self.step, reason)
+                self.last_saved_step = self.step
+                return None
             path = self.ckpt.save(self.step, state, info)
         self.last_saved_step = self.step
         self.last_good_checkpoint = path
         self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
                            f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
         return path
+
+    def poll_checkpoint(self, blocking: bool = False) -> None:
+        """The asynchronous save in flight: finalized when every rank's write is done (``blocking``:
+        wait for it); a failed write raises its one-line CheckpointError here, at a step boundary."""
+        if self.ckpt is None or not self.ckpt.in_flight:
+            return
+        path = self.ckpt.poll(blocking=blocking)
+        if path is None:
+            return
+        step, reason = self.pending_save
+        self.pending_save = None
+        self.last_good_checkpoint = path
+        self.metrics.event(self.step, f"[xhc] checkpoint step {step} ({reason}, written in the background) -> "
+                           f"{path} in {self.ckpt.last_save_seconds:.1f}s (training paused "
+                           f"{self.ckpt.snapshot_seconds:.2f}s for the snapshot)", checkpoint=path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Finish the asynchronous save in flight, if any."""
+        self.poll_checkpoint(blocking=True)
 
     def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
         from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
@@ -476,7 +513,7 @@ class Trainer:
         if getattr(self, "stopped_early", None):
             self.log(f"[xhc] to resume, run the same command with run.dir={self.run_dir} (checkpoint.load=auto)")
 
-    def write_status(self) -> None:
+    def write_status(self, failed: Optional[dict] = None) -> None:
         """``<run.dir>/status.json``: where the run stands (tools/slurm_pretrain.sh requeues unfinished runs)."""
         from training.checkpoint import list_checkpoints
 
@@ -486,8 +523,24 @@ class Trainer:
                   "stopped_early": getattr(self, "stopped_early", None),
                   "latest_checkpoint": found[-1][1] if found else None,
                   "last_train_loss": self.history[-1]["loss"] if self.history else None,
-                  "last_valid_loss": self.evals[-1]["loss"] if self.evals else None}
+                  "last_valid_loss": self.evals[-1]["loss"] if self.evals else None,
+                  "failed": failed}
         write_status(self.run_dir, status)
+
+    def abandon_checkpoint(self) -> None:
+        """A failing run: the asynchronous save in flight is never finalized; its partial directory is
+        removed (the previous verified checkpoint stays the newest)."""
+        if self.ckpt is not None and self.ckpt.in_flight:
+            self.ckpt.abandon()
+
+    def record_failure(self, message: str, code: int) -> None:
+        """``status.json`` after a failed save: where the run stands, the error line and the exit code."""
+        if not self.is_main or self.metrics is None:
+            return
+        try:
+            self.write_status(failed={"error": message, "exit_code": code})
+        except OSError:  # the disk that failed the save may refuse this too: the stderr line stays
+            pass
 
     def close(self, destroy_process_group: bool = True) -> None:
         """Close the loggers and tear down Megatron's parallel state (and the process group)."""
@@ -521,6 +574,11 @@ class Trainer:
 
 
 # ================================================================================================
+SAVE_FAILED = 4
+"""Exit code of a run stopped by a failed checkpoint save (no space, an unwritable disk, a writer
+error): the partial save is removed, the previous checkpoint kept; ``status.json`` has the line."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="xhc-pretrain",
@@ -580,11 +638,15 @@ def _main(argv=None, entry=None) -> int:
         from training.data import DataError
 
         if not isinstance(e, (CheckpointError, DataError)):
+            trainer.abandon_checkpoint()
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
         trainer.failed = trainer.metrics is None
+        code = 2 if trainer.failed or not isinstance(e, CheckpointError) else SAVE_FAILED
+        if code == SAVE_FAILED:
+            trainer.record_failure(str(e), code)
     finally:
+        trainer.abandon_checkpoint()
         trainer.close()
     return code
 

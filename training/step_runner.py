@@ -137,6 +137,43 @@ class StepRunner:
     def to_device(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         return batch
 
+    # -- multi-token prediction (models/mtp.py) -----------------------------------------------------
+    @property
+    def mtp_layers(self) -> int:
+        """D, the MTP depths of the model (0 without MTP)."""
+        return int(getattr(self.tf_config, "mtp_num_layers", None) or 0)
+
+    def _mtp_begin(self, num_micro: int, scale_backward: bool) -> None:
+        """Before a step: zero the per-depth loss buffer; on CPU also give Megatron's ``MTPLossAutoScaler``
+        the main loss's backward scale (1 / micro-batches; Megatron's schedules set it on GPU)."""
+        if not self.mtp_layers:
+            return
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        from models.mtp import mtp_tracker_prepare
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.uses_megatron else torch.device("cpu")
+        mtp_tracker_prepare(self.mtp_layers, dev)
+        if scale_backward:
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_micro))
+        self.last_mtp = [0.0] * self.mtp_layers
+
+    def _mtp_end(self, num_micro: int) -> None:
+        """After a step: this rank's per-depth MTP losses summed over its micro-batches (``last_mtp``)."""
+        if not self.mtp_layers:
+            return
+        from models.mtp import mtp_tracker_take
+
+        self.last_mtp = mtp_tracker_take(self.mtp_layers)
+
+    def mtp_stats(self) -> List[float]:
+        """[Σ loss_1, ..., Σ loss_D, micro-batches]: this rank's share of the step's per-depth MTP losses
+        (token means per micro-batch, summed; zeros off the last stage).  Empty without MTP."""
+        if not self.mtp_layers:
+            return []
+        last = getattr(self, "last_mtp", None) or [0.0] * self.mtp_layers
+        return [*last, float(self.num_micro if self.last_stage and any(last) else 0)]
+
     # -- shared helpers ---------------------------------------------------------------------------
     def _cp_slice(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         if self.cfg.parallel.cp == 1:
@@ -181,6 +218,13 @@ class CpuStepRunner(StepRunner):
     def forward_backward(self, iterators, forward_only: bool = False,
                          num_micro: Optional[int] = None) -> Tuple[float, float]:
         num_micro = num_micro or self.num_micro
+        self._mtp_begin(num_micro, scale_backward=True)
+        try:
+            return self._cpu_forward_backward(iterators, forward_only, num_micro)
+        finally:
+            self._mtp_end(num_micro)
+
+    def _cpu_forward_backward(self, iterators, forward_only: bool, num_micro: int) -> Tuple[float, float]:
         it = iterators[0]
         model = self.chunks[0]
         total, count = 0.0, 0.0
@@ -273,8 +317,12 @@ class MegatronStepRunner(StepRunner):
         num_micro = num_micro or self.num_micro
         # Evaluation without autograd, as on CPU: Megatron's router counts tokens per expert
         # (the next expert-bias update) whenever gradients are enabled.
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            return self._schedule(iterators, forward_only, num_micro)
+        self._mtp_begin(num_micro, scale_backward=False)
+        try:
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                return self._schedule(iterators, forward_only, num_micro)
+        finally:
+            self._mtp_end(num_micro)
 
     def _schedule(self, iterators, forward_only: bool, num_micro: int) -> Tuple[float, float]:
         def loss_func(loss_mask, output_tensor):

@@ -144,17 +144,19 @@ def run_tp_sp():
     doc_batch = (tokens, labels, pos, mask)
     plain_batch = (*U.tiny_batch(BATCH, SEQ_HALO)[:3], None)
     n_total = 0
-    for hc, batch in ((_hc("mhc", reduction="softmax"), plain_batch), (_hc("xhc", reduction="softmax"), doc_batch),
-                      (_hc("xhc_flash"), doc_batch), (_hc("xhc_flash4"), plain_batch),
-                      (_hc("mhc", **DEEPSEEK), plain_batch)):  # fmt: skip
-        ref, state = reference(hc, seq=SEQ_HALO)
+    for hc, batch, mtp in ((_hc("mhc", reduction="softmax"), plain_batch, {}),
+                           (_hc("xhc", reduction="softmax"), doc_batch, {}),
+                           (_hc("xhc_flash"), doc_batch, {}), (_hc("xhc_flash4"), plain_batch, {}),
+                           (_hc("mhc", **DEEPSEEK), plain_batch, {}),
+                           (_hc("mhc", **DEEPSEEK), plain_batch, MTP)):  # fmt: skip
+        ref, state = reference(hc, seq=SEQ_HALO, **mtp)
         ref_loss = _loss(ref, batch)
         ref_loss.backward()
         ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         destroy_parallel()
 
         _init(tp=2)
-        config = U.tiny_moe_config(tensor_model_parallel_size=2, sequence_parallel=True)
+        config = U.tiny_moe_config(tensor_model_parallel_size=2, sequence_parallel=True, **mtp)
         model = U.build_tiny_hc_gpt(config, hc, seq_len=SEQ_HALO)
         U.load_from_reference(model, state, config)
         loss = _loss(model, batch)
@@ -169,6 +171,8 @@ def run_tp_sp():
         assert (partial - full).abs().max() > 1e-3 * full.abs().max(), f"{name}: SP grad complete before the all-reduce"
         n_hc = compare_grads(model, config, ref_grads)
         assert n_hc == len(hc_params)
+        if mtp:
+            _check_mtp(model, hc)
         if hc.is_xhc:
             convs = [n for n in hc_params if ".conv." in n]
             assert convs and all(hc_params[n].grad.abs().max() > 0 for n in convs), convs
@@ -194,15 +198,15 @@ def _half(batch):
 def run_ep():
     n_total = 0
     batch = (*U.tiny_batch(BATCH), None)
-    for hc in (_hc("mhc"), _hc("xhc"), _hc("mhc", **DEEPSEEK)):
-        ref, state = reference(hc)
+    for hc, mtp in ((_hc("mhc"), {}), (_hc("xhc"), {}), (_hc("mhc", **DEEPSEEK), {}), (_hc("xhc"), MTP)):
+        ref, state = reference(hc, **mtp)
         ref_loss = _loss(ref, batch)
         ref_loss.backward()
         ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         destroy_parallel()
 
         _init(ep=2)
-        config = U.tiny_moe_config(expert_model_parallel_size=2)
+        config = U.tiny_moe_config(expert_model_parallel_size=2, **mtp)
         model = U.build_tiny_hc_gpt(config, hc)
         U.load_from_reference(model, state, config)
         loss = _loss(model, _half(batch))
@@ -212,8 +216,26 @@ def run_ep():
         dist.all_reduce(mean_loss)
         _close(f"{hc.variant} loss", mean_loss / dist.get_world_size(), ref_loss.detach(), rtol=LOSS_RTOL)
         n_total += compare_grads(model, config, ref_grads)
+        if mtp:
+            _check_mtp(model, hc)
         destroy_parallel()
     return n_total
+
+
+# Multi-token prediction (models/mtp.py): one depth, λ = 0.5, its MoE layer included.
+MTP = dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.5)
+
+
+def _check_mtp(model, hc):
+    """The MTP depth is there, is an HC layer, and was compared (every parameter has a grad)."""
+    from models.mtp import HCMultiTokenPredictionLayer, mtp_parameters
+
+    params = mtp_parameters(model)
+    assert params and all(p.grad is not None and p.grad.abs().max() > 0 for _, p in params), \
+        [n for n, p in params if p.grad is None or not p.grad.abs().max() > 0]
+    assert isinstance(model.mtp.layers[0], HCMultiTokenPredictionLayer)
+    if hc.reduction == "learned":
+        assert any(".hc_head." in n for n, _ in params)
 
 
 def _stage_name(model, name):
@@ -229,15 +251,16 @@ def run_pp():
     four = dict(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
     tokens, labels, pos = U.tiny_batch(BATCH)
     n_total = 0
-    for hc in (_hc("mhc", reduction="softmax"), _hc("xhc_flash4"), _hc("mhc", **DEEPSEEK)):
-        ref, state = reference(hc, **four)
+    for hc, mtp in ((_hc("mhc", reduction="softmax"), {}), (_hc("xhc_flash4"), {}), (_hc("mhc", **DEEPSEEK), {}),
+                    (_hc("mhc", **DEEPSEEK), MTP)):
+        ref, state = reference(hc, **four, **mtp)
         ref_loss = _loss(ref, (tokens, labels, pos, None))
         ref_loss.backward()
         ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         destroy_parallel()
 
         _init(pp=2)
-        config = U.tiny_moe_config(**four, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+        config = U.tiny_moe_config(**four, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, **mtp)
         first, last = dist.get_rank() == 0, dist.get_rank() == 1
         model = U.build_tiny_hc_gpt(config, hc, pre_process=first, post_process=last)
         missing, unexpected = model.load_state_dict(
@@ -254,12 +277,20 @@ def run_pp():
             out = m(tokens[rows], pos[rows], None, labels=labels[rows] if last else None)
             return out.float().mean() if last else out
 
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(0.5))  # the MTP losses' share of loss / 2 micro-batches
         with hc_p2p_shapes(p2p_num_streams(hc), config):
             losses = gpipe_forward_backward(model, step, 2, seq_length=tokens.shape[1], micro_batch_size=mb,
                                             config=config)  # fmt: skip
         if last:
             assert received == [(tokens.shape[1], mb, hc.n * config.hidden_size)] * 2, received
             _close(f"{hc.variant} loss", torch.stack(losses).mean(), ref_loss.detach(), rtol=LOSS_RTOL)
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        if mtp:  # the last stage's embedding copy (MTP) and the first stage's: grads summed
+            finalize_grads(model, config)
+            if last:
+                _check_mtp(model, hc)
         atol = _grad_atol(ref_grads)
         for name, p in model.named_parameters():
             _close(f"{hc.variant} grad {name}", p.grad, ref_grads[_stage_name(model, name)], atol=atol)

@@ -30,18 +30,19 @@ COMMON = [
     "data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=128", "tokenizer.make_vocab_size_divisible_by=64",
     "batch.seq_length=32", "batch.micro_batch_size=2", "batch.global_batch_size=8", "run.train_steps=24",
     "optimizer.lr=1e-2", "schedule.warmup_steps=4", "run.eval_interval=12", "run.eval_iters=1",
-    "logging.tensorboard=false", "logging.interval=12", "logging.hc_health_interval=12", "checkpoint.interval=12",
-    "checkpoint.keep_last=1", "run.dist_timeout_minutes=3",
-]
+    "logging.tensorboard=false", "logging.interval=12", "logging.hc_health_interval=12", "checkpoint.interval=8",
+    "checkpoint.keep_last=3", "checkpoint.async_save=true", "run.dist_timeout_minutes=3",
+]  # async saves at steps 8 and 16 (each rank writes its part in the background), the final one sync
 MODES = {
     "dp": ["parallel.tp=1"],
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "ep": ["parallel.ep=2"],
-    "pp": ["parallel.pp=2"],
+    "pp": ["parallel.pp=2", "model.backbone.mtp_num_layers=1"],  # with one MTP depth on the last stage
 }
 
 
 def run_mode(mode: str, out_dir: str) -> dict:
+    from training.checkpoint import verify_checkpoint
     from training.config import load_config
     from training.pretrain import Trainer
 
@@ -53,9 +54,17 @@ def run_mode(mode: str, out_dir: str) -> dict:
         trainer.finish()
         return {"losses": [h["loss"] for h in trainer.history], "eval": [e["loss"] for e in trainer.evals],
                 "dp": trainer.dp, "checkpoints": sorted(os.listdir(trainer.paths["checkpoints"])),
-                "hc": trainer.health.num_wrapped}
+                "verified": [verify_checkpoint(os.path.join(trainer.paths["checkpoints"], n))["step"]
+                             for n in sorted(os.listdir(trainer.paths["checkpoints"])) if n.startswith("step_")],
+                "hc": trainer.health.num_wrapped,
+                "mtp": [r["mtp_loss"] for r in _train_records(trainer) if "mtp_loss" in r]}
     finally:
         trainer.close(destroy_process_group=False)
+
+
+def _train_records(trainer):
+    with open(os.path.join(trainer.run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == "train"]
 
 
 def main(argv):

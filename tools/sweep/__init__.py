@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             s.add_argument("--peak-tflops", type=float, default=989.0,
                            help="per-GPU dense bf16 peak, TFLOP/s (default %(default)s: H100/H200, "
                                 "training.metrics.GPU_PEAK_TFLOPS)")
+        if name == "fit":
+            s.add_argument("--no-plots", action="store_true",
+                           help="fit.json and fit.md only (the plots need matplotlib: pip install 'xhc[plot]')")
         if name == "run":
             s.add_argument("--executor", choices=("local", "slurm", "print"), default="local")
             s.add_argument("--parallel", type=int, default=None,
@@ -85,6 +88,14 @@ def _print_arms(sweep, mfu: float = 0.4, peak_tflops: float = 989.0) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.cmd == "fit" and not args.no_plots:
+        from tools._cli import MissingExtra, require
+
+        try:
+            require("xhc-sweep fit (its plots; --no-plots writes fit.json and fit.md only)", "plot", "matplotlib")
+        except MissingExtra as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         sweep = load_sweep(args.config, out_dir=args.out_dir, extra_overrides=args.overrides)
         if args.cmd == "print" or (args.cmd == "run" and args.executor == "print"):
@@ -126,7 +137,7 @@ def main(argv=None) -> int:
             print(f"[collect] table -> {paths['csv']}, {paths['json']}")
             return 0
         write_table(sweep, rows)
-        result = fit_sweep(sweep, rows)
+        result = fit_sweep(sweep, rows, plots=not args.no_plots)
         print(fit_markdown(result))
         print(f"\n[fit] -> {os.path.join(sweep.summary_dir, 'fit.json')}, fit.md"
               + "".join(f", {p}" for p in result.get("plots", {}).values()))
