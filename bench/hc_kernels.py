@@ -653,11 +653,12 @@ def perf_main(device: str, C: int, tokens: int, dtype, reps: int, out_dir: Optio
             _backward(outs, _grads_like(outs, 0))
         wall, per_kernel = _timed_unit(unit, sets, reps, device)
         floor = floor_units(unit) * C * isz * tokens
-        rows.append({"variant": variant, "what": "unit", "seconds": wall, "floor_bytes": floor})
+        rows.append({"variant": variant, "what": "unit", "scope": "sublayer", "seconds": wall, "floor_bytes": floor})
         for op, nb in sorted(kbytes.by_op.items()):
             name = op.split(":", 1)[1] if op.startswith("triton:") else op
             if name in per_kernel:
-                rows.append({"variant": variant, "what": name, "seconds": per_kernel[name], "floor_bytes": nb})
+                rows.append({"variant": variant, "what": name, "scope": "kernel", "seconds": per_kernel[name],
+                             "floor_bytes": nb})
     lines = [f"# HC perf, {device}, C={C}, {tokens} tokens, {str(dtype).replace('torch.', '')}, backend {backend}, "
              f"median of {reps}, rotating inputs; floor = bytes / copy rate"
              + (f" ({copy_gbps:g} GB/s)" if copy_gbps else " (no --copy-gbps: GB/s only)")]
@@ -666,6 +667,7 @@ def perf_main(device: str, C: int, tokens: int, dtype, reps: int, out_dir: Optio
         gbs = r["floor_bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else float("nan")
         r["gbps"] = gbs
         r["fraction"] = gbs / copy_gbps if copy_gbps else None
+        r["fraction_of_copy"] = r["fraction"]  # the name bench/gpu_checks.py's target table reads
         frac = f"{r['fraction']:.2f}" if r["fraction"] is not None else "-"
         lines.append(f"{r['variant']:<8} {r['what']:<26} {1e3 * r['seconds']:>9.3f} {r['floor_bytes'] / 1e6:>9.1f} "
                      f"{gbs:>8.1f} {frac:>8}")

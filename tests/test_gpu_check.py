@@ -64,7 +64,7 @@ def test_dry_run_plan_fits_the_device_budget(tmp_path):
     # command fit the 15 minutes of device time, and one command may run 10 minutes at most
     assert budget + 10 <= cmd["timeout_s"] <= 600 and 4 * 60 + cmd["timeout_s"] <= 15 * 60, cmd
     assert ".whl" in cmd["carry"] and "bash bench/gpu_check.sh" in cmd["command"], cmd
-    assert "tests/test_hc_kernels.py tests/test_liger_mhc.py -k 'cuda or liger_backend'" in r.stdout
+    assert "tests/test_hc_kernels.py tests/test_hc_kernels_fused.py tests/test_liger_mhc.py -k 'cuda or liger_backend'" in r.stdout
     assert "--timeout 60" in r.stdout and " -x " not in r.stdout
     assert "--hc-kernels compile" in r.stdout  # the rerun of step train
     assert f"results {tmp_path / 'out'}" in r.stdout
