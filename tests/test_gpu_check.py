@@ -117,7 +117,7 @@ def test_a_training_failure_on_triton_is_rerun_on_compile_and_the_run_fails(tmp_
     assert r.returncode == 1, r.stdout + r.stderr
     lines = json.loads((out / "summary.json").read_text())["lines"]
     assert lines == ["PASS environment: stand-in GPU machine", "FAIL train_eval: CompilationError (stand-in)",
-                     "FAIL train on triton: the training checks failed with HC kernels auto (triton); rerun on compile below",
+                     "FAIL train on triton: the training checks failed with HC kernels triton; rerun on compile below",
                      "PASS train_eval: losses fine on compile"], lines
     step = json.loads((out / "step-2-train.json").read_text())
     assert step["status_triton"] == "FAIL" and step["status"] == "PASS" and step["attempt_label"] == "train-compile"
