@@ -151,14 +151,24 @@ MHC_KERNELS = ("_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_ker
                "_mhc_dx_kernel", "_mhc_dw_kernel", "_mhc_dw_reduce_kernel")
 
 
-def test_resources_lines_for_the_fused_mhc_kernels_without_spills():
-    """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc``: one line per kernel in
-    the documented form, every fused mHC kernel present, no spills, registers within the sm_90 limit
-    and shared memory within its 227 KB per block."""
+# the separate HC ops (xhc.kernels.triton_ops) the xHC sublayer and the Flash windows launch
+HC_OP_KERNELS = ("_linear_stats_fwd_kernel", "_linear_stats_dx_kernel", "_linear_stats_dw_kernel", "_read_fwd_kernel",
+                 "_read_bwd_kernel", "_write_fwd_kernel", "_write_bwd_kernel", "_sinkhorn_fwd_kernel",
+                 "_sinkhorn_bwd_kernel", "_state_grad_kernel")
+# one preset per family: mHC (the fused kernels), xHC (N = 8), Flash and Flash-4sub at N = 16, C = 1024 (the
+# largest coefficient count d, where _linear_stats_dw_kernel and _state_grad_kernel spilled before their
+# block sizes were bounded)
+RESOURCE_PRESETS = "tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4"
+
+
+def test_resources_lines_for_every_hc_kernel_without_spills():
+    """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4``: one line per compiled
+    specialisation in the documented form, every fused mHC kernel and every HC op kernel present, no spills,
+    registers within the sm_90 limit and shared memory within its 227 KB per block."""
     import re
 
     r = subprocess.run([sys.executable, "-m", "tools.triton_aot", "resources", "--arch", "90", "--presets",
-                        "tiny-moe:mhc"], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+                        RESOURCE_PRESETS], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [l for l in r.stdout.splitlines() if l.startswith("resources ")]
     seen = set()
@@ -169,4 +179,6 @@ def test_resources_lines_for_the_fused_mhc_kernels_without_spills():
         seen.add(kernel)
         assert spills == 0, line
         assert 0 < regs <= 255 and smem <= 227 * 1024, line
-    assert set(MHC_KERNELS) <= seen, seen
+    want = set(MHC_KERNELS) | set(HC_OP_KERNELS)
+    assert want <= seen, sorted(want - seen)
+    assert set(HC_OP_KERNELS) <= _kernel_names(), sorted(set(HC_OP_KERNELS) - _kernel_names())

@@ -28,9 +28,11 @@ Run::
     python -m tools.triton_aot resources --arch 90 [--presets P,...]   # registers, spills, shared memory
 
 ``resources`` captures the zoo presets' HC modules (bf16 state, the GPU training path), compiles
-every kernel and prints, per distinct kernel of ours and the first shape that launched it,
+every kernel and prints, per distinct compiled specialisation of our kernels,
 ``resources <kernel> <shape> regs <R> spills <S> smem <bytes>`` (``cuobjdump -res-usage`` on the
-cubin: registers per thread, local-memory + stack bytes per thread, shared memory per program).
+cubin: registers per thread, local-memory + stack bytes per thread, shared memory per program);
+``<shape>`` is the first launch that compiled it (presets/C=<C>/<unit>/<dtype>) and its integer
+constexprs and launch options (``/DP=512,BT=16,BK=16,num_warps=8``).
 
 Output: one line per (kernel specialisation, arch), ``OK`` or ``FAIL`` with the compiler's first
 error line, then ``SUMMARY triton <version>: <ok>/<total> compiled, <n> failed``.  Exit status 1
@@ -398,6 +400,13 @@ def cubin_resources(cubin: bytes) -> dict:
     return {"regs": reg, "spills": stack + local, "static_shared": shared}
 
 
+def _meta(launch: dict) -> str:
+    """The launch's integer constexprs and launch options (block sizes, num_warps), ``K=v,...``: what
+    tells two compiled specialisations of one kernel apart in the resource lines."""
+    vals = [f"{k}={v['int']}" for k, v in launch["kwargs"].items() if isinstance(v, dict) and "int" in v]
+    return ",".join(vals)
+
+
 def resources_lines(results: List[dict], module_prefix: str = "xhc.") -> List[str]:
     """``resources <kernel> <shape> regs <R> spills <S> smem <bytes>`` for every compiled kernel of
     our own modules (smem: Triton's dynamic shared memory plus the static one)."""
@@ -405,7 +414,7 @@ def resources_lines(results: List[dict], module_prefix: str = "xhc.") -> List[st
     for r in results:
         if r["status"] != "OK" or not r["module"].startswith(module_prefix) or "regs" not in r:
             continue
-        shape = r["context"].replace(" ", "/")
+        shape = r["context"].replace(" ", "/") + (f"/{r['meta']}" if r.get("meta") else "")
         out.append(f"resources {r['kernel']} {shape} regs {r['regs']} spills {r['spills']} "
                    f"smem {int(r['shared'] or 0) + int(r['static_shared'])}")
     return out
@@ -432,7 +441,7 @@ def compile_specs(specs: dict, archs: List[int], log=print, resources: bool = Fa
             for launch in specs["launches"]:
                 name = launch["name"]
                 res = {"arch": arch, "kernel": name, "module": launch["module"], "context": launch["context"],
-                       "triton": triton.__version__, "launches": 1}
+                       "triton": triton.__version__, "launches": 1, "meta": _meta(launch)}
                 t0 = time.perf_counter()
                 try:
                     fn = _jit_function(launch["module"], name)

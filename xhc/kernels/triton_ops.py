@@ -282,7 +282,7 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C
                        HAS_WRITE: tl.constexpr, WRITE_I: tl.constexpr, WRITE_H: tl.constexpr,
                        HAS_ROWS: tl.constexpr, WRITE_ZERO_ACTIVE: tl.constexpr, NP: tl.constexpr,
                        KP: tl.constexpr, KAP: tl.constexpr,
-                       RP: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+                       RP: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     """dX[t, j, c] = Σ_m G[t, m]·W[m, jC + c] + dS1[t, r] + 2·dS2[t, r]·X[t, j, c]   (linear_stats; r = j or 0)
                    + Σ_r HR[t, r, j]·DU[t, r, c]                                  (the read)
                    + Σ_i HW[t, i, q]·DOUT[t, I_i, c] on the row j = I_q, DOUT[t, j, c] elsewhere  (the write;
@@ -299,9 +299,6 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C
     else:
         ds1 = tl.load(DS1 + t).to(CDT)
         ds2 = tl.load(DS2 + t).to(CDT)
-    if HAS_W:
-        m = tl.arange(0, DP)
-        g = tl.load(G + t * d + m, mask=m < d, other=0.0).to(CDT)  # [DP]
     if HAS_READ:
         rr = tl.arange(0, RP)[:, None]
         nc = tl.arange(0, NP)[None, :]
@@ -329,10 +326,13 @@ def _state_grad_kernel(X, W, G, DS1, DS2, HR, DU, DOUT, HW, I, DXA, IA, DX, N, C
         msk = rowm & cm
         x = tl.load(X + t * D + jr * C + c, mask=msk, other=0.0).to(CDT)  # [NP, BC]
         acc = ds1 + 2.0 * ds2 * x
-        if HAS_W:
-            w = tl.load(W + m[:, None, None] * D + jr[None, :, :] * C + c[None, :, :],
-                        mask=(m[:, None, None] < d) & msk[None, :, :], other=0.0).to(CDT)  # [DP, NP, BC]
-            acc += tl.sum(g[:, None, None] * w, 0)
+        if HAS_W:  # BM outputs of the GEMM at a time: a [BM, NP, BC] tile stays in registers (no spills)
+            for m0 in range(0, d, BM):
+                m = m0 + tl.arange(0, BM)
+                g = tl.load(G + t * d + m, mask=m < d, other=0.0).to(CDT)  # [BM]
+                w = tl.load(W + m[:, None, None] * D + jr[None, :, :] * C + c[None, :, :],
+                            mask=(m[:, None, None] < d) & msk[None, :, :], other=0.0).to(CDT)  # [BM, NP, BC]
+                acc += tl.sum(g[:, None, None] * w, 0)
         if HAS_READ:
             du = tl.load(DU + t * RR * C + rr * C + c, mask=(rr < RR) & cm, other=0.0).to(CDT)  # [RP, BC]
             acc += tl.sum(hr[:, :, None] * du[:, None, :], 0)
@@ -384,14 +384,17 @@ def _state_grad(X, W, G, dS1, dS2, R, N, C, read, write, cdt, linear=None, rows=
     KAP = _np2(ka)
     RP = _np2(RR)
     DP = max(16, triton.next_power_of_2(int(d))) if d > 0 else 16
-    BC = max(16, min(triton.next_power_of_2(C), 8192 // (DP * NP), 8192 // (NP * KP), 8192 // (RP * NP)))
+    # at most 8192 values per [·, NP, BC] tile (the GEMM term 4096, BM ≤ DP outputs at a time): no spills
+    # on sm_90 at N = 16 with Flash-4sub's d (tools.triton_aot resources)
+    BC = max(16, min(triton.next_power_of_2(C), 8192 // (min(DP, 64) * NP), 8192 // (NP * KP), 8192 // (RP * NP)))
+    BM = max(16, min(DP, 4096 // (NP * BC)))  # 8192 spilled 8 bytes at N = 16, k = 8
     if T > 0:
         _state_grad_kernel[(T,)](Xs, W.to(cdt).contiguous() if d > 0 else None, G if d > 0 else None, dS1, dS2,
                                  hr, du, dout, hw, Iw, dxa, Ia, dX, N, C, d, RR, k, ka, HAS_W=d > 0,
                                  STATS_PER_ROW=R > 1, HAS_READ=hr is not None, HAS_WRITE=dout is not None,
                                  WRITE_I=Iw is not None, WRITE_H=hw is not None, HAS_ROWS=dxa is not None,
                                  WRITE_ZERO_ACTIVE=bool(zero_active),
-                                 NP=NP, KP=KP, KAP=KAP, RP=RP, DP=DP, BC=BC, CDT=_tl(cdt))
+                                 NP=NP, KP=KP, KAP=KAP, RP=RP, BM=BM, BC=BC, CDT=_tl(cdt))
     return dX
 
 
@@ -596,7 +599,8 @@ def _write_bwd_kernel(DOUT, X, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, 
 
 def _write_meta(N, k, K, C):
     NP, KP, SP = _np2(N), _np2(k), _np2(K)
-    return NP, KP, SP, _block_c(C, KP, max(KP, SP, NP // KP if NP > KP else 1))
+    # a [NP, BC] tile at most 4096 values: no spills on sm_90 at N = 16, k = 2 (tools.triton_aot resources)
+    return NP, KP, SP, min(_block_c(C, KP, max(KP, SP, NP // KP if NP > KP else 1)), max(16, 4096 // NP))
 
 
 class _Write(torch.autograd.Function):
@@ -836,10 +840,18 @@ class _LinearStats(torch.autograd.Function):
             D = R * C
             dW = torch.zeros(d, D, dtype=cdt, device=X.device)
             use_dot = cdt == torch.float32
+            # the fp32 (IEEE, no tensor-core) dot's working set grows as DP·BT·BK: at most 2¹⁶ per 4 warps
+            # (BT first down to 16, then BK, then 8 warps): no spills on sm_90 at Flash-4sub's d = 64 and
+            # 128 (DP·BT·BK = 2¹⁷ spilled 376 and 1928 bytes; tools.triton_aot resources)
             BT, BK = (32, 64) if use_dot else (1, 64)
+            while DP * BT * BK > 65536 and BT > 16:
+                BT //= 2
+            while DP * BT * BK > 65536 and BK > 16:
+                BK //= 2
+            warps = 8 if DP * BT * BK > 65536 else 4
             if T > 0:
                 _linear_stats_dw_kernel[(triton.cdiv(D, BK),)](Xc, G, dW, T, D, d, DP=DP, BT=BT, BK=BK,
-                                                              USE_DOT=use_dot, CDT=_tl(cdt))
+                                                              USE_DOT=use_dot, CDT=_tl(cdt), num_warps=warps)
             dW = dW.to(W.dtype)
         return dX, dW, None
 
