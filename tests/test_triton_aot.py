@@ -32,9 +32,9 @@ OLD = "3.6.0"
 
 
 def _kernel_names() -> set:
-    """Every ``@triton.jit`` kernel of xhc.kernels.triton_ops (read from the source: the names
-    defined right under a ``@triton.jit`` decorator and launched with a grid)."""
-    src = (ROOT / "xhc" / "kernels" / "triton_ops.py").read_text()
+    """Every ``@triton.jit`` kernel of xhc/kernels/ (triton_ops and the fused mHC modules; read from
+    the source: the names defined right under a ``@triton.jit`` decorator and launched with a grid)."""
+    src = "\n".join(p.read_text() for p in sorted((ROOT / "xhc" / "kernels").glob("*.py")) if p.name != "liger.py")
     names = set()
     lines = src.splitlines()
     for i, line in enumerate(lines[:-1]):
@@ -85,20 +85,20 @@ def triton36():
     return target
 
 
-def _compile(specs: Path, out: Path, pythonpath: str = ""):
+def _compile(specs: Path, out: Path, pythonpath: str = "", archs=ARCHS):
     return subprocess.Popen([sys.executable, "-m", "tools.triton_aot", "compile", str(specs), "--arch",
-                             ",".join(map(str, ARCHS)), "--json", str(out)], cwd=ROOT, env=_env(pythonpath),
+                             ",".join(map(str, archs)), "--json", str(out)], cwd=ROOT, env=_env(pythonpath),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _check(proc, out: Path, version: str):
+def _check(proc, out: Path, version: str, archs=ARCHS):
     log, _ = proc.communicate(timeout=1800)
     failed = [line for line in log.splitlines() if line.startswith("FAIL")]
     assert proc.returncode == 0 and not failed, f"Triton {version}: compile errors:\n" + "\n".join(failed[:20]) + log[-3000:]
     results = json.loads(out.read_text())["results"]
     assert {r["triton"] for r in results} == {version}, {r["triton"] for r in results}
     want = _kernel_names()
-    for arch in ARCHS:
+    for arch in archs:
         got = {r["kernel"] for r in results if r["arch"] == arch and r["status"] == "OK"}
         assert want <= got, (version, arch, sorted(want - got))
         liger = {r["kernel"] for r in results if r["arch"] == arch and r["module"].startswith("liger_kernel")}
@@ -109,14 +109,15 @@ def _check(proc, out: Path, version: str):
 
 
 @pytest.mark.install
-def test_every_kernel_compiles_for_sm90_and_sm80_with_the_newest_triton_and_3_6(specs, triton36, tmp_path):
-    """Both Triton versions at once (two processes: the compiles are single-threaded)."""
+def test_every_kernel_compiles_for_sm90_and_sm80_with_the_newest_triton_and_sm90_with_3_6(specs, triton36, tmp_path):
+    """Both Triton versions at once (two processes: the compiles are single-threaded).  Triton 3.6 is the
+    GPU check image's (a Hopper machine): sm_90 only there, which keeps this test's time in CI's budget."""
     assert _kernel_names() >= {"_read_fwd_kernel", "_write_bwd_kernel", "_sinkhorn_fwd_kernel",
                                "_linear_stats_dw_kernel"}, _kernel_names()
     new = _compile(specs, tmp_path / "new.json")
-    old = _compile(specs, tmp_path / "old.json", str(triton36))
+    old = _compile(specs, tmp_path / "old.json", str(triton36), archs=(90,))
     _check(new, tmp_path / "new.json", triton.__version__)
-    _check(old, tmp_path / "old.json", OLD)
+    _check(old, tmp_path / "old.json", OLD, archs=(90,))
 
 
 def test_a_compile_error_fails(tmp_path):

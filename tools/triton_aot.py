@@ -263,6 +263,7 @@ def _op_shapes(rec: Recorder, spec: str) -> None:
     rec.context = f"ops {spec}"
     k, K = (4, 4) if n >= 16 else (2, 2)
     outs = [T.sinkhorn(co(t, n, n), 20, 1e-6, order) for order in ("row_last", "col_last")]
+    outs.append(T.sinkhorn_deepseek(co(t, n, n), 20, 1e-6))  # convention: deepseek_v4 (docs/math.md §2.h)
     X = st(t, n, C)
     outs += [T.read(co(t, n), X), T.read(co(t, 3, n), X)]
     I = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(t)])
@@ -292,13 +293,20 @@ def capture(extra: List[str], dtypes=("bfloat16", "float32"), log=print, execute
     sources: List[str] = []
     with rec:
         for names, cfg, C in preset_configs(presets):
-            for dt in dtypes:
-                for part, modules, step in _units(cfg, C):
-                    rec.context = f"{names} C={C} {part} {dt}"
-                    t0 = time.perf_counter()
-                    _run_unit(step, modules, cfg.n, C, getattr(torch, dt))
-                    log(f"captured {rec.context} ({time.perf_counter() - t0:.1f}s)")
-                    sources.append(rec.context)
+            cfgs = [(names, cfg)]
+            if cfg.variant == "mhc" and cfg.convention == "paper":  # DeepSeek-V4's convention: other constexprs
+                try:
+                    cfgs.append((f"{names}+deepseek_v4", dataclasses.replace(cfg, convention="deepseek_v4")))
+                except Exception as e:  # a preset the convention does not take (one-line reason)
+                    log(f"deepseek_v4: {names} not covered ({e})")
+            for label, ccfg in cfgs:
+                for dt in dtypes:
+                    for part, modules, step in _units(ccfg, C):
+                        rec.context = f"{label} C={C} {part} {dt}"
+                        t0 = time.perf_counter()
+                        _run_unit(step, modules, ccfg.n, C, getattr(torch, dt))
+                        log(f"captured {rec.context} ({time.perf_counter() - t0:.1f}s)")
+                        sources.append(rec.context)
         from xhc.kernels import liger
 
         if liger.liger_available():
