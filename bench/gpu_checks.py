@@ -345,7 +345,9 @@ def _resume_one(ctx: Ctx, opt: str) -> None:
     if not ctx.cuda:
         for i, c in enumerate(tr.chunks):
             tr._unwrap(c).load_state_dict(state2[f"{i}"], strict=False)
-        tr.setup_optimizer()
+        from training.builder import Builder
+
+        Builder(tr).optimizer()  # a fresh optimiser and scheduler on the loaded weights
     tr.step, tr.consumed_samples = 2, consumed
     run_steps(tr, 1)
     w_fresh = weights(tr)
