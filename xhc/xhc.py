@@ -472,6 +472,7 @@ class XHCContext:
     Xa: torch.Tensor  # [..., k, C] residual dtype: gathered active streams X[I]
     H_res: Optional[torch.Tensor]  # [..., k, k] fp32 (None when ablate_res: I_k)
     H_post: torch.Tensor  # [..., k, K] fp32
+    P: Optional[torch.Tensor] = None  # [..., k, K] fp32: diag(p)·H_post when the fused entry computed it
 
 
 class XHCSublayer(nn.Module):
@@ -524,12 +525,27 @@ class XHCSublayer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # --------------------------------------------------------------------------------------------
+    def _fused_entry(self, X: torch.Tensor, backend: str) -> bool:
+        """Whether routing, every mapping and the read run as the fused xHC entry kernel
+        (:mod:`xhc.kernels.xhc_entry`): the ``triton`` backend with fused coefficients, the dense
+        read, the sigmoid router and every mapping group (the ablations keep the separate ops)."""
+        c = self.cfg
+        return (backend == "triton" and resolve_fused(self.fused, backend) and c.dense_read and c.router == "sigmoid"
+                and self.pre.weight is not None and self.res is not None and self.post.weight is not None
+                and c.n <= 16 and c.k <= 16 and self.K <= 8)
+
     def read(self, X: torch.Tensor):
         """Route, generate every mapping and read the branch input (docs/math.md §3.5 steps 1–3).
 
         ``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`XHCContext`).
         """
         cfg = self.cfg
+        if self._fused_entry(X, kernels.resolve_backend(cfg, X.device)):
+            u, I, p, score, h_pre, H_res, H_post, P = kernels.xhc_read(
+                X, self.router.weight, self.pre.weight, self.pre.bias, self.pre.alpha, self.res.weight,
+                self.res.bias, self.res.alpha, self.post.weight, self.post.bias, self.post.alpha, self.k, self.m,
+                self.K, cfg.norm_eps, cfg.sinkhorn_iters, cfg.sinkhorn_eps, cfg.sinkhorn_order)
+            return u, XHCContext(I, p, score, h_pre, None, H_res, H_post, P)
         dense = cfg.dense_read
         backend = kernels.resolve_backend(cfg, X.device)
         fused = resolve_fused(self.fused, backend)
@@ -559,7 +575,8 @@ class XHCSublayer(nn.Module):
         """
         backend = kernels.resolve_backend(self.cfg, X.device)
         V, L = branch_components(y, self.temporal, self.cfg, seq, backend)
-        P = fold_components(ctx.p.unsqueeze(-1) * ctx.H_post, L)  # P = diag(p)·H_post (·L)
+        P = ctx.P if ctx.P is not None else ctx.p.unsqueeze(-1) * ctx.H_post  # P = diag(p)·H_post
+        P = fold_components(P, L)  # (·L)
         # X_a = X[I] here (rows_of_X): the fused backends read the active rows from X itself
         return kernels.write(X, ctx.I, ctx.Xa, ctx.H_res, P, V, X.dtype, backend, rows_of_X=True)
 

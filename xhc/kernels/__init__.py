@@ -450,6 +450,17 @@ def mhc_read(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res
                            t_max, sk_eps, order, clamp, convention)
 
 
+def xhc_read(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post, k: int, m: int, K: int,
+             norm_eps: float, t_max: int, sk_eps: float, order: str):
+    """The fused xHC entry on the ``triton`` backend (:mod:`xhc.kernels.xhc_entry`): the router, the
+    dense read weights, H_res and H_post from two GEMMs and the read u in one kernel ->
+    (u, I, p, score, h_pre, H_res, H_post, P = diag(p)·H_post)."""
+    from xhc.kernels import xhc_entry
+
+    return xhc_entry.xhc_entry(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post, k, m, K,
+                               norm_eps, t_max, sk_eps, order)
+
+
 def mhc_write(X, H, h_post, y):
     """The fused mHC write on the ``triton`` backend (:mod:`xhc.kernels.mhc_post`): H·X + h_post ⊗ y."""
     from xhc.kernels import mhc_post

@@ -61,6 +61,11 @@ DEFAULT_BLOCKS = {
     "mhc_dx": {"BT": 16},
     "mhc_dw": {"BT": 32, "BK": 64, "S": 8},
     "mhc_dw_reduce": {"BK": 64},
+    "xhc_entry_fwd": {"BT": 16, "BK": 32},
+    "xhc_entry_bwd": {"BT": 16},
+    "xhc_dx": {"BT": 16},
+    "xhc_dw": {"BT": 32, "BK": 64, "S": 8},
+    "xhc_dw_reduce": {"BK": 64},
 }
 
 

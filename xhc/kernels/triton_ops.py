@@ -217,6 +217,10 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
 # One write of the state's gradient per sublayer (module docstring)
 # ================================================================================================
 _OWNER_SEARCH = 256  # autograd nodes visited at most when looking for the state's linear_stats op
+OWNER_CLASSES: list = []
+"""Further backward-node classes that own a state's gradient as :func:`linear_stats` does (the fused
+xHC entry, :mod:`xhc.kernels.xhc_entry`): they carry ``_x_key``, ``_x_rows``, ``_claims``, ``_pending``
+and ``_owner``, and write the whole dX with the handed-over terms."""
 
 
 def _state_key(X: torch.Tensor):
@@ -240,7 +244,7 @@ def _claim(X: Optional[torch.Tensor], slot: str, coefs) -> Optional[object]:
     base = X._base
     if base is not None and base.grad_fn is not None:
         stop.add(id(base.grad_fn))
-    owner_cls = _LinearStats._backward_cls
+    owner_cls = (_LinearStats._backward_cls, *OWNER_CLASSES)
     queue = [t.grad_fn for t in coefs if t is not None and t.grad_fn is not None]
     seen, best, i = set(), None, 0
     while i < len(queue) and len(seen) < _OWNER_SEARCH:

@@ -1,0 +1,249 @@
+"""xHC entry backward: the state's gradient in one write, the weights' gradients by deterministic reductions.
+
+:func:`_xhc_dx_kernel` (a program per BT tokens × BC columns, a loop over the N rows):
+
+    dX_i = GE·W_e[:, i·C + c] + a0 + a1·X_i + h_pre[i]·du                          (every row)
+         + GA·W_a[:, j·C + c] + a1a·X_i + Σ_q H_res[q, j]·dX'_{I_q}     (i = I_j, an active row)
+         + dX'_i                                                           (i outside I)
+
+(the entry GEMM's and both norms' terms, the read's, the active GEMM's and the write's; dX' is the
+write's output gradient that :mod:`.triton_ops`' write handed over).  byte budget, per token:
+N·C·s (X) + N·C·s (dX') + C·s (du) + N·C·s (dX written once) (+ the weights, read once per BT tokens).
+
+:func:`_xhc_dw_kernel` (a program per BK columns of vec X or of vec X_a × S token splits): partial
+dW_e[s] = Σ_t GEᵀ·vec X (router rows: vec X − μ, the LayerNorm's centring) and dW_a[s] = Σ_t GAᵀ·vec X_a
+(X_a = X[I] read row by row from X).  byte budget: (N + k)·C·s per token + the partials.
+
+:func:`_xhc_dw_reduce_kernel` (a program per BK columns): the partials summed in a fixed order (no
+atomics: the same bits every run); program 0 also sums db and dα over the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xhc.kernels import mhc_common as cm
+from xhc.kernels.mhc_common import _cast, mm
+from xhc.kernels.xhc_entry import layout, w_entry_tile, w_post_act_tile, w_res_act_tile
+
+
+@triton.jit
+def _xhc_dx_kernel(X, DU, DOUT, HPRE, IDX, HRES, GE, GA, COEF, WR, WPRE, WRES, WPOST, DX, T, N, C, k, K,
+                   HAS_DU: tl.constexpr, HAS_DOUT: tl.constexpr, HAS_R: tl.constexpr, NP: tl.constexpr,
+                   EW: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
+                   BT: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+                   CDT: tl.constexpr):
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    tm = t < T
+    cmk = c < C
+    m2 = tm[:, None] & cmk[None, :]
+    D = N * C
+    AW = RA + PA
+    ce = tl.arange(0, EW)
+    ge = tl.load(GE + t[:, None] * EW + ce[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    gar = tl.load(GA + t[:, None] * AW + tl.arange(0, RA)[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    gap = tl.load(GA + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    a0 = tl.load(COEF + t * 4, mask=tm, other=0.0).to(CDT)
+    a1 = tl.load(COEF + t * 4 + 1, mask=tm, other=0.0).to(CDT)
+    a1a = tl.load(COEF + t * 4 + 2, mask=tm, other=0.0).to(CDT)
+    kq = tl.arange(0, KP)
+    km2 = tm[:, None] & (kq[None, :] < k)
+    Iv = tl.load(IDX + t[:, None] * k + kq[None, :], mask=km2, other=-1)  # [BT, KP]
+    slot = tl.zeros([BT, KP, BC], dtype=CDT)  # the active rows' terms, by slot
+    for j in range(0, k):
+        gj = mm(gar, w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT), USE_DOT, PREC)
+        gj += mm(gap, w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT), USE_DOT, PREC)
+        slot += tl.where(kq[None, :, None] == j, gj[:, None, :], 0.0)
+        if HAS_DOUT:  # the write's mixing: dX_{I_q} += H_res[j, q]·dX'_{I_j}
+            Ij = tl.sum(tl.where(kq[None, :] == j, Iv, 0), 1)
+            dn = tl.load(DOUT + t[:, None] * D + Ij[:, None] * C + c[None, :], mask=m2, other=0.0).to(CDT)
+            hj = tl.load(HRES + t[:, None] * k * k + j * k + kq[None, :], mask=km2, other=0.0).to(CDT)
+            slot += hj[:, :, None] * dn[:, None, :]
+    if HAS_DU:
+        du = tl.load(DU + t[:, None] * C + c[None, :], mask=m2, other=0.0).to(CDT)
+    for i in range(0, N):
+        kk = i * C + c
+        acc = mm(ge, w_entry_tile(WR, WPRE, kk, cmk, N, D, NP, EW, HAS_R, CDT), USE_DOT, PREC)
+        xi = tl.load(X + t[:, None] * D + kk[None, :], mask=m2, other=0.0).to(CDT)
+        act = Iv == i  # [BT, KP]
+        isact = tl.sum(tl.where(act, 1, 0), 1) > 0
+        acc += a0[:, None] + (a1 + tl.where(isact, a1a, 0.0))[:, None] * xi
+        acc += tl.sum(tl.where(act[:, :, None], slot, 0.0), 1)
+        if HAS_DU:
+            hi = tl.load(HPRE + t * N + i, mask=tm, other=0.0).to(CDT)
+            acc += hi[:, None] * du
+        if HAS_DOUT:  # rows outside I: the write copied them
+            acc += tl.load(DOUT + t[:, None] * D + kk[None, :], mask=m2 & (isact == 0)[:, None], other=0.0).to(CDT)
+        tl.store(DX + t[:, None] * D + kk[None, :], _cast(acc, DX), mask=m2)
+
+
+@triton.jit
+def _xhc_dw_kernel(X, IDX, GE, GA, STAT, PARTE, PARTA, T, N, C, k, NE, TS, EW: tl.constexpr, NP: tl.constexpr,
+                   RA: tl.constexpr, PA: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr,
+                   PREC: tl.constexpr, CDT: tl.constexpr):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    D = N * C
+    AW = RA + PA
+    t_lo = s * TS
+    t_hi = tl.minimum(t_lo + TS, T)
+    if pid < NE:  # entry columns of vec X
+        kk = pid * BK + tl.arange(0, BK)
+        km = kk < D
+        ce = tl.arange(0, EW)
+        acc = tl.zeros([EW, BK], dtype=CDT)
+        corr = tl.zeros([EW], dtype=CDT)
+        for t0 in range(t_lo, t_hi, BT):
+            t = (t0 + tl.arange(0, BT)).to(tl.int64)
+            tm = t < t_hi
+            x = tl.load(X + t[:, None] * D + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)
+            ge = tl.load(GE + t[:, None] * EW + ce[None, :], mask=tm[:, None], other=0.0).to(CDT)
+            mu = tl.load(STAT + t * 4, mask=tm, other=0.0).to(CDT)
+            acc += mm(tl.trans(ge), x, USE_DOT, PREC)
+            corr += tl.sum(ge * mu[:, None], 0)
+        acc -= tl.where(ce < NP, corr, 0.0)[:, None]  # router rows: Σ_t g·(x − μ)
+        tl.store(PARTE + s.to(tl.int64) * EW * D + ce[:, None] * D + kk[None, :], acc, mask=km[None, :])
+    else:  # active columns of vec X_a (slot j = column // C)
+        KC = k * C
+        kk = (pid - NE) * BK + tl.arange(0, BK)
+        km = kk < KC
+        j = kk // C
+        cc = kk % C
+        cra = tl.arange(0, RA)
+        cpa = tl.arange(0, PA)
+        accr = tl.zeros([RA, BK], dtype=CDT)
+        accp = tl.zeros([PA, BK], dtype=CDT)
+        for t0 in range(t_lo, t_hi, BT):
+            t = (t0 + tl.arange(0, BT)).to(tl.int64)
+            tm = t < t_hi
+            m2 = tm[:, None] & km[None, :]
+            Ij = tl.load(IDX + t[:, None] * k + j[None, :], mask=m2, other=0)
+            xa = tl.load(X + t[:, None] * D + Ij * C + cc[None, :], mask=m2, other=0.0).to(CDT)
+            gar = tl.load(GA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
+            gap = tl.load(GA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
+            accr += mm(tl.trans(gar), xa, USE_DOT, PREC)
+            accp += mm(tl.trans(gap), xa, USE_DOT, PREC)
+        base = PARTA + s.to(tl.int64) * AW * KC
+        tl.store(base + cra[:, None] * KC + kk[None, :], accr, mask=km[None, :])
+        tl.store(base + (RA + cpa[:, None]) * KC + kk[None, :], accp, mask=km[None, :])
+
+
+@triton.jit
+def _xhc_dw_reduce_kernel(PARTE, PARTA, DZE, DZA, DA, DWR, DWPRE, DWRES, DWPOST, DBPRE, DBRES, DBPOST,
+                          DAPRE, DARES, DAPOST, S, T, N, C, k, K, NE, HAS_R: tl.constexpr, EW: tl.constexpr,
+                          NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
+                          BK: tl.constexpr, BT: tl.constexpr, CDT: tl.constexpr):
+    pid = tl.program_id(0)
+    D = N * C
+    AW = RA + PA
+    if pid < NE:
+        kk = pid * BK + tl.arange(0, BK)
+        km = kk < D
+        ce = tl.arange(0, EW)
+        acc = tl.zeros([EW, BK], dtype=CDT)
+        for s in range(0, S):  # a fixed order over the splits
+            acc += tl.load(PARTE + s * EW * D + ce[:, None] * D + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+        mr = ce[:, None]
+        if HAS_R:
+            tl.store(DWR + mr.to(tl.int64) * D + kk[None, :], acc, mask=(mr < N) & km[None, :])
+        mp = mr - NP
+        tl.store(DWPRE + mp.to(tl.int64) * D + kk[None, :], acc, mask=(mp >= 0) & (mp < N) & km[None, :])
+    else:
+        KC = k * C
+        kk = (pid - NE) * BK + tl.arange(0, BK)
+        km = kk < KC
+        cra = tl.arange(0, RA)
+        cpa = tl.arange(0, PA)
+        accr = tl.zeros([RA, BK], dtype=CDT)
+        accp = tl.zeros([PA, BK], dtype=CDT)
+        for s in range(0, S):
+            base = PARTA + s * AW * KC
+            accr += tl.load(base + cra[:, None] * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+            accp += tl.load(base + (RA + cpa[:, None]) * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+        ri = cra[:, None] // KP
+        rq = cra[:, None] % KP
+        tl.store(DWRES + (ri * k + rq).to(tl.int64) * KC + kk[None, :], accr, mask=(ri < k) & (rq < k) & km[None, :])
+        pj = cpa[:, None] // SP
+        ps = cpa[:, None] % SP
+        tl.store(DWPOST + (pj * K + ps).to(tl.int64) * KC + kk[None, :], accp, mask=(pj < k) & (ps < K) & km[None, :])
+    if pid == 0:  # db = Σ_t dz, dα = Σ_t partials, in a fixed order
+        jn = tl.arange(0, NP)
+        cra = tl.arange(0, RA)
+        cpa = tl.arange(0, PA)
+        dbe = tl.zeros([NP], dtype=CDT)
+        dbr = tl.zeros([RA], dtype=CDT)
+        dbp = tl.zeros([PA], dtype=CDT)
+        da = tl.zeros([4], dtype=CDT)
+        a4 = tl.arange(0, 4)
+        for t0 in range(0, T, BT):
+            t = (t0 + tl.arange(0, BT)).to(tl.int64)
+            tm = t < T
+            dbe += tl.sum(tl.load(DZE + t[:, None] * NP + jn[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
+            dbr += tl.sum(tl.load(DZA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
+            dbp += tl.sum(tl.load(DZA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
+            da += tl.sum(tl.load(DA + t[:, None] * 3 + a4[None, :], mask=tm[:, None] & (a4 < 3)[None, :],
+                                 other=0.0).to(CDT), 0)
+        tl.store(DBPRE + jn, dbe, mask=jn < N)
+        bi = cra // KP
+        bq = cra % KP
+        tl.store(DBRES + bi * k + bq, dbr, mask=(bi < k) & (bq < k))
+        pj = cpa // SP
+        ps = cpa % SP
+        tl.store(DBPOST + pj * K + ps, dbp, mask=(pj < k) & (ps < K))
+        tl.store(DAPRE + a4 * 0, da, mask=a4 == 0)
+        tl.store(DARES + a4 * 0, da, mask=a4 == 1)
+        tl.store(DAPOST + a4 * 0, da, mask=a4 == 2)
+
+
+def state_grad(Xc, du, write, hpre, I, H, GE, GA, COEF, W_r, W_pre, W_res, W_post, k: int, K: int):
+    """dX ``[T, N, C]`` (X's dtype) of the fused xHC sublayer in one pass (module docstring).
+    ``write``: the write's handed-over terms (dX', H, I, k, zero_active) or None."""
+    T, N, C = Xc.shape
+    NP, EW, KP, SP, RA, PA = layout(N, k, K)
+    cdt = GE.dtype
+    b = cm.blocks("xhc_dx", N, C)
+    BT = b["BT"]
+    BC = max(16, min(triton.next_power_of_2(C), 4096 // (BT * KP)))
+    dout = None if write is None else write[0]
+    dX = torch.empty_like(Xc)
+    if T > 0:
+        _xhc_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+            Xc, du, dout, hpre, I, H, GE, GA, COEF, W_r, W_pre, W_res, W_post, dX, T, N, C, k, K,
+            HAS_DU=du is not None, HAS_DOUT=dout is not None, HAS_R=W_r is not None, NP=NP, EW=EW, KP=KP, SP=SP,
+            RA=RA, PA=PA, BT=BT, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+    return dX
+
+
+def param_grads(Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, W_pre, W_res, W_post, k: int, K: int):
+    """(dW_r, dW_pre, db_pre, dα_pre, dW_res, db_res, dα_res, dW_post, db_post, dα_post), deterministic."""
+    T, N, C = Xc.shape
+    D, KC = N * C, k * C
+    NP, EW, KP, SP, RA, PA = layout(N, k, K)
+    cdt = GE.dtype
+    dev = Xc.device
+    b = cm.blocks("xhc_dw", N, C)
+    BT, BK = b["BT"], b["BK"]
+    S = max(1, min(int(b["S"]), triton.cdiv(max(T, 1), BT)))
+    TS = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT  # tokens per split, a multiple of BT
+    S = triton.cdiv(max(T, 1), TS)
+    e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
+    parte, parta = e(S, EW, D), e(S, RA + PA, KC)
+    dWr = None if W_r is None else e(N, D)
+    dWpre, dbpre, dapre = e(N, D), e(N), e(1)
+    dWres, dbres, dares = e(k * k, KC), e(k * k), e(1)
+    dWpost, dbpost, dapost = e(k * K, KC), e(k * K), e(1)
+    NE = triton.cdiv(D, BK)
+    use_dot = cm.dot_ok(cdt)
+    _xhc_dw_kernel[(NE + triton.cdiv(KC, BK), S)](
+        Xc, I, GE, GA, STAT, parte, parta, T, N, C, k, NE, TS, EW=EW, NP=NP, RA=RA, PA=PA, BT=BT, BK=BK,
+        USE_DOT=use_dot, PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+    BKR = cm.blocks("xhc_dw_reduce", N, C)["BK"]
+    NER = triton.cdiv(D, BKR)
+    _xhc_dw_reduce_kernel[(NER + triton.cdiv(KC, BKR),)](
+        parte, parta, DZE, DZA, DA, dWr, dWpre, dWres, dWpost, dbpre, dbres, dbpost, dapre, dares, dapost, S, T, N,
+        C, k, K, NER, HAS_R=W_r is not None, EW=EW, NP=NP, KP=KP, SP=SP, RA=RA, PA=PA, BK=BKR, BT=64,
+        CDT=cm._tl(cdt))
+    return [dWr, dWpre, dbpre, dapre, dWres, dbres, dares, dWpost, dbpost, dapost]
