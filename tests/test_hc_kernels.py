@@ -491,16 +491,23 @@ def _spy_state_grad(monkeypatch, ops):
     hand_over, state_grad = ops._hand_over, ops._state_grad
     monkeypatch.setattr(ops, "_hand_over", lambda owner, slot, terms: (log.append(slot), hand_over(owner, slot, terms)))
     monkeypatch.setattr(ops, "_state_grad", lambda *a: (log.append("dX"), state_grad(*a))[1])
+    from xhc.kernels import xhc_grad  # the fused xHC entry writes its sublayer's dX itself
+
+    fused_grad = xhc_grad.state_grad
+    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a: (log.append("dX"), fused_grad(*a))[1])
     return log
 
 
 MHC_TERMS, XHC_TERMS = {"read", "write"}, {"read", "write", "linear", "rows"}
+FUSED_XHC_TERMS = {"write"}  # the fused entry (xhc/kernels/xhc_entry.py) owns the read, both GEMMs, no gather
 
 
 @pytest.mark.parametrize("kind, kw, terms", [
     # (dynamic mhc runs the fused mHC kernels, whose one write of dX tests/test_hc_kernels_fused.py checks)
     pytest.param("hc", dict(variant="kromhc"), MHC_TERMS, id="kromhc"),
-    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,)), XHC_TERMS, id="xhc_mlp"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,)), FUSED_XHC_TERMS, id="xhc_mlp"),
+    pytest.param("xhc_mlp", dict(variant="xhc", kernel_sizes=(2,), dense_read=False), XHC_TERMS,
+                 id="xhc_mlp_sparse_read_separate_ops"),
     pytest.param("flash", dict(variant="xhc_flash", kernel_sizes=(2,)), XHC_TERMS, id="xhc_flash"),
     pytest.param("flash4", dict(variant="xhc_flash4", kernel_sizes=(2,)), XHC_TERMS, id="xhc_flash4"),
 ])

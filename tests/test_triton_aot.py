@@ -151,6 +151,9 @@ def test_a_compile_error_fails(tmp_path):
 MHC_KERNELS = ("_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_kernel", "_mhc_pre_bwd_kernel",
                "_mhc_dx_kernel", "_mhc_dw_kernel", "_mhc_dw_reduce_kernel")
 
+XHC_KERNELS = ("_xhc_entry_fwd_kernel", "_xhc_entry_bwd_kernel", "_xhc_dx_kernel", "_xhc_dw_kernel",
+               "_xhc_dw_reduce_kernel")  # the fused xHC entry (xhc/kernels/xhc_entry.py, xhc_grad.py)
+
 
 # the separate HC ops (xhc.kernels.triton_ops) the xHC sublayer and the Flash windows launch
 HC_OP_KERNELS = ("_linear_stats_fwd_kernel", "_linear_stats_dx_kernel", "_linear_stats_dw_kernel", "_read_fwd_kernel",
@@ -164,7 +167,7 @@ RESOURCE_PRESETS = "tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4"
 
 def test_resources_lines_for_every_hc_kernel_without_spills():
     """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4``: one line per compiled
-    specialisation in the documented form, every fused mHC kernel and every HC op kernel present, no spills,
+    specialisation in the documented form, every fused mHC and xHC kernel and every HC op kernel present, no spills,
     registers within the sm_90 limit and shared memory within its 227 KB per block."""
     import re
 
@@ -180,6 +183,6 @@ def test_resources_lines_for_every_hc_kernel_without_spills():
         seen.add(kernel)
         assert spills == 0, line
         assert 0 < regs <= 255 and smem <= 227 * 1024, line
-    want = set(MHC_KERNELS) | set(HC_OP_KERNELS)
+    want = set(MHC_KERNELS) | set(XHC_KERNELS) | set(HC_OP_KERNELS)
     assert want <= seen, sorted(want - seen)
     assert set(HC_OP_KERNELS) <= _kernel_names(), sorted(set(HC_OP_KERNELS) - _kernel_names())

@@ -55,6 +55,12 @@ def layout(n: int, k: int, K: int):
     return NP, max(16, 2 * NP), KP, SP, KP * KP, KP * SP
 
 
+def warps(KP: int) -> int:
+    """8 warps from k > 4 on: the [BT, KP, KP] Sinkhorn tiles and [BT, KP, NP] routing tiles then fit
+    the registers without spills on sm_90 (``tools.triton_aot resources``)."""
+    return 8 if KP >= 8 else 4
+
+
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def w_entry_tile(WR, WPRE, kk, kmask, N, D, NP: tl.constexpr, EW: tl.constexpr, HAS_R: tl.constexpr,
@@ -382,13 +388,14 @@ class XHCEntry(torch.autograd.Function):
         PE, PAC, STAT, WSUM = e(T, EW), e(T, RA + PA), e(T, 4), e(EW)
         b = cm.blocks("xhc_entry_fwd", N, C)
         BT, BK = b["BT"], b["BK"]
-        BC = cm.block_c(BT, NP, C)
+        BC = cm.block_c(BT, NP, C, budget=2048)  # [BT, NP, BC] tiles beside [BT, KP, NP]: no spills on sm_90
         if T > 0:
             _xhc_entry_fwd_kernel[(triton.cdiv(T, BT),)](
                 Xc, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post,
                 u, I, p, score, hpre, H, Hpost, PW, PE, PAC, STAT, WSUM, T, N, C, k, m, K, norm_eps, t_max, sk_eps,
                 HAS_R=W_r is not None, ROW_LAST=order == "row_last", NP=NP, EW=EW, KP=KP, SP=SP, RA=RA, PA=PA,
-                BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+                BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt),
+                num_warps=warps(KP))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(I, score)
         ctx.save_for_backward(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post,
@@ -433,7 +440,7 @@ class XHCEntry(torch.autograd.Function):
                 HAS_DU=duc is not None, HAS_DHPRE=dhprec is not None, HAS_DPR=dpc is not None,
                 HAS_DHRES=dHc is not None, HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None,
                 HAS_R=W_r is not None, ROW_LAST=order == "row_last", NS=NS, NP=NP, EW=EW, KP=KP, SP=SP, RA=RA, PA=PA,
-                BT=BT, BC=cm.block_c(BT, NP, C), CDT=cm._tl(cdt))
+                BT=BT, BC=cm.block_c(BT, NP, C, budget=2048), CDT=cm._tl(cdt), num_warps=warps(KP))
         dX = None
         if ctx.needs_input_grad[0]:
             dX = xhc_grad.state_grad(Xc, duc, write, hpre, I, H, GE, GA, COEF, W_r, W_pre, W_res, W_post, k, K)

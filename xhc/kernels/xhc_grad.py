@@ -206,7 +206,7 @@ def state_grad(Xc, du, write, hpre, I, H, GE, GA, COEF, W_r, W_pre, W_res, W_pos
     cdt = GE.dtype
     b = cm.blocks("xhc_dx", N, C)
     BT = b["BT"]
-    BC = max(16, min(triton.next_power_of_2(C), 4096 // (BT * KP)))
+    BC = max(16, min(triton.next_power_of_2(C), 2048 // (BT * KP)))  # the [BT, KP, BC] slot tile: no spills
     dout = None if write is None else write[0]
     dX = torch.empty_like(Xc)
     if T > 0:
@@ -226,6 +226,10 @@ def param_grads(Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, W_pre, W_res, W_post, k:
     dev = Xc.device
     b = cm.blocks("xhc_dw", N, C)
     BT, BK = b["BT"], b["BK"]
+    AW = max(EW, RA + PA)  # [AW, BK] fp32 accumulators in registers (sm_90: no spills)
+    pow2 = lambda x: 1 << (max(int(x), 1).bit_length() - 1)  # noqa: E731  (the power of two ≤ x)
+    BK = min(BK, max(16, pow2(2048 // AW)))
+    BT = min(BT, max(16, pow2(4096 // AW)))
     S = max(1, min(int(b["S"]), triton.cdiv(max(T, 1), BT)))
     TS = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT  # tokens per split, a multiple of BT
     S = triton.cdiv(max(T, 1), TS)

@@ -1,0 +1,159 @@
+"""The fused xHC entry kernels (xhc/kernels/xhc_entry.py, xhc_grad.py; docs/kernels.md) against the eager
+float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids contain ``cuda``).
+
+* every output (u, X', the routing I) and every gradient equals eager in float64: attention and MLP
+  sublayers (K = 1 and K = r + 1 folded Gram–Schmidt components), N from 4 to 16, k − m routed
+  streams from 0 (no router) to 8, both Sinkhorn orders; the fused path ran and dX was written once;
+* router ties (all scores equal) pick the lower stream index, as :func:`xhc.router.topk_stable`;
+* a bf16 state: within a bf16 ulp-derived bound of the fp32 reference;
+* the backward is deterministic and the weights' gradient does not depend on the token split;
+* the launch counts of ``python -m bench.hc_kernels --launches`` meet the xHC attention target.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from xhc.config import HCConfig  # noqa: E402
+from xhc.temporal import SequenceContext  # noqa: E402
+from xhc.xhc import XHCSublayer  # noqa: E402
+
+F64 = torch.float64
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+S, B, C = 3, 2, 8
+
+pytestmark = pytest.mark.interp
+
+
+def _need_triton():
+    pytest.importorskip("triton")
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1")
+
+
+def _run(cfg, device, is_mlp, dtype=F64, pdtype=None, seed=0, zero_router=False):
+    torch.manual_seed(seed)
+    mod = XHCSublayer(cfg, C, is_mlp=is_mlp, layer_index=1).to(device=device, dtype=pdtype or dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in mod.named_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=F64).to(p))
+        if zero_router and mod.router.weight is not None:
+            mod.router.weight.zero_()
+    g = torch.Generator().manual_seed(seed + 2)
+    X = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(device=device, dtype=dtype).requires_grad_()
+    Wy = torch.randn(C, C, generator=g, dtype=F64).to(device=device, dtype=dtype)
+    Gu = torch.randn(S, B, C, generator=g, dtype=F64).to(device)
+    Go = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(device)
+    seq = SequenceContext(pos_in_doc=torch.arange(S, device=device).unsqueeze(1).expand(S, B))
+    u, ctx = mod.read(X)
+    y = torch.tanh(u @ Wy)  # the branch output depends on u: du gets both paths
+    out = mod.write(X, y, ctx, seq)
+    loss = (u.double() * Gu).sum() + (out.double() * Go).sum()
+    names = [n for n, _ in mod.named_parameters()]
+    grads = torch.autograd.grad(loss, [X] + list(mod.parameters()))
+    return [u, out], ctx.I, dict(zip(["X"] + names, grads))
+
+
+def _close(a, b, what, rtol=1e-9, atol=1e-11):
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+CASES = [
+    pytest.param(dict(n=4, k=3, m=1), False, id="attn-N4-k3-m1"),
+    pytest.param(dict(n=4, k=2, m=2), False, id="attn-N4-k2-m2-no-router"),
+    pytest.param(dict(n=8, k=4, m=2, kernel_sizes=(2, 3)), True, id="mlp-N8-k4-m2-K3"),
+    pytest.param(dict(n=6, k=3, m=0, kernel_sizes=(2,), sinkhorn_order="col_last", sinkhorn_iters=3), True,
+                 id="mlp-N6-k3-m0-col_last"),
+    pytest.param(dict(n=16, k=8, m=0, sinkhorn_iters=2), False, id="attn-N16-k8"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw, is_mlp", CASES)
+def test_fused_xhc_equals_eager_float64(monkeypatch, device, kw, is_mlp):
+    _need_triton()
+    from xhc.kernels import xhc_entry, xhc_grad
+
+    calls = []
+    sg = xhc_grad.state_grad
+    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a: (calls.append("dX"), sg(*a))[1])
+    orig = xhc_entry.XHCEntry.apply
+    monkeypatch.setattr(xhc_entry.XHCEntry, "apply", lambda *a: (calls.append("entry"), orig(*a))[1])
+    cfg = HCConfig(variant="xhc", **kw)
+    outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), device, is_mlp)
+    outs_f, I_f, g_f = _run(cfg.replace(kernels="triton"), device, is_mlp)
+    assert calls == ["entry", "dX"], calls  # the fused path ran, dX written once
+    assert torch.equal(I_f.cpu(), I_r.cpu())
+    for a, b, w in zip(outs_f, outs_r, ("u", "out")):
+        _close(a, b, w)
+    assert g_r.keys() == g_f.keys()
+    for name in g_r:
+        _close(g_f[name], g_r[name], f"d{name}")
+
+
+def test_fused_xhc_router_ties_go_to_the_lower_index():
+    """A zero router: every score is σ(0) = ½, so the routed streams are the lowest k − m after the fixed ones."""
+    _need_triton()
+    cfg = HCConfig(variant="xhc", n=8, k=4, m=1)
+    outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), "cpu", False, zero_router=True)
+    outs_f, I_f, g_f = _run(cfg.replace(kernels="triton"), "cpu", False, zero_router=True)
+    assert torch.equal(I_f, torch.arange(4).expand(S, B, 4))
+    assert torch.equal(I_f, I_r)
+    _close(outs_f[1], outs_r[1], "out")
+    _close(g_f["router.weight"], g_r["router.weight"], "drouter.weight")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_xhc_bf16_state(device):
+    """bf16 X, fp32 parameters: u and X' are the fp32 values rounded once (≤ 1 bf16 ulp = 2⁻⁸ relative,
+    plus the fp32 coefficients' own rounding); gradients within a few bf16 ulps of their scale.
+    The router's choice can flip on a near tie between fp32 orders of summation; the seed has none
+    (the routing is compared exactly)."""
+    _need_triton()
+    cfg = HCConfig(variant="xhc", n=8, k=4, m=2, kernel_sizes=(2,), sinkhorn_iters=4)
+    outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), device, True, dtype=torch.bfloat16, pdtype=torch.float32)
+    outs_f, I_f, g_f = _run(cfg.replace(kernels="triton"), device, True, dtype=torch.bfloat16, pdtype=torch.float32)
+    assert torch.equal(I_f.cpu(), I_r.cpu())
+    for a, b, w in zip(outs_f, outs_r, ("u", "out")):
+        assert a.dtype == torch.bfloat16
+        _close(a, b, w, rtol=2 ** -7, atol=2 ** -7)
+    for name in g_r:
+        scale = g_r[name].abs().max().item() + 1e-6
+        _close(g_f[name], g_r[name], f"d{name}", rtol=2 ** -5, atol=2 ** -5 * scale)
+
+
+def test_fused_xhc_backward_is_deterministic_and_split_free(monkeypatch):
+    """Two backwards give the same bits; the weights' gradients with 1 token split equal those with
+    several (a fixed-order reduction, no atomics) to fp64 rounding."""
+    _need_triton()
+    from xhc.kernels import mhc_common
+
+    cfg = HCConfig(variant="xhc", n=4, k=3, m=1, sinkhorn_iters=2, kernels="triton")
+    split = lambda Sp: monkeypatch.setattr(  # noqa: E731  (BT = 2: float64 runs without tl.dot)
+        mhc_common, "DEFAULT_BLOCKS", dict(mhc_common.DEFAULT_BLOCKS, xhc_dw={"BT": 2, "BK": 32, "S": Sp}))
+    split(3)  # 6 tokens in 3 splits
+    _, _, g1 = _run(cfg, "cpu", False)
+    _, _, g2 = _run(cfg, "cpu", False)
+    for name in g1:
+        assert torch.equal(g1[name], g2[name]), name
+    split(1)
+    _, _, g3 = _run(cfg, "cpu", False)
+    for name in ("router.weight", "pre.weight", "res.weight", "post.bias", "res.alpha"):
+        _close(g3[name], g1[name], name)
+
+
+def test_xhc_attention_launch_counts_meet_targets():
+    """``bench.hc_kernels --launches`` for the xHC attention sublayer: ≤ 6 forward and ≤ 8 backward
+    (docs/kernels.md "Launch counts"), every launch a Triton kernel."""
+    _need_triton()
+    from bench.hc_kernels import count_launches
+
+    fwd, bwd, fnames, bnames = count_launches("xhc-attn", "triton", C=16, tokens=4)
+    assert fwd <= 6 and bwd <= 8, (fwd, bwd, fnames, bnames)
+    assert all(k.startswith("triton:") for k in list(fnames) + list(bnames)), (fnames, bnames)
