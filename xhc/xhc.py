@@ -534,6 +534,17 @@ class XHCSublayer(nn.Module):
                 and self.pre.weight is not None and self.res is not None and self.post.weight is not None
                 and c.n <= 16 and c.k <= 16 and self.K <= 8)
 
+    def _fused_post(self, X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
+        """Whether the temporal components, their Gram–Schmidt coefficients and the write run as the
+        fused xHC write kernel (:mod:`xhc.kernels.xhc_post`): ``triton``, an augmented sublayer with at
+        most 3 kernels, ``[s, b, ·]`` tensors and a sequence held whole by this rank (no halo exchange,
+        segments or decode cache: those keep the separate ops)."""
+        from xhc.kernels.xhc_post import MAX_KERNELS
+
+        whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
+        return (backend == "triton" and self.temporal is not None and 0 < len(self.temporal.conv) <= MAX_KERNELS
+                and whole and X.dim() == 4 and y.dim() == 3)
+
     def read(self, X: torch.Tensor):
         """Route, generate every mapping and read the branch input (docs/math.md §3.5 steps 1–3).
 
@@ -574,6 +585,10 @@ class XHCSublayer(nn.Module):
         ``seq``: :class:`~xhc.temporal.SequenceContext` for the temporal conv  ->  X' ``[s, b, N, C]``.
         """
         backend = kernels.resolve_backend(self.cfg, X.device)
+        if ctx.P is not None and self._fused_post(X, y, seq, backend):
+            pos = self.temporal._doc_positions(seq.pos_in_doc if seq is not None else None, y)
+            return kernels.xhc_write(X, ctx.I, ctx.H_res, ctx.P, y, list(self.temporal.conv), pos,
+                                     self.cfg.gram_schmidt, self.cfg.gs_eps)
         V, L = branch_components(y, self.temporal, self.cfg, seq, backend)
         P = ctx.P if ctx.P is not None else ctx.p.unsqueeze(-1) * ctx.H_post  # P = diag(p)·H_post
         P = fold_components(P, L)  # (·L)

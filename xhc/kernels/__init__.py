@@ -461,6 +461,15 @@ def xhc_read(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a
                                norm_eps, t_max, sk_eps, order)
 
 
+def xhc_write(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float):
+    """The fused xHC MLP write on the ``triton`` backend (:mod:`xhc.kernels.xhc_post`): the temporal
+    components of ``y``, their Gram–Schmidt coefficients folded into ``P`` and the sparse write in one
+    kernel -> X'."""
+    from xhc.kernels import xhc_post
+
+    return xhc_post.xhc_post(X, I, H, P, y, weights, pos, gram_schmidt, gs_eps)
+
+
 def mhc_write(X, H, h_post, y):
     """The fused mHC write on the ``triton`` backend (:mod:`xhc.kernels.mhc_post`): H·X + h_post ⊗ y."""
     from xhc.kernels import mhc_post

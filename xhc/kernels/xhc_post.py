@@ -1,0 +1,359 @@
+"""Fused xHC MLP write (``xhc_post``): the temporal components, their Gram–Schmidt coefficients and the
+sparse write of one xHC sublayer in one kernel (docs/math.md §3.2, §3.3, §3.5).
+
+Forward (:func:`_xhc_post_fwd_kernel`, a program per token):
+
+1. a pass over C: the components V = [y, g_1, …, g_r] with g_j[t] = Σ_i w_j[i]·y[t − i] (causal,
+   tap i dropped where the token is fewer than i rows into the sequence or its document), and their
+   Gram matrix of means M = V·Vᵀ / C;
+2. in registers: the modified Gram–Schmidt coefficients L (:func:`xhc.gram_schmidt.gram_schmidt_coefficients`,
+   gram_schmidt(V) = L·V) and the folded branch weights P' = P·L;
+3. a second pass: X'[I_j] = Σ_q H_res[j, q]·X[I_q] + Σ_t P'[j, t]·V_t (V recomputed from the taps of y,
+   never stored), the other rows copied.
+
+    byte budget, per token, state dtype s:  N·C·s (X: k rows read, N − k copied) + N·C·s (X') + C·s (y,
+    its κ_max − 1 earlier rows come from L2)  (+ 4·(k² + k·K + K²) coefficients)
+
+Backward: :func:`_xhc_post_bwd_kernel` (a program per token): dH_res, dP' in a pass over dX' (and X, V);
+the adjoints of the fold and of the Gram–Schmidt loop (a hand-written reverse of its ≤ 6 steps, each
+step's input recomputed) give dP and dM; a second pass writes dV = P'ᵀ·dX'_a + (dM + dMᵀ)·V / C.
+The state's term is handed to the xHC entry's backward (:mod:`.xhc_grad`), or written here when no
+entry op owns the state.  :func:`_xhc_conv_bwd_kernel` (a program per BC columns, every token in
+order: deterministic, no partials) writes dy = dV_0 + Σ_j Σ_i w_j[i]·dV_j[t + i] and dw_j[i] = Σ_t dV_j[t]·y[t − i].
+
+    byte budget:  2·N·C·s (dX' in, X's active rows) + 4·K·C (dV) + C·s (y) + C·s (dy)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from xhc.kernels import mhc_common as cm
+from xhc.kernels.mhc_common import _cast
+from xhc.kernels.triton_ops import _claim, _hand_over, _np2, _tl
+
+MAX_KERNELS = 3  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused path's limit
+
+
+@triton.jit
+def _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R: tl.constexpr, SP: tl.constexpr,
+                HAS_POS: tl.constexpr, CDT: tl.constexpr):
+    """V ``[SP, BC]``: row 0 y[t], row j the causal conv g_j[t] (taps i with si ≥ i and pos ≥ i)."""
+    sr = tl.arange(0, SP)[:, None]
+    y0 = tl.load(Y + t * C + c, mask=cmk, other=0.0).to(CDT)
+    V = tl.where(sr == 0, y0[None, :], 0.0)
+    if R > 0:
+        for i in range(0, kmax):
+            ok = cmk & (c * 0 + si >= i)  # vectors: the interpreter takes no 0-d masks here
+            if HAS_POS:
+                ok = ok & (c * 0 + pos >= i)
+            yi = tl.load(Y + (t - i * B) * C + c, mask=ok, other=0.0).to(CDT)
+            w1 = tl.load(W1 + i * C + c, mask=cmk & (c * 0 + i < k1), other=0.0).to(CDT)
+            g = tl.where(sr == 1, (w1 * yi)[None, :], 0.0)
+            if R > 1:
+                w2 = tl.load(W2 + i * C + c, mask=cmk & (c * 0 + i < k2), other=0.0).to(CDT)
+                g += tl.where(sr == 2, (w2 * yi)[None, :], 0.0)
+            if R > 2:
+                w3 = tl.load(W3 + i * C + c, mask=cmk & (c * 0 + i < k3), other=0.0).to(CDT)
+                g += tl.where(sr == 3, (w3 * yi)[None, :], 0.0)
+            V += g
+    return V
+
+
+@triton.jit
+def _mgs_step(L, M, eps, j: tl.constexpr, i: tl.constexpr, SP: tl.constexpr):
+    """One projection of modified Gram–Schmidt on coefficient rows: L[j] ← L[j] − coef·L[i]."""
+    ar = tl.arange(0, SP)[:, None]
+    c = tl.sum(tl.where(ar == j, L, 0.0), 0)
+    lv = tl.sum(tl.where(ar == i, L, 0.0), 0)
+    Ml = tl.sum(M * lv[None, :], 1)
+    coef = tl.sum(c * Ml, 0) / (tl.sum(lv * Ml, 0) + eps)
+    return tl.where(ar == j, (c - coef * lv)[None, :], L)
+
+
+@triton.jit
+def _mgs(M, eps, K: tl.constexpr, NSTEPS: tl.constexpr, SP: tl.constexpr):
+    """L after the first ``NSTEPS`` projections (step (j, i) is number j(j−1)/2 + i), from L = I."""
+    ar = tl.arange(0, SP)
+    L = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0).to(M.dtype)
+    for j in tl.static_range(1, K):
+        for i in tl.static_range(0, j):
+            if j * (j - 1) // 2 + i < NSTEPS:
+                L = _mgs_step(L, M, eps, j, i, SP)
+    return L
+
+
+@triton.jit
+def _mgs_bwd(M, gL, eps, K: tl.constexpr, SP: tl.constexpr):
+    """dM from dL for :func:`_mgs` with every step: the steps in reverse, each one's input recomputed."""
+    ar = tl.arange(0, SP)[:, None]
+    gM = tl.zeros([SP, SP], dtype=M.dtype)
+    for jr in tl.static_range(1, K):
+        for ir in tl.static_range(0, K - jr):
+            j: tl.constexpr = K - jr
+            i: tl.constexpr = K - jr - 1 - ir
+            L = _mgs(M, eps, K, j * (j - 1) // 2 + i, SP)
+            c = tl.sum(tl.where(ar == j, L, 0.0), 0)
+            lv = tl.sum(tl.where(ar == i, L, 0.0), 0)
+            Ml = tl.sum(M * lv[None, :], 1)
+            num = tl.sum(c * Ml, 0)
+            den = tl.sum(lv * Ml, 0) + eps
+            coef = num / den
+            gnew = tl.sum(tl.where(ar == j, gL, 0.0), 0)
+            gc = gnew
+            gl = -coef * gnew
+            gcoef = -tl.sum(gnew * lv, 0)
+            gnum = gcoef / den
+            gden = -gcoef * num / (den * den)
+            gc += gnum * Ml
+            gMl = gnum * c
+            gl += gden * Ml
+            gMl += gden * lv
+            gM += gMl[:, None] * lv[None, :]
+            gl += tl.sum(M * gMl[:, None], 0)
+            gL = tl.where(ar == j, gc[None, :], gL)
+            gL = tl.where(ar == i, gL + gl[None, :], gL)
+    return gM
+
+
+@triton.jit
+def _xhc_post_fwd_kernel(X, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C, B, k1, k2, k3, kmax, gs_eps,
+                         R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, NP: tl.constexpr,
+                         KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    si = t // B
+    pos = 0
+    if HAS_POS:
+        pos = tl.load(POS + t)
+    jr = tl.arange(0, KP)[:, None]
+    qc = tl.arange(0, KP)[None, :]
+    sc = tl.arange(0, SP)[None, :]
+    sr = tl.arange(0, SP)[:, None]
+    p = tl.load(P + t * k * K + jr * K + sc, mask=(jr < k) & (sc < K), other=0.0).to(CDT)  # [KP, SP]
+    if GS:  # 1. the Gram matrix of means, 2. L and P' = P·L
+        M = tl.zeros([SP, SP], dtype=CDT)
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, c < C, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
+            M += tl.sum(V[:, None, :] * V[None, :, :], 2)
+        M = M / C
+        tl.store(MS + t * SP * SP + sr * SP + sc, M)
+        L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
+        p = tl.sum(p[:, :, None] * L[None, :, :], 1)
+    h = tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)
+    rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+    nr = tl.arange(0, NP)[:, None]
+    idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
+    keep = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
+    for c0 in range(0, C, BC):  # 3. the write
+        c = c0 + tl.arange(0, BC)
+        cmk = c < C
+        V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
+        xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        new = tl.sum(p[:, :, None] * V[None, :, :], 1) + tl.sum(h[:, :, None] * xa[None, :, :], 1)
+        tl.store(OUT + t * N * C + rows * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
+        x = tl.load(X + t * N * C + nr * C + c[None, :], mask=keep & cmk[None, :], other=0.0)
+        tl.store(OUT + t * N * C + nr * C + c[None, :], x, mask=keep & cmk[None, :])
+
+
+@triton.jit
+def _xhc_post_bwd_kernel(DOUT, X, I, H, P, Y, W1, W2, W3, POS, MS, DX, DH, DP, DV, N, k, K, C, B, k1, k2, k3, kmax,
+                         gs_eps, R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, NEED_DX: tl.constexpr,
+                         NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    si = t // B
+    pos = 0
+    if HAS_POS:
+        pos = tl.load(POS + t)
+    jr = tl.arange(0, KP)[:, None]
+    qc = tl.arange(0, KP)[None, :]
+    sc = tl.arange(0, SP)[None, :]
+    sr = tl.arange(0, SP)[:, None]
+    pmask = (jr < k) & (sc < K)
+    p = tl.load(P + t * k * K + jr * K + sc, mask=pmask, other=0.0).to(CDT)  # [KP, SP]
+    pf = p
+    if GS:
+        M = tl.load(MS + t * SP * SP + sr * SP + sc).to(CDT)
+        L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
+        pf = tl.sum(p[:, :, None] * L[None, :, :], 1)
+    hmask = (jr < k) & (qc < k)
+    h = tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
+    rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+    dh = tl.zeros([KP, KP], dtype=CDT)
+    dpf = tl.zeros([KP, SP], dtype=CDT)
+    for c0 in range(0, C, BC):  # dH_res, dP' = Σ_c dX'_a ⊗ (X_a, V)
+        c = c0 + tl.arange(0, BC)
+        cmk = c < C
+        V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
+        dn = tl.load(DOUT + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
+        dpf += tl.sum(dn[:, None, :] * V[None, :, :], 2)
+    tl.store(DH + t * k * k + jr * k + qc, dh, mask=hmask)
+    if GS:  # P' = P·L: dP = dP'·Lᵀ, dL = Pᵀ·dP'; then the Gram–Schmidt adjoint gives dM
+        dp = tl.sum(dpf[:, None, :] * L[None, :, :], 2)
+        dL = tl.sum(p[:, :, None] * dpf[:, None, :], 0)
+        gM = _mgs_bwd(M, dL, gs_eps, R + 1, SP)
+        G2 = (gM + tl.trans(gM)) / C
+    else:
+        dp = dpf
+    tl.store(DP + t * k * K + jr * K + sc, dp, mask=pmask)
+    nr = tl.arange(0, NP)[:, None]
+    idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
+    outside = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
+    for c0 in range(0, C, BC):  # dV = P'ᵀ·dX'_a (+ the Gram matrix's term); dX when no entry op owns it
+        c = c0 + tl.arange(0, BC)
+        cmk = c < C
+        dn = tl.load(DOUT + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        dv = tl.sum(pf[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
+        if GS:
+            V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
+            dv += tl.sum(G2[:, :, None] * V[None, :, :], 1)
+        tl.store(DV + t * SP * C + sr * C + c[None, :], dv, mask=cmk[None, :])
+        if NEED_DX:
+            dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
+            tl.store(DX + t * N * C + rows * C + c[None, :], _cast(dxa, DX), mask=(jr < k) & cmk[None, :])
+            g = tl.load(DOUT + t * N * C + nr * C + c[None, :], mask=outside & cmk[None, :], other=0.0)
+            tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=outside & cmk[None, :])
+
+
+@triton.jit
+def _xhc_conv_bwd_kernel(DV, Y, W1, W2, W3, POS, DY, DW1, DW2, DW3, T, C, B, k1, k2, k3, kmax,
+                         R: tl.constexpr, HAS_POS: tl.constexpr, SP: tl.constexpr, KMP: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    cmk = c < C
+    ti = tl.arange(0, KMP)[:, None]
+    acc1 = tl.zeros([KMP, BC], dtype=CDT)
+    acc2 = tl.zeros([KMP, BC], dtype=CDT)
+    acc3 = tl.zeros([KMP, BC], dtype=CDT)
+    for t0 in range(0, T, BT):  # every token in order: the same sums every run
+        t = (t0 + tl.arange(0, BT)).to(tl.int64)
+        tm = t < T
+        si = t // B
+        m2 = tm[:, None] & cmk[None, :]
+        dy = tl.load(DV + t[:, None] * SP * C + c[None, :], mask=m2, other=0.0).to(CDT)  # dV_0
+        for i in range(0, kmax):
+            # dy[t] += Σ_j w_j[i]·dV_j[t + i] where the later token keeps tap i
+            tn = t + i * B
+            ok = tm & (tn < T)
+            if HAS_POS:
+                ok = ok & (tl.load(POS + tn, mask=ok, other=0) >= i)
+            okm = ok[:, None] & cmk[None, :]
+            # dw_j[i] += Σ_t dV_j[t]·y[t − i] where token t keeps tap i
+            back = tm & (si >= i)
+            if HAS_POS:
+                back = back & (tl.load(POS + t, mask=tm, other=0) >= i)
+            bm = back[:, None] & cmk[None, :]
+            yb = tl.load(Y + (t - i * B)[:, None] * C + c[None, :], mask=bm, other=0.0).to(CDT)
+            w1 = tl.load(W1 + i * C + c, mask=cmk & (c * 0 + i < k1), other=0.0).to(CDT)
+            d1 = tl.load(DV + tn[:, None] * SP * C + C + c[None, :], mask=okm, other=0.0).to(CDT)
+            dy += w1[None, :] * d1
+            v1 = tl.load(DV + t[:, None] * SP * C + C + c[None, :], mask=bm, other=0.0).to(CDT)
+            acc1 += tl.where(ti == i, tl.sum(v1 * yb, 0)[None, :], 0.0)
+            if R > 1:
+                w2 = tl.load(W2 + i * C + c, mask=cmk & (c * 0 + i < k2), other=0.0).to(CDT)
+                d2 = tl.load(DV + tn[:, None] * SP * C + 2 * C + c[None, :], mask=okm, other=0.0).to(CDT)
+                dy += w2[None, :] * d2
+                v2 = tl.load(DV + t[:, None] * SP * C + 2 * C + c[None, :], mask=bm, other=0.0).to(CDT)
+                acc2 += tl.where(ti == i, tl.sum(v2 * yb, 0)[None, :], 0.0)
+            if R > 2:
+                w3 = tl.load(W3 + i * C + c, mask=cmk & (c * 0 + i < k3), other=0.0).to(CDT)
+                d3 = tl.load(DV + tn[:, None] * SP * C + 3 * C + c[None, :], mask=okm, other=0.0).to(CDT)
+                dy += w3[None, :] * d3
+                v3 = tl.load(DV + t[:, None] * SP * C + 3 * C + c[None, :], mask=bm, other=0.0).to(CDT)
+                acc3 += tl.where(ti == i, tl.sum(v3 * yb, 0)[None, :], 0.0)
+        tl.store(DY + t[:, None] * C + c[None, :], _cast(dy, DY), mask=m2)
+    tl.store(DW1 + ti * C + c[None, :], acc1, mask=(ti < k1) & cmk[None, :])
+    if R > 1:
+        tl.store(DW2 + ti * C + c[None, :], acc2, mask=(ti < k2) & cmk[None, :])
+    if R > 2:
+        tl.store(DW3 + ti * C + c[None, :], acc3, mask=(ti < k3) & cmk[None, :])
+
+
+def _meta(N: int, k: int, K: int, C: int):
+    NP, KP, SP = _np2(N), max(2, _np2(k)), 4
+    BC = max(16, min(triton.next_power_of_2(C), 2048 // max(NP, KP * SP)))
+    return NP, KP, SP, BC
+
+
+class XHCPost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, X, I, H, P, y, w1, w2, w3, pos, gs, gs_eps):
+        lead = I.shape[:-1]
+        s, B = lead
+        N, C = X.shape[-2:]
+        k, K = P.shape[-2:]
+        T = s * B
+        ws = [w for w in (w1, w2, w3) if w is not None]
+        R = len(ws)
+        ks = [w.shape[0] for w in ws] + [0] * (3 - R)
+        kmax = max(ks + [1])
+        cdt = cm._cdt(X, H, P, y)
+        Xc, Ic = X.reshape(T, N, C).contiguous(), I.reshape(T, k).contiguous()
+        Hc, Pc, yc = H.reshape(T, k, k).contiguous(), P.reshape(T, k, K).contiguous(), y.reshape(T, C).contiguous()
+        posc = None if pos is None else pos.reshape(T).contiguous()
+        out = torch.empty(T, N, C, dtype=X.dtype, device=X.device)
+        NP, KP, SP, BC = _meta(N, k, K, C)
+        GS = bool(gs) and R > 0
+        MS = torch.empty(T, SP, SP, dtype=cdt, device=X.device) if GS else None
+        if T > 0:
+            _xhc_post_fwd_kernel[(T,)](Xc, Ic, Hc, Pc, yc, *(ws + [None] * (3 - R)), posc, out, MS, N, k, K, C, B,
+                                       *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NP=NP, KP=KP,
+                                       SP=SP, BC=BC, CDT=_tl(cdt))
+        ctx.save_for_backward(X, I, H, P, y, w1, w2, w3, pos, MS)
+        ctx.meta = (GS, gs_eps, R, ks, kmax)
+        ctx.owner = _claim(X, "write", (H, P))  # the xHC entry op on this state writes dX
+        return out.view(*lead, N, C)
+
+    @staticmethod
+    def backward(ctx, dout):
+        X, I, H, P, y, w1, w2, w3, pos, MS = ctx.saved_tensors
+        GS, gs_eps, R, ks, kmax = ctx.meta
+        s, B = I.shape[:-1]
+        N, C = X.shape[-2:]
+        k, K = P.shape[-2:]
+        T = s * B
+        ws = [w for w in (w1, w2, w3) if w is not None]
+        cdt = cm._cdt(X, H, P, y)
+        Xc, Ic = X.reshape(T, N, C).contiguous(), I.reshape(T, k).contiguous()
+        Hc, Pc, yc = H.reshape(T, k, k).contiguous(), P.reshape(T, k, K).contiguous(), y.reshape(T, C).contiguous()
+        posc = None if pos is None else pos.reshape(T).contiguous()
+        doutc = dout.reshape(T, N, C).contiguous()
+        NP, KP, SP, BC = _meta(N, k, K, C)
+        defer = ctx.owner is not None and ctx.needs_input_grad[0]
+        need_dx = ctx.needs_input_grad[0] and not defer
+        dX = torch.empty(T, N, C, dtype=X.dtype, device=X.device) if need_dx else None
+        dH, dP = torch.empty(T, k, k, dtype=cdt, device=X.device), torch.empty(T, k, K, dtype=cdt, device=X.device)
+        dV = torch.empty(T, SP, C, dtype=cdt, device=X.device)
+        dy = torch.empty(T, C, dtype=y.dtype, device=y.device)
+        dws = [torch.empty(w.shape, dtype=cdt, device=w.device) for w in ws]
+        wargs = ws + [None] * (3 - R)
+        if T > 0:
+            _xhc_post_bwd_kernel[(T,)](doutc, Xc, Ic, Hc, Pc, yc, *wargs, posc, MS, dX, dH, dP, dV, N, k, K, C, B,
+                                       *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NEED_DX=need_dx,
+                                       NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt))
+            BCc = max(16, min(triton.next_power_of_2(C), 32))
+            _xhc_conv_bwd_kernel[(triton.cdiv(C, BCc),)](
+                dV, yc, *wargs, posc, dy, *(dws + [None] * (3 - R)), T, C, B, *ks, kmax, R=R,
+                HAS_POS=posc is not None, SP=SP, KMP=max(2, triton.next_power_of_2(kmax)), BT=16, BC=BCc,
+                CDT=_tl(cdt))
+        if defer:
+            _hand_over(ctx.owner, "write", (doutc, Hc, Ic, k, False))
+        dwo = [dw.to(w.dtype) for dw, w in zip(dws, ws)] + [None] * (3 - R)
+        return (None if dX is None else dX.view(X.shape), None, dH.view(H.shape), dP.view(P.shape),
+                dy.view(y.shape), *dwo, None, None, None)
+
+
+def xhc_post(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float):
+    """X' ``[s, b, N, C]`` of an xHC MLP sublayer: X'[I_j] = Σ_q H[j, q]·X[I_q] + Σ_t (P·L)[j, t]·V_t with
+    V = [y, g_1, …, g_r] (the causal convs ``weights`` ``[κ_j, C]``, taps reset by ``pos`` ``[s, b]``
+    or None) and L its Gram–Schmidt coefficients (identity when ``gram_schmidt`` is off); the rows
+    outside I copied.  ``X`` ``[s, b, N, C]``; ``I`` ``[s, b, k]``; ``H`` ``[s, b, k, k]``; ``P`` =
+    diag(p)·H_post ``[s, b, k, r + 1]``; ``y`` ``[s, b, C]``; r ≤ :data:`MAX_KERNELS`."""
+    ws = list(weights) + [None] * (MAX_KERNELS - len(weights))
+    return XHCPost.apply(X, I, H, P, y, *ws, pos, bool(gram_schmidt), float(gs_eps))
