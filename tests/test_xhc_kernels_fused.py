@@ -7,7 +7,9 @@ float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids c
 * router ties (all scores equal) pick the lower stream index, as :func:`xhc.router.topk_stable`;
 * a bf16 state: within a bf16 ulp-derived bound of the fp32 reference;
 * the backward is deterministic and the weights' gradient does not depend on the token split;
-* the launch counts of ``python -m bench.hc_kernels --launches`` meet the xHC attention target.
+* the launch counts of ``python -m bench.hc_kernels --launches`` meet the xHC attention and MLP targets;
+* MLP sublayers run the fused write (temporal components with document resets, Gram–Schmidt on or off,
+  up to 3 kernels), except on a sequence this rank does not hold whole.
 """
 
 import os
@@ -25,7 +27,9 @@ from xhc.xhc import XHCSublayer  # noqa: E402
 
 F64 = torch.float64
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
-S, B, C = 3, 2, 8
+S, B, C = 5, 2, 8
+# positions inside documents: batch row 1 starts a new document at t = 2 (the conv taps reset there)
+POS = torch.tensor([[0, 0], [1, 1], [2, 0], [3, 1], [4, 2]])
 
 pytestmark = pytest.mark.interp
 
@@ -50,7 +54,7 @@ def _run(cfg, device, is_mlp, dtype=F64, pdtype=None, seed=0, zero_router=False)
     Wy = torch.randn(C, C, generator=g, dtype=F64).to(device=device, dtype=dtype)
     Gu = torch.randn(S, B, C, generator=g, dtype=F64).to(device)
     Go = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(device)
-    seq = SequenceContext(pos_in_doc=torch.arange(S, device=device).unsqueeze(1).expand(S, B))
+    seq = SequenceContext(pos_in_doc=POS.to(device))
     u, ctx = mod.read(X)
     y = torch.tanh(u @ Wy)  # the branch output depends on u: du gets both paths
     out = mod.write(X, y, ctx, seq)
@@ -71,6 +75,9 @@ CASES = [
     pytest.param(dict(n=6, k=3, m=0, kernel_sizes=(2,), sinkhorn_order="col_last", sinkhorn_iters=3), True,
                  id="mlp-N6-k3-m0-col_last"),
     pytest.param(dict(n=16, k=8, m=0, sinkhorn_iters=2), False, id="attn-N16-k8"),
+    pytest.param(dict(n=4, k=2, m=1, kernel_sizes=(2, 3, 4)), True, id="mlp-N4-k2-K4"),
+    pytest.param(dict(n=4, k=3, m=1, kernel_sizes=(3, 2), gram_schmidt=False), True, id="mlp-no-gram-schmidt"),
+    pytest.param(dict(n=4, k=3, m=1, kernel_sizes=(4,), conv_doc_reset="never"), True, id="mlp-no-doc-reset"),
 ]
 
 
@@ -78,17 +85,20 @@ CASES = [
 @pytest.mark.parametrize("kw, is_mlp", CASES)
 def test_fused_xhc_equals_eager_float64(monkeypatch, device, kw, is_mlp):
     _need_triton()
-    from xhc.kernels import xhc_entry, xhc_grad
+    from xhc.kernels import xhc_entry, xhc_grad, xhc_post
 
     calls = []
     sg = xhc_grad.state_grad
     monkeypatch.setattr(xhc_grad, "state_grad", lambda *a: (calls.append("dX"), sg(*a))[1])
     orig = xhc_entry.XHCEntry.apply
     monkeypatch.setattr(xhc_entry.XHCEntry, "apply", lambda *a: (calls.append("entry"), orig(*a))[1])
+    post = xhc_post.XHCPost.apply
+    monkeypatch.setattr(xhc_post.XHCPost, "apply", lambda *a: (calls.append("post"), post(*a))[1])
     cfg = HCConfig(variant="xhc", **kw)
     outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), device, is_mlp)
     outs_f, I_f, g_f = _run(cfg.replace(kernels="triton"), device, is_mlp)
-    assert calls == ["entry", "dX"], calls  # the fused path ran, dX written once
+    want = ["entry", "post", "dX"] if is_mlp else ["entry", "dX"]
+    assert calls == want, calls  # the fused path ran, dX written once
     assert torch.equal(I_f.cpu(), I_r.cpu())
     for a, b, w in zip(outs_f, outs_r, ("u", "out")):
         _close(a, b, w)
@@ -148,12 +158,26 @@ def test_fused_xhc_backward_is_deterministic_and_split_free(monkeypatch):
         _close(g3[name], g1[name], name)
 
 
-def test_xhc_attention_launch_counts_meet_targets():
-    """``bench.hc_kernels --launches`` for the xHC attention sublayer: ≤ 6 forward and ≤ 8 backward
-    (docs/kernels.md "Launch counts"), every launch a Triton kernel."""
+@pytest.mark.parametrize("variant, target", [("xhc-attn", (6, 8)), ("xhc-mlp", (7, 9))])
+def test_xhc_launch_counts_meet_targets(variant, target):
+    """``bench.hc_kernels --launches`` for the xHC attention and MLP sublayers: ≤ 6 / 8 and ≤ 7 / 9
+    forward / backward (docs/kernels.md "Launch counts"), every launch a Triton kernel."""
     _need_triton()
     from bench.hc_kernels import count_launches
 
-    fwd, bwd, fnames, bnames = count_launches("xhc-attn", "triton", C=16, tokens=4)
-    assert fwd <= 6 and bwd <= 8, (fwd, bwd, fnames, bnames)
+    fwd, bwd, fnames, bnames = count_launches(variant, "triton", C=16, tokens=4)
+    assert fwd <= target[0] and bwd <= target[1], (fwd, bwd, fnames, bnames)
     assert all(k.startswith("triton:") for k in list(fnames) + list(bnames)), (fnames, bnames)
+
+
+def test_fused_xhc_write_falls_back_for_a_distributed_sequence():
+    """A sequence split over ranks (a halo exchange) or a decode cache keeps the separate ops: the
+    fused write needs every earlier row of y on this rank."""
+    _need_triton()
+    from xhc.temporal import SequenceContext as SC
+
+    mod = XHCSublayer(HCConfig(variant="xhc", n=4, k=2, m=1, kernel_sizes=(2,), kernels="triton"), C, is_mlp=True)
+    X, y = torch.randn(S, B, 4, C), torch.randn(S, B, C)
+    assert mod._fused_post(X, y, None, "triton") and mod._fused_post(X, y, SC(pos_in_doc=POS), "triton")
+    assert not mod._fused_post(X, y, SC(decode_cache={}), "triton")
+    assert not mod._fused_post(X, y, None, "compile")

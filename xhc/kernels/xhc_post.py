@@ -34,7 +34,8 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast
-from xhc.kernels.triton_ops import _claim, _hand_over, _np2, _tl
+from xhc.kernels import triton_ops
+from xhc.kernels.triton_ops import _claim, _np2, _tl
 
 MAX_KERNELS = 3  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused path's limit
 
@@ -343,7 +344,7 @@ class XHCPost(torch.autograd.Function):
                 HAS_POS=posc is not None, SP=SP, KMP=max(2, triton.next_power_of_2(kmax)), BT=16, BC=BCc,
                 CDT=_tl(cdt))
         if defer:
-            _hand_over(ctx.owner, "write", (doutc, Hc, Ic, k, False))
+            triton_ops._hand_over(ctx.owner, "write", (doutc, Hc, Ic, k, False))
         dwo = [dw.to(w.dtype) for dw, w in zip(dws, ws)] + [None] * (3 - R)
         return (None if dX is None else dX.view(X.shape), None, dH.view(H.shape), dP.view(P.shape),
                 dy.view(y.shape), *dwo, None, None, None)
