@@ -89,35 +89,40 @@ def _mgs(M, eps, K: tl.constexpr, NSTEPS: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _mgs_bwd(M, gL, eps, K: tl.constexpr, SP: tl.constexpr):
-    """dM from dL for :func:`_mgs` with every step: the steps in reverse, each one's input recomputed."""
+def _mgs_step_bwd(M, gL, gM, eps, K: tl.constexpr, j: tl.constexpr, i: tl.constexpr, SP: tl.constexpr):
+    """The adjoint of projection (j, i) of :func:`_mgs`, its input recomputed: (gL, gM) updated."""
     ar = tl.arange(0, SP)[:, None]
+    L = _mgs(M, eps, K, j * (j - 1) // 2 + i, SP)
+    c = tl.sum(tl.where(ar == j, L, 0.0), 0)
+    lv = tl.sum(tl.where(ar == i, L, 0.0), 0)
+    Ml = tl.sum(M * lv[None, :], 1)
+    num = tl.sum(c * Ml, 0)
+    den = tl.sum(lv * Ml, 0) + eps
+    coef = num / den
+    gnew = tl.sum(tl.where(ar == j, gL, 0.0), 0)
+    gc = gnew
+    gl = -coef * gnew
+    gcoef = -tl.sum(gnew * lv, 0)
+    gnum = gcoef / den
+    gden = -gcoef * num / (den * den)
+    gc += gnum * Ml
+    gMl = gnum * c
+    gl += gden * Ml
+    gMl += gden * lv
+    gM += gMl[:, None] * lv[None, :]
+    gl += tl.sum(M * gMl[:, None], 0)
+    gL = tl.where(ar == j, gc[None, :], gL)
+    gL = tl.where(ar == i, gL + gl[None, :], gL)
+    return gL, gM
+
+
+@triton.jit
+def _mgs_bwd(M, gL, eps, K: tl.constexpr, SP: tl.constexpr):
+    """dM from dL for :func:`_mgs` with every step: the steps in reverse (≤ 6 for K ≤ 4)."""
     gM = tl.zeros([SP, SP], dtype=M.dtype)
     for jr in tl.static_range(1, K):
         for ir in tl.static_range(0, K - jr):
-            j: tl.constexpr = K - jr
-            i: tl.constexpr = K - jr - 1 - ir
-            L = _mgs(M, eps, K, j * (j - 1) // 2 + i, SP)
-            c = tl.sum(tl.where(ar == j, L, 0.0), 0)
-            lv = tl.sum(tl.where(ar == i, L, 0.0), 0)
-            Ml = tl.sum(M * lv[None, :], 1)
-            num = tl.sum(c * Ml, 0)
-            den = tl.sum(lv * Ml, 0) + eps
-            coef = num / den
-            gnew = tl.sum(tl.where(ar == j, gL, 0.0), 0)
-            gc = gnew
-            gl = -coef * gnew
-            gcoef = -tl.sum(gnew * lv, 0)
-            gnum = gcoef / den
-            gden = -gcoef * num / (den * den)
-            gc += gnum * Ml
-            gMl = gnum * c
-            gl += gden * Ml
-            gMl += gden * lv
-            gM += gMl[:, None] * lv[None, :]
-            gl += tl.sum(M * gMl[:, None], 0)
-            gL = tl.where(ar == j, gc[None, :], gL)
-            gL = tl.where(ar == i, gL + gl[None, :], gL)
+            gL, gM = _mgs_step_bwd(M, gL, gM, eps, K, K - jr, K - jr - 1 - ir, SP)
     return gM
 
 
