@@ -152,7 +152,8 @@ MHC_KERNELS = ("_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_ker
                "_mhc_dx_kernel", "_mhc_dw_kernel", "_mhc_dw_reduce_kernel")
 
 XHC_KERNELS = ("_xhc_entry_fwd_kernel", "_xhc_entry_bwd_kernel", "_xhc_dx_kernel", "_xhc_dw_kernel",
-               "_xhc_dw_reduce_kernel")  # the fused xHC entry (xhc/kernels/xhc_entry.py, xhc_grad.py)
+               "_xhc_dw_reduce_kernel", "_xhc_post_fwd_kernel", "_xhc_post_bwd_kernel",
+               "_xhc_conv_bwd_kernel")  # the fused xHC entry and MLP write (xhc_entry.py, xhc_grad.py, xhc_post.py)
 
 
 # the separate HC ops (xhc.kernels.triton_ops) the xHC sublayer and the Flash windows launch
