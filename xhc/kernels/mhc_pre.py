@@ -83,6 +83,73 @@ def _sk_start(z, mask):
 
 
 @triton.jit
+def sinkhorn_tile(z, mask, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr):
+    """H = Sinkhorn(z) of a ``[BT, NP, NP]`` tile of logits in registers (row-max shift, ``t_max``
+    iterations in either order, denominators clamped at ε), then the row-sum clamp when ``CLAMP``
+    (docs/math.md §2.f: H[i, :] / max(Σ_j H[i, j], 1)); zero on the padding."""
+    zmax, M = _sk_start(z, mask)
+    if ROW_LAST:
+        M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+    else:
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+    if CLAMP:
+        M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
+    return M
+
+
+@triton.jit
+def sinkhorn_tile_bwd(z, mask, Gd, S, base, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr,
+                      NS: tl.constexpr, NP: tl.constexpr):
+    """dz of :func:`sinkhorn_tile` from dH = ``Gd`` (xhc.doubly_stochastic.sinkhorn_backward): the
+    forward is recomputed with its per-step sums in the scratch ``S`` at ``base``, then every step's
+    adjoint in reverse; the padding is kept at 0 after each step (else it grows by 1/ε per step)."""
+    zmax, M0 = _sk_start(z, mask)
+    M = M0
+    k = 0
+    if ROW_LAST:
+        M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
+        k += 1
+        for _ in range(t_max):
+            M = _sk_col_fwd(M, S, base, k, sk_eps, NS, NP)
+            M = _sk_row_fwd(M, S, base, k + 1, sk_eps, NS, NP)
+            k += 2
+    else:
+        for _ in range(t_max):
+            M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
+            M = _sk_col_fwd(M, S, base, k + 1, sk_eps, NS, NP)
+            k += 2
+    if CLAMP:
+        M = _sk_row_fwd(M, S, base, k, 1.0, NS, NP)
+        Gd, M = _sk_row_bwd(Gd, M, S, base, k, 1.0, NP)
+        Gd = tl.where(mask, Gd, 0.0)
+    if ROW_LAST:
+        for _ in range(t_max):
+            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            k -= 2
+        Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+        Gd = tl.where(mask, Gd, 0.0)
+    else:
+        for _ in range(t_max):
+            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            k -= 2
+    dz = Gd * M0
+    at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(dz.dtype)
+    cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
+    return tl.where(mask, dz - at_max * (tl.sum(dz, 2)[:, :, None] / cnt), 0.0)
+
+
+@triton.jit
 def _ds_start(zres, mask3, sk_eps):
     """DeepSeek-V4: p = softmax(z, −1) on the valid entries and M_0 = p + ε (zero on padding)."""
     zmax, E = _sk_start(zres, mask3)
@@ -163,18 +230,7 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
             M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
         tl.store(HRES + t[:, None, None] * N * N + j3 * N + i3, M, mask=mask3)
     else:
-        zmax, M = _sk_start(zres, mask3)
-        if ROW_LAST:
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-            for _ in range(t_max):
-                M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-                M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-        else:
-            for _ in range(t_max):
-                M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-                M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-        if CLAMP:  # the row-sum clamp (docs/math.md §2.f): H[i, :] / max(Σ_j H[i, j], 1)
-            M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
+        M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, CLAMP)
         tl.store(HRES + t[:, None, None] * N * N + i3 * N + j3, M, mask=mask3)
     for c0 in range(0, C, BC):  # 3. the read
         c = c0 + tl.arange(0, BC)
@@ -242,49 +298,9 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
         Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
         Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         dzres = tl.where(mask3, p * (Gd - tl.sum(Gd * p, 2)[:, :, None]), 0.0)
-    if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), denominators in S
-        zmax, M0 = _sk_start(zres, mask3)
-        base = t[:, None] * NS * NP
-        M = M0
-        k = 0
-        if ROW_LAST:
-            M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
-            k += 1
-            for _ in range(t_max):
-                M = _sk_col_fwd(M, S, base, k, sk_eps, NS, NP)
-                M = _sk_row_fwd(M, S, base, k + 1, sk_eps, NS, NP)
-                k += 2
-        else:
-            for _ in range(t_max):
-                M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
-                M = _sk_col_fwd(M, S, base, k + 1, sk_eps, NS, NP)
-                k += 2
-        if CLAMP:
-            M = _sk_row_fwd(M, S, base, k, 1.0, NS, NP)
+    if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), sums in S
         Gd = tl.load(DHRES + t[:, None, None] * N * N + i3 * N + j3, mask=mask3, other=0.0).to(CDT)
-        if CLAMP:
-            Gd, M = _sk_row_bwd(Gd, M, S, base, k, 1.0, NP)
-            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-        if ROW_LAST:
-            for _ in range(t_max):
-                Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-                Gd, M = _sk_col_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
-                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-                k -= 2
-            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-            Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-        else:
-            for _ in range(t_max):
-                Gd, M = _sk_col_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-                Gd, M = _sk_row_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
-                Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-                k -= 2
-        dzres = Gd * M0
-        at_max = tl.where(mask3 & (zres == zmax), 1.0, 0.0).to(CDT)
-        cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
-        dzres = tl.where(mask3, dzres - at_max * (tl.sum(dzres, 2)[:, :, None] / cnt), 0.0)
+        dzres = sinkhorn_tile_bwd(zres, mask3, Gd, S, t[:, None] * NS * NP, t_max, sk_eps, ROW_LAST, CLAMP, NS, NP)
     apre = tl.load(APRE).to(CDT)
     apost = tl.load(APOST).to(CDT)
     ares = tl.load(ARES).to(CDT)

@@ -43,8 +43,8 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast, mm, pick, place
-from xhc.kernels.mhc_pre import _sig, _sk_start
-from xhc.kernels.triton_ops import OWNER_CLASSES, _sk_col_bwd, _sk_col_fwd, _sk_row_bwd, _sk_row_fwd, _state_key
+from xhc.kernels.mhc_pre import _sig, sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.triton_ops import OWNER_CLASSES, _state_key
 
 
 def layout(n: int, k: int, K: int):
@@ -204,17 +204,7 @@ def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOS
     tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
     tl.store(PAC + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], accp, mask=tm[:, None])
     zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
-    zmax, M = _sk_start(zres, mask3)
-    if ROW_LAST:
-        M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-    else:
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-    M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]  # the row-sum clamp (always on in xHC)
+    M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
     i3 = tl.arange(0, KP)[None, :, None]
     q3 = tl.arange(0, KP)[None, None, :]
     s3 = tl.arange(0, SP)[None, None, :]
@@ -287,46 +277,8 @@ def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PA
     dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
     dzres = tl.zeros([BT, KP, KP], dtype=CDT)
     if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), per-step sums in S
-        zmax, M0 = _sk_start(zres, mask3)
-        base = t[:, None] * NS * KP
-        M = M0
-        st = 0
-        if ROW_LAST:
-            M = _sk_row_fwd(M, S, base, st, sk_eps, NS, KP)
-            st += 1
-            for _ in range(t_max):
-                M = _sk_col_fwd(M, S, base, st, sk_eps, NS, KP)
-                M = _sk_row_fwd(M, S, base, st + 1, sk_eps, NS, KP)
-                st += 2
-        else:
-            for _ in range(t_max):
-                M = _sk_row_fwd(M, S, base, st, sk_eps, NS, KP)
-                M = _sk_col_fwd(M, S, base, st + 1, sk_eps, NS, KP)
-                st += 2
-        M = _sk_row_fwd(M, S, base, st, 1.0, NS, KP)
         Gd = tl.load(DHRES + t[:, None, None] * k * k + i3 * k + q3, mask=mask3, other=0.0).to(CDT)
-        Gd, M = _sk_row_bwd(Gd, M, S, base, st, 1.0, KP)
-        Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-        if ROW_LAST:
-            for _ in range(t_max):
-                Gd, M = _sk_row_bwd(Gd, M, S, base, st - 1, sk_eps, KP)
-                Gd = tl.where(mask3, Gd, 0.0)
-                Gd, M = _sk_col_bwd(Gd, M, S, base, st - 2, sk_eps, KP)
-                Gd = tl.where(mask3, Gd, 0.0)
-                st -= 2
-            Gd, M = _sk_row_bwd(Gd, M, S, base, st - 1, sk_eps, KP)
-            Gd = tl.where(mask3, Gd, 0.0)
-        else:
-            for _ in range(t_max):
-                Gd, M = _sk_col_bwd(Gd, M, S, base, st - 1, sk_eps, KP)
-                Gd = tl.where(mask3, Gd, 0.0)
-                Gd, M = _sk_row_bwd(Gd, M, S, base, st - 2, sk_eps, KP)
-                Gd = tl.where(mask3, Gd, 0.0)
-                st -= 2
-        dzres = Gd * M0
-        at_max = tl.where(mask3 & (zres == zmax), 1.0, 0.0).to(CDT)
-        cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
-        dzres = tl.where(mask3, dzres - at_max * (tl.sum(dzres, 2)[:, :, None] / cnt), 0.0)
+        dzres = sinkhorn_tile_bwd(zres, mask3, Gd, S, t[:, None] * NS * KP, t_max, sk_eps, ROW_LAST, True, NS, KP)
     dzr = tl.zeros([BT, NP], dtype=CDT)
     zr = tl.zeros([BT, NP], dtype=CDT)
     wsr = tl.zeros([1, NP], dtype=CDT)
