@@ -33,7 +33,7 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast, mm, pick, place, w_pp_tile, w_res_tile
-from xhc.kernels.triton_ops import _sk_col_bwd, _sk_col_fwd, _sk_row_bwd, _sk_row_fwd, _state_key
+from xhc.kernels.triton_ops import _sk_start, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
 
 
 @triton.jit
@@ -72,81 +72,6 @@ def _epilogue(pr, pp, r, BPRE, BPOST, BRES, APRE, APOST, ARES, tm, N, NP: tl.con
     bres = tl.load(BRES + i3 * N + j3, mask=(i3 < N) & (j3 < N), other=0.0).to(CDT)
     zres = ares * r[:, None, None] * tl.reshape(pr, [BT, NP, NP]) + bres
     return zpre, zpost, zres, mask3
-
-
-@triton.jit
-def _sk_start(z, mask):
-    zm = tl.where(mask, z, float("-inf"))
-    zmax = tl.max(zm, 2)[:, :, None]
-    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
-    return zmax, tl.where(mask, tl.exp(z - zmax), 0.0)
-
-
-@triton.jit
-def sinkhorn_tile(z, mask, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr):
-    """H = Sinkhorn(z) of a ``[BT, NP, NP]`` tile of logits in registers (row-max shift, ``t_max``
-    iterations in either order, denominators clamped at ε), then the row-sum clamp when ``CLAMP``
-    (docs/math.md §2.f: H[i, :] / max(Σ_j H[i, j], 1)); zero on the padding."""
-    zmax, M = _sk_start(z, mask)
-    if ROW_LAST:
-        M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-    else:
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
-            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
-    if CLAMP:
-        M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
-    return M
-
-
-@triton.jit
-def sinkhorn_tile_bwd(z, mask, Gd, S, base, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr,
-                      NS: tl.constexpr, NP: tl.constexpr):
-    """dz of :func:`sinkhorn_tile` from dH = ``Gd`` (xhc.doubly_stochastic.sinkhorn_backward): the
-    forward is recomputed with its per-step sums in the scratch ``S`` at ``base``, then every step's
-    adjoint in reverse; the padding is kept at 0 after each step (else it grows by 1/ε per step)."""
-    zmax, M0 = _sk_start(z, mask)
-    M = M0
-    k = 0
-    if ROW_LAST:
-        M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
-        k += 1
-        for _ in range(t_max):
-            M = _sk_col_fwd(M, S, base, k, sk_eps, NS, NP)
-            M = _sk_row_fwd(M, S, base, k + 1, sk_eps, NS, NP)
-            k += 2
-    else:
-        for _ in range(t_max):
-            M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
-            M = _sk_col_fwd(M, S, base, k + 1, sk_eps, NS, NP)
-            k += 2
-    if CLAMP:
-        M = _sk_row_fwd(M, S, base, k, 1.0, NS, NP)
-        Gd, M = _sk_row_bwd(Gd, M, S, base, k, 1.0, NP)
-        Gd = tl.where(mask, Gd, 0.0)
-    if ROW_LAST:
-        for _ in range(t_max):
-            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-            Gd = tl.where(mask, Gd, 0.0)
-            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
-            Gd = tl.where(mask, Gd, 0.0)
-            k -= 2
-        Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-        Gd = tl.where(mask, Gd, 0.0)
-    else:
-        for _ in range(t_max):
-            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
-            Gd = tl.where(mask, Gd, 0.0)
-            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
-            Gd = tl.where(mask, Gd, 0.0)
-            k -= 2
-    dz = Gd * M0
-    at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(dz.dtype)
-    cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
-    return tl.where(mask, dz - at_max * (tl.sum(dz, 2)[:, :, None] / cnt), 0.0)
 
 
 @triton.jit

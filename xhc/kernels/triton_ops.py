@@ -75,26 +75,14 @@ def _sk_load(Z, T, n, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
     mask = (t < T) & (i < n) & (j < n)
     offs = t * n * n + i * n + j
     z = tl.load(Z + offs, mask=mask, other=0.0).to(CDT)
-    zm = tl.where(mask, z, float("-inf"))
-    zmax = tl.max(zm, 2)[:, :, None]
-    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
-    M0 = tl.where(mask, tl.exp(z - zmax), 0.0)
-    return z, zmax, M0, mask, offs
+    return z, mask, offs
 
 
 @triton.jit
 def _sinkhorn_fwd_kernel(Z, OUT, T, n, t_max, eps, ROW_LAST: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
                          CDT: tl.constexpr):
-    z, zmax, M, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
-    if ROW_LAST:
-        M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 1), eps)[:, None, :]
-            M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
-    else:
-        for _ in range(t_max):
-            M = M / tl.maximum(tl.sum(M, 2), eps)[:, :, None]
-            M = M / tl.maximum(tl.sum(M, 1), eps)[:, None, :]
+    z, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
+    M = sinkhorn_tile(z, mask, t_max, eps, ROW_LAST, False)
     tl.store(OUT + offs, _cast(M, OUT), mask=mask)
 
 
@@ -131,42 +119,89 @@ def _sk_col_bwd(G, M, S, base, k, eps, NP: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_bwd_kernel(Z, DH, DZ, S, T, n, t_max, eps, ROW_LAST: tl.constexpr, NS: tl.constexpr,
-                         BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
-    z, zmax, M0, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)[:, None]
-    base = t * NS * NP  # [BT, 1]; the scratch rows of padded tokens exist (S has BT-padded rows)
+def _sk_start(z, mask):
+    zm = tl.where(mask, z, float("-inf"))
+    zmax = tl.max(zm, 2)[:, :, None]
+    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
+    return zmax, tl.where(mask, tl.exp(z - zmax), 0.0)
+
+
+@triton.jit
+def sinkhorn_tile(z, mask, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr):
+    """H = Sinkhorn(z) of a ``[BT, NP, NP]`` tile of logits in registers (row-max shift, ``t_max``
+    iterations in either order, denominators clamped at ε), then the row-sum clamp when ``CLAMP``
+    (docs/math.md §2.f: H[i, :] / max(Σ_j H[i, j], 1)); zero on the padding."""
+    zmax, M = _sk_start(z, mask)
+    if ROW_LAST:
+        M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+    else:
+        for _ in range(t_max):
+            M = M / tl.maximum(tl.sum(M, 2), sk_eps)[:, :, None]
+            M = M / tl.maximum(tl.sum(M, 1), sk_eps)[:, None, :]
+    if CLAMP:
+        M = M / tl.maximum(tl.sum(M, 2), 1.0)[:, :, None]
+    return M
+
+
+@triton.jit
+def sinkhorn_tile_bwd(z, mask, Gd, S, base, t_max, sk_eps, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr,
+                      NS: tl.constexpr, NP: tl.constexpr):
+    """dz of :func:`sinkhorn_tile` from dH = ``Gd`` (xhc.doubly_stochastic.sinkhorn_backward): the
+    forward is recomputed with its per-step sums in the scratch ``S`` at ``base``, then every step's
+    adjoint in reverse; the padding is kept at 0 after each step (else it grows by 1/ε per step)."""
+    zmax, M0 = _sk_start(z, mask)
     M = M0
     k = 0
     if ROW_LAST:
-        M = _sk_row_fwd(M, S, base, k, eps, NS, NP)
+        M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
         k += 1
         for _ in range(t_max):
-            M = _sk_col_fwd(M, S, base, k, eps, NS, NP)
-            M = _sk_row_fwd(M, S, base, k + 1, eps, NS, NP)
+            M = _sk_col_fwd(M, S, base, k, sk_eps, NS, NP)
+            M = _sk_row_fwd(M, S, base, k + 1, sk_eps, NS, NP)
             k += 2
     else:
         for _ in range(t_max):
-            M = _sk_row_fwd(M, S, base, k, eps, NS, NP)
-            M = _sk_col_fwd(M, S, base, k + 1, eps, NS, NP)
+            M = _sk_row_fwd(M, S, base, k, sk_eps, NS, NP)
+            M = _sk_col_fwd(M, S, base, k + 1, sk_eps, NS, NP)
             k += 2
-    G = tl.load(DH + offs, mask=mask, other=0.0).to(CDT)
+    if CLAMP:
+        M = _sk_row_fwd(M, S, base, k, 1.0, NS, NP)
+        Gd, M = _sk_row_bwd(Gd, M, S, base, k, 1.0, NP)
+        Gd = tl.where(mask, Gd, 0.0)
     if ROW_LAST:
         for _ in range(t_max):
-            G, M = _sk_row_bwd(G, M, S, base, k - 1, eps, NP)
-            G, M = _sk_col_bwd(G, M, S, base, k - 2, eps, NP)
+            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
             k -= 2
-        G, M = _sk_row_bwd(G, M, S, base, k - 1, eps, NP)
+        Gd, M = _sk_row_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+        Gd = tl.where(mask, Gd, 0.0)
     else:
         for _ in range(t_max):
-            G, M = _sk_col_bwd(G, M, S, base, k - 1, eps, NP)
-            G, M = _sk_row_bwd(G, M, S, base, k - 2, eps, NP)
+            Gd, M = _sk_col_bwd(Gd, M, S, base, k - 1, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
+            Gd, M = _sk_row_bwd(Gd, M, S, base, k - 2, sk_eps, NP)
+            Gd = tl.where(mask, Gd, 0.0)
             k -= 2
-    dZ = G * M0
-    at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(CDT)
+    dz = Gd * M0
+    at_max = tl.where(mask & (z == zmax), 1.0, 0.0).to(dz.dtype)
     cnt = tl.maximum(tl.sum(at_max, 2), 1.0)[:, :, None]
-    dZ = dZ - at_max * (tl.sum(dZ, 2)[:, :, None] / cnt)
+    return tl.where(mask, dz - at_max * (tl.sum(dz, 2)[:, :, None] / cnt), 0.0)
+
+
+@triton.jit
+def _sinkhorn_bwd_kernel(Z, DH, DZ, S, T, n, t_max, eps, ROW_LAST: tl.constexpr, NS: tl.constexpr,
+                         BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
+    z, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)[:, None]
+    base = t * NS * NP  # [BT, 1]; the scratch rows of padded tokens exist (S has BT-padded rows)
+    G = tl.load(DH + offs, mask=mask, other=0.0).to(CDT)
+    dZ = sinkhorn_tile_bwd(z, mask, G, S, base, t_max, eps, ROW_LAST, False, NS, NP)
     tl.store(DZ + offs, _cast(dZ, DZ), mask=mask)
 
 

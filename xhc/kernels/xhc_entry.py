@@ -43,8 +43,8 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast, mm, pick, place
-from xhc.kernels.mhc_pre import _sig, sinkhorn_tile, sinkhorn_tile_bwd
-from xhc.kernels.triton_ops import OWNER_CLASSES, _state_key
+from xhc.kernels.mhc_pre import _sig
+from xhc.kernels.triton_ops import OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
 
 
 def layout(n: int, k: int, K: int):
