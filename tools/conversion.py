@@ -298,7 +298,8 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
 # raises (with the reason) if it is ever used; it never is with ``hc.kernels: eager``.
 EXPORT_KERNELS = "eager"
 NOT_SHIPPED = ("xhc.kernels.triton_ops", "xhc.kernels.liger", "xhc.kernels.mhc_common", "xhc.kernels.mhc_pre",
-               "xhc.kernels.mhc_post", "xhc.kernels.mhc_grad")
+               "xhc.kernels.mhc_post", "xhc.kernels.mhc_grad", "xhc.kernels.xhc_entry", "xhc.kernels.xhc_grad",
+               "xhc.kernels.xhc_post")
 NOT_SHIPPED_FILE = "xhc_not_shipped.py"
 _NOT_SHIPPED_SRC = '''"""Placeholder for the xhc modules an exported folder does not ship (it runs the eager HC path)."""
 

@@ -539,10 +539,8 @@ class XHCSublayer(nn.Module):
         fused xHC write kernel (:mod:`xhc.kernels.xhc_post`): ``triton``, an augmented sublayer with at
         most 3 kernels, ``[s, b, ·]`` tensors and a sequence held whole by this rank (no halo exchange,
         segments or decode cache: those keep the separate ops)."""
-        from xhc.kernels.xhc_post import MAX_KERNELS
-
         whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
-        return (backend == "triton" and self.temporal is not None and 0 < len(self.temporal.conv) <= MAX_KERNELS
+        return (backend == "triton" and self.temporal is not None and 0 < len(self.temporal.conv) <= kernels.FUSED_WRITE_MAX_KERNELS
                 and whole and X.dim() == 4 and y.dim() == 3)
 
     def read(self, X: torch.Tensor):

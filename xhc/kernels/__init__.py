@@ -461,6 +461,10 @@ def xhc_read(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a
                                norm_eps, t_max, sk_eps, order)
 
 
+FUSED_WRITE_MAX_KERNELS = 3
+"""The fused xHC MLP write (:mod:`xhc.kernels.xhc_post`) takes at most this many temporal kernels (K ≤ 4)."""
+
+
 def xhc_write(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float):
     """The fused xHC MLP write on the ``triton`` backend (:mod:`xhc.kernels.xhc_post`): the temporal
     components of ``y``, their Gram–Schmidt coefficients folded into ``P`` and the sparse write in one

@@ -34,10 +34,10 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast
-from xhc.kernels import triton_ops
+from xhc.kernels import FUSED_WRITE_MAX_KERNELS, triton_ops
 from xhc.kernels.triton_ops import _claim, _np2, _tl
 
-MAX_KERNELS = 3  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused path's limit
+MAX_KERNELS = FUSED_WRITE_MAX_KERNELS  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused path's limit
 
 
 @triton.jit
