@@ -682,41 +682,60 @@ def perf_main(device: str, C: int, tokens: int, dtype, reps: int, out_dir: Optio
     return rows
 
 
+def _mhc_unit(n: int, C: int, device, dtype) -> Unit:
+    """The mHC sublayer unit with ``n`` streams (the bench's unit when n = 4)."""
+    unit = build_unit("mhc", C, "triton", device, dtype)
+    if n == unit.n:
+        return unit
+    from xhc.hyper_connection import HyperConnection
+
+    hc = HyperConnection(hc_config("mhc", "triton").replace(n=n), C, layer_index=1).to(device)
+
+    def step(X, ys):
+        u, ctx = hc.read(X)
+        return u, hc.write(X, ys[0], ctx)
+
+    return Unit("mhc", n, 1, [hc], step, 0.0)
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
 def autotune_main(device: str, C: int, tokens: int, dtype, reps: int, out: str, ns: Sequence[int] = (4,),
                   grid_limit: Optional[int] = None) -> dict:
-    """Time each fused mHC kernel over :data:`xhc.kernels.mhc_common.TUNE_GRID` at (N, C, tokens),
-    one kernel at a time (the others at their defaults), and write the fastest block sizes to
-    ``out`` as JSON in the layout of ``xhc/kernels/tuned_blocks.json``:
-    ``{kernel: {"N<n>_C<C>": blocks}}`` (merged into ``out`` when it exists)."""
+    """Time each fused HC kernel over :data:`xhc.kernels.mhc_common.TUNE_GRID` at (N, C, tokens), one
+    kernel at a time (the others at their defaults): the mHC kernels (``mhc_*``) in the mHC sublayer
+    with N in ``ns``, the fused xHC kernels (``xhc_*``) in the bench's xHC MLP sublayer (N = 16, k = 4).
+    The fastest block sizes go to ``out`` as JSON in the layout of ``xhc/kernels/tuned_blocks.json``,
+    ``{kernel: {"N<n>_C<C>": blocks}}`` (merged into ``out`` when it exists), rewritten atomically
+    after every kernel: a run stopped by a time limit keeps the kernels it finished."""
     from xhc.kernels import mhc_common as cm
 
     result: Dict[str, Dict[str, dict]] = {}
     if os.path.exists(out):
         with open(out) as f:
             result = json.load(f)
-    for n in ns:
-        cfg_unit = build_unit("mhc", C, "triton", device, dtype)
-        if n != cfg_unit.n:  # another N: the same unit with n streams
-            from xhc.hyper_connection import HyperConnection
-
-            cfg = hc_config("mhc", "triton").replace(n=n)
-            hc = HyperConnection(cfg, C, layer_index=1).to(device)
-
-            def step(X, ys, hc=hc):
-                u, ctx = hc.read(X)
-                return u, hc.write(X, ys[0], ctx)
-
-            cfg_unit = Unit("mhc", n, 1, [hc], step, 0.0)
-        sets = _rotating(cfg_unit, C, tokens, device, dtype, k=2)
-        key = f"N{n}_C{C}"
+    units = [(_mhc_unit(n, C, device, dtype), "mhc_") for n in ns]
+    units.append((build_unit("xhc-mlp", C, "triton", device, dtype), "xhc_"))
+    for unit, prefix in units:
+        sets = _rotating(unit, C, tokens, device, dtype, k=2)
+        key = f"N{unit.n}_C{C}"
         for kernel, grid in cm.TUNE_GRID.items():
+            if not kernel.startswith(prefix):
+                continue
             grid = grid[:grid_limit] if grid_limit else grid
             best = None
             for cand in grid:
                 cm.OVERRIDE.clear()
                 cm.OVERRIDE[kernel] = cand
                 try:
-                    _, per_kernel = _timed_unit(cfg_unit, sets, reps, device)
+                    _, per_kernel = _timed_unit(unit, sets, reps, device)
                 except Exception as e:  # a block size the kernel cannot take at this shape
                     print(f"autotune {kernel} {key} {cand}: failed ({type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
                     continue
@@ -731,10 +750,8 @@ def autotune_main(device: str, C: int, tokens: int, dtype, reps: int, out: str, 
                 result.setdefault(kernel, {})[key] = best[1]
                 print(f"autotune best {kernel} {key} {json.dumps(best[1], sort_keys=True)} {1e3 * best[0]:.4f} ms",
                       flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-        f.write("\n")
+                _write_json_atomic(out, result)
+    _write_json_atomic(out, result)
     print(f"autotune: wrote {out} (commit it as xhc/kernels/tuned_blocks.json)", flush=True)
     return result
 
@@ -823,7 +840,7 @@ def main(argv=None) -> int:
                         "GPU defaults C=2048, 8192 tokens, bf16; --device cpu (under TRITON_INTERPRET=1) is a smoke run")
     p.add_argument("--copy-gbps", type=float, default=None, help="--perf: the machine's measured copy rate (GB/s)")
     p.add_argument("--autotune", action="store_true",
-                   help="time the fused mHC kernels over a small block-size grid at --hidden/--tokens and write "
+                   help="time the fused mHC and xHC kernels over a small block-size grid at --hidden/--tokens and write "
                         "the winners to --out as JSON (the layout of xhc/kernels/tuned_blocks.json)")
     p.add_argument("--out", default=None, help="--perf: a folder for hc_perf.json/.txt; --autotune: the JSON file")
     args = p.parse_args(argv)

@@ -8,6 +8,8 @@ known graph, and the inductor kernel count of a compiled add.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -178,12 +180,17 @@ def test_autotune_smoke_writes_blocks_the_kernels_read(monkeypatch, tmp_path):
     _interp(monkeypatch)
     out = tmp_path / "tuned.json"
     res = autotune_main("cpu", 16, 4, torch.float32, 1, str(out), grid_limit=1)
-    assert set(res) == set(cm.TUNE_GRID) and all(set(v) == {"N4_C16"} for v in res.values())
-    assert all(res[k]["N4_C16"] == cm.TUNE_GRID[k][0] for k in res)  # one candidate each: it wins
+    # the mHC kernels at the mHC sublayer's N = 4, the fused xHC kernels at the xHC MLP sublayer's N = 16
+    assert set(res) == set(cm.TUNE_GRID) and any(k.startswith("xhc_") for k in res)
+    assert all(set(v) == {"N16_C16" if k.startswith("xhc_") else "N4_C16"} for k, v in res.items())
+    assert all(next(iter(res[k].values())) == cm.TUNE_GRID[k][0] for k in res)  # one candidate each: it wins
+    assert json.loads(out.read_text()) == res
     monkeypatch.setattr(cm, "TUNED_FILE", str(out))
     cm._tuned.cache_clear()
     try:
         assert cm.blocks("mhc_dw", 4, 16) == cm.TUNE_GRID["mhc_dw"][0]
         assert cm.blocks("mhc_dw", 4, 32) == cm.DEFAULT_BLOCKS["mhc_dw"]  # a shape not tuned: the defaults
+        assert cm.TUNE_GRID["xhc_entry_bwd"][0] != cm.DEFAULT_BLOCKS["xhc_entry_bwd"]  # so the file is what decides
+        assert cm.blocks("xhc_entry_bwd", 16, 16) == cm.TUNE_GRID["xhc_entry_bwd"][0]
     finally:
         cm._tuned.cache_clear()

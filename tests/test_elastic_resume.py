@@ -1,11 +1,11 @@
 """Elastic resume: a checkpoint saved on one parallel layout continues on another, optimizer state
 included (``checkpoint.reshard=auto``, docs/parallelism-and-checkpoints.md).
 
-Each transition trains 20 steps at layout A (the uninterrupted run A goes on to 30 and saves at 20),
-resumes at layout B for 10 more steps, and is compared with run A.  The tolerance is measured, not
+Each transition trains 10 steps at layout A (the uninterrupted run A goes on to 16 and saves at 10),
+resumes at layout B for 6 more steps, and is compared with run A.  The tolerance is measured, not
 guessed: a second uninterrupted run, at layout B from run A's initial weights (layouts initialise
 expert and pipeline-stage weights from different RNG streams), gives the largest loss difference
-the two layouts' arithmetic makes over 30 steps; the resumed run may differ from A by twice that,
+the two layouts' arithmetic makes over 16 steps; the resumed run may differ from A by twice that,
 and by at least 1e-5 (about 20 float32 roundings of these losses) where the two runs agree to the bit.  Right after the
 load, the resumed run saves a checkpoint before its first step; every tensor of it (weights,
 AdamW moments, Muon momentum), read back whole by torch's own checkpoint reader, equals the one
@@ -32,10 +32,11 @@ pytestmark = [pytest.mark.megatron]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join("tests", "dist", "elastic_worker.py")
+SAVE, STEPS = 10, 16  # A saves at SAVE (and at 0, STEPS); R resumes from SAVE and runs to STEPS
 BASE = ["data.mock=true", "batch.micro_batch_size=2", "batch.global_batch_size=4", "batch.seq_length=32",
         "run.eval_interval=0", "logging.tensorboard=false", "logging.plot=false", "run.num_threads=1",
         "tokenizer.vocab_size=512", "logging.interval=10", "logging.sample_ids=true", "checkpoint.keep_last=5",
-        "checkpoint.interval=20"]
+        f"checkpoint.interval={SAVE}"]
 LAYOUTS = {"1": [], "ep2": ["parallel.ep=2"], "tp2sp": ["parallel.tp=2", "parallel.sp=true"],
            "pp2": ["parallel.pp=2"], "dp2": []}
 WORLD = {"1": 1, "ep2": 2, "tp2sp": 2, "pp2": 2, "dp2": 2}
@@ -82,12 +83,12 @@ def runs(tmp_path_factory, run_torchrun):
     ckpt = lambda name, step: os.path.join(root, name, "checkpoints", f"step_{step:08d}")  # noqa: E731
     first, launch, last = [], [], []
     for (v, o, a, b), tid in zip(TRANSITIONS, IDS):
-        # A: uninterrupted at layout A (saves its initial state, 20 and 30); B: uninterrupted at layout
-        # B from A's initial weights; R: A's step 20 resumed at layout B
-        # (A writes its step-20 checkpoint in the background: the resume on another layout reads an async save)
-        A = {"args": [*_args(root, f"{tid}-A", v, o, a, 30), "checkpoint.async_save=true"], "save_at_start": True}
-        B = {"args": _args(root, f"{tid}-B", v, o, b, 30, load=ckpt(f"{tid}-A", 0))}
-        R = {"args": _args(root, f"{tid}-R", v, o, b, 30, load=ckpt(f"{tid}-A", 20)), "resave": True}
+        # A: uninterrupted at layout A (saves its initial state, SAVE and STEPS); B: uninterrupted at
+        # layout B from A's initial weights; R: A's step SAVE resumed at layout B
+        # (A writes its step-SAVE checkpoint in the background: the resume on another layout reads an async save)
+        A = {"args": [*_args(root, f"{tid}-A", v, o, a, STEPS), "checkpoint.async_save=true"], "save_at_start": True}
+        B = {"args": _args(root, f"{tid}-B", v, o, b, STEPS, load=ckpt(f"{tid}-A", 0))}
+        R = {"args": _args(root, f"{tid}-R", v, o, b, STEPS, load=ckpt(f"{tid}-A", SAVE)), "resave": True}
         (first if WORLD[a] == 1 else launch).append(A)
         for job in (B, R):
             (last if WORLD[b] == 1 else launch).append(job)
@@ -115,13 +116,13 @@ def test_resume_on_another_layout(runs, transition):
     A, B, R = (_losses(os.path.join(root, f"{tid}-{k}")) for k in "ABR")
 
     # the resume record and the log line name both layouts
-    rec = R["resume"][20]
+    rec = R["resume"][SAVE]
     assert rec["layout"]["saved"]["world_size"] == WORLD[a] and rec["layout"]["now"]["world_size"] == WORLD[b]
-    assert f"resharding checkpoint {os.path.join(root, f'{tid}-A', 'checkpoints', 'step_00000020')} from world size {WORLD[a]}" in logs
+    assert f"resharding checkpoint {os.path.join(root, f'{tid}-A', 'checkpoints', f'step_{SAVE:08d}')} from world size {WORLD[a]}" in logs
 
     # right after the load: every tensor equals what layout A saved (read whole, with torch's reader)
-    saved = os.path.join(root, f"{tid}-A", "checkpoints", "step_00000020")
-    loaded = os.path.join(root, f"{tid}-R", "checkpoints", "step_00000020")
+    saved = os.path.join(root, f"{tid}-A", "checkpoints", f"step_{SAVE:08d}")
+    loaded = os.path.join(root, f"{tid}-R", "checkpoints", f"step_{SAVE:08d}")
     ta, tr = _whole(saved), _whole(loaded)
     moments = "exp_avg" if o == "adamw" else "momentum_buffer"
     assert sum(k.startswith(f"optimizer.{o}.{moments}.") for k in ta) >= 10, sorted(ta)[:5]
@@ -135,21 +136,21 @@ def test_resume_on_another_layout(runs, transition):
     ca, cr = dist_checkpointing.load_common_state_dict(saved), dist_checkpointing.load_common_state_dict(loaded)
     assert ca["optimizer_torch"]["steps"] == cr["optimizer_torch"]["steps"]
     steps = ca["optimizer_torch"]["steps"]
-    assert {v for k, v in steps.items() if k.startswith("adamw.")} == {20.0}  # AdamW (also Muon's 1-D/embeddings)
+    assert {v for k, v in steps.items() if k.startswith("adamw.")} == {float(SAVE)}  # AdamW (also Muon's 1-D/embeddings)
     assert (o == "muon") == any(k.startswith("muon.") for k in steps)
     assert ca["scheduler"] == cr["scheduler"] and ca["trainer"] == cr["trainer"]
 
     # the data continues exactly: the same sample indices, step by step
-    for step in range(21, 31):
+    for step in range(SAVE + 1, STEPS + 1):
         assert R["train"][step]["sample_ids"] == A["train"][step]["sample_ids"], step
-    assert R["train"][21]["sample_ids"] == list(range(80, 84))
+    assert R["train"][SAVE + 1]["sample_ids"] == list(range(4 * SAVE, 4 * SAVE + 4))  # global batch 4
 
     # losses within the measured layout noise
     assert B["resume"][0]["layout"]["now"]["world_size"] == WORLD[b]  # B: A's initial weights, layout B
-    noise = max(abs(A["train"][s]["loss"] - B["train"][s]["loss"]) for s in range(1, 31))
+    noise = max(abs(A["train"][s]["loss"] - B["train"][s]["loss"]) for s in range(1, STEPS + 1))
     tol = max(2 * noise, 1e-5)
-    worst = max(abs(R["train"][s]["loss"] - A["train"][s]["loss"]) for s in range(21, 31))
-    print(f"ELASTIC {tid}: max |dloss| over 10 steps {worst:.3g} (tolerance {tol:.3g}: two uninterrupted "
+    worst = max(abs(R["train"][s]["loss"] - A["train"][s]["loss"]) for s in range(SAVE + 1, STEPS + 1))
+    print(f"ELASTIC {tid}: max |dloss| over {STEPS - SAVE} steps {worst:.3g} (tolerance {tol:.3g}: two uninterrupted "
           f"layouts differ by up to {noise:.3g}); load {rec['load_time_s']:.2f} s")
     assert worst <= tol, (worst, noise)
 

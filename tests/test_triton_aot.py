@@ -85,9 +85,10 @@ def triton36():
     return target
 
 
-def _compile(specs: Path, out: Path, pythonpath: str = "", archs=ARCHS):
+def _compile(specs: Path, out: Path, pythonpath: str = "", archs=ARCHS, dtypes=()):
+    only = ["--dtypes", ",".join(dtypes)] if dtypes else []
     return subprocess.Popen([sys.executable, "-m", "tools.triton_aot", "compile", str(specs), "--arch",
-                             ",".join(map(str, archs)), "--json", str(out)], cwd=ROOT, env=_env(pythonpath),
+                             ",".join(map(str, archs)), "--json", str(out), *only], cwd=ROOT, env=_env(pythonpath),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -110,13 +111,17 @@ def _check(proc, out: Path, version: str, archs=ARCHS):
 
 @pytest.mark.install
 def test_every_kernel_compiles_for_sm90_and_sm80_with_the_newest_triton_and_sm90_with_3_6(specs, triton36, tmp_path):
-    """Both Triton versions at once (two processes: the compiles are single-threaded).  Triton 3.6 is the
-    GPU check image's (a Hopper machine): sm_90 only there, which keeps this test's time in CI's budget."""
+    """Three compiles at once (the compiles are single-threaded): every launch for sm_90 with the newest
+    Triton and with Triton 3.6 (the GPU check image's, a Hopper machine), and the bf16-state launches
+    (the training path; every kernel has some) for sm_80 with the newest, which keeps this test's time
+    in CI's budget."""
     assert _kernel_names() >= {"_read_fwd_kernel", "_write_bwd_kernel", "_sinkhorn_fwd_kernel",
                                "_linear_stats_dw_kernel"}, _kernel_names()
-    new = _compile(specs, tmp_path / "new.json")
+    new = _compile(specs, tmp_path / "new.json", archs=(90,))
+    a100 = _compile(specs, tmp_path / "a100.json", archs=(80,), dtypes=("bfloat16",))
     old = _compile(specs, tmp_path / "old.json", str(triton36), archs=(90,))
-    _check(new, tmp_path / "new.json", triton.__version__)
+    _check(new, tmp_path / "new.json", triton.__version__, archs=(90,))
+    _check(a100, tmp_path / "a100.json", triton.__version__, archs=(80,))
     _check(old, tmp_path / "old.json", OLD, archs=(90,))
 
 

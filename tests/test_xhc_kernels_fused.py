@@ -13,6 +13,7 @@ float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids c
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -181,3 +182,92 @@ def test_fused_xhc_write_falls_back_for_a_distributed_sequence():
     assert mod._fused_post(X, y, None, "triton") and mod._fused_post(X, y, SC(pos_in_doc=POS), "triton")
     assert not mod._fused_post(X, y, SC(decode_cache={}), "triton")
     assert not mod._fused_post(X, y, None, "compile")
+
+
+def test_every_autotuning_candidate_equals_eager(monkeypatch):
+    """Each block-size candidate ``bench.hc_kernels --autotune`` may commit for the xHC kernels
+    (``mhc_common.TUNE_GRID``) gives the eager float64 result, on 10 tokens: ragged last blocks for
+    every BT.  Run i sets candidate i of every kernel's grid (cycling the shorter grids)."""
+    _need_triton()
+    from xhc.kernels import mhc_common as cm
+
+    grids = {k: g for k, g in cm.TUNE_GRID.items() if k.startswith("xhc_")}
+    assert set(grids) == {"xhc_entry_fwd", "xhc_entry_bwd", "xhc_dx", "xhc_dw", "xhc_dw_reduce"}
+    cfg = HCConfig(variant="xhc", n=8, k=4, m=2, kernel_sizes=(2, 3))
+    outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), "cpu", True)
+    for i in range(max(len(g) for g in grids.values())):
+        monkeypatch.setattr(cm, "OVERRIDE", {k: g[i % len(g)] for k, g in grids.items()})
+        outs_f, I_f, g_f = _run(cfg.replace(kernels="triton"), "cpu", True)
+        assert torch.equal(I_f, I_r), i
+        for a, b, w in zip(outs_f, outs_r, ("u", "out")):
+            _close(a, b, f"candidate set {i}: {w}")
+        for name in g_r:
+            _close(g_f[name], g_r[name], f"candidate set {i}: d{name}")
+
+
+def _run_window(cfg):
+    """A Flash (one layer) or Flash-4sub window in float64 with perturbed weights; (X', grads)."""
+    from xhc.flash import Flash4Window, XHCFlashLayer
+
+    torch.manual_seed(0)
+    mod = (XHCFlashLayer if cfg.variant == "xhc_flash" else Flash4Window)(cfg, C, layer_index=0).double()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=F64))
+    X = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).requires_grad_()
+    Go = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64)
+    Ws = [torch.randn(C, C, generator=g, dtype=F64) for _ in range(4)]
+    branches = [lambda u, W=W: torch.tanh(u @ W) for W in Ws]
+    seq = SequenceContext(pos_in_doc=POS)
+    out = mod(X, *branches[:2], seq=seq) if cfg.variant == "xhc_flash" else mod(X, branches, seq=seq)
+    grads = torch.autograd.grad((out * Go).sum(), [X] + list(mod.parameters()))
+    return out, grads
+
+
+@pytest.mark.parametrize("kw, modes", [
+    pytest.param(dict(variant="xhc_flash", n=8, k=4, m=2, kernel_sizes=(2, 3)), ["exit"], id="flash"),
+    pytest.param(dict(variant="xhc_flash4", n=8, k=4, m=2, kernel_sizes=(2, 3)), ["carried", "exit"], id="flash4"),
+    pytest.param(dict(variant="xhc_flash4", n=16, k=8, m=0, kernel_sizes=(3,), gram_schmidt=False,
+                      attn_temporal=True), ["carried"] * 3 + ["exit"], id="flash4-attn-temporal-no-gs"),
+    pytest.param(dict(variant="xhc_flash4", n=6, k=3, m=1, kernel_sizes=(2,), ablate_res=True), ["carried", "exit"],
+                 id="flash4-no-res"),
+])
+def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
+    """Every augmented write of a Flash window (carried X_a, the last one scattered into X^(0)) runs the
+    fused write kernel on ``triton`` and equals eager in float64 (document resets, Gram–Schmidt on and
+    off, temporal attention, no H_res); where the fused write does not run (a distributed sequence,
+    a decode cache) the separate ops give the same."""
+    _need_triton()
+    from xhc import flash
+    from xhc.kernels import xhc_post
+    from xhc.temporal import SequenceContext as SC
+
+    calls = []
+    post = xhc_post.XHCPost.apply
+
+    def spy(X, Xa, *a):
+        assert Xa is not None  # a window's writes never read X^(0)[I]: X_a is carried
+        calls.append("carried" if X is None else "exit")
+        return post(X, Xa, *a)
+
+    monkeypatch.setattr(xhc_post.XHCPost, "apply", spy)
+    cfg = HCConfig(**kw)
+    out_r, g_r = _run_window(cfg.replace(kernels="eager"))
+    assert calls == []
+    out_f, g_f = _run_window(cfg.replace(kernels="triton"))
+    assert calls == modes, calls
+    _close(out_f, out_r, "X'")
+    for i, (a, b) in enumerate(zip(g_f, g_r)):
+        _close(a, b, f"grad {i}")
+    calls.clear()
+    temporal = SimpleNamespace(conv=[None])  # one temporal kernel: what fused_write_runs reads of the module
+    Xa, y = torch.randn(S, B, cfg.k, C), torch.randn(S, B, C)
+    assert flash.fused_write_runs(temporal, Xa, y, SC(pos_in_doc=POS), "triton")
+    assert not flash.fused_write_runs(temporal, Xa, y, SC(decode_cache={}), "triton")
+    monkeypatch.setattr(flash, "fused_write_runs", lambda *a: False)
+    out_d, g_d = _run_window(cfg.replace(kernels="triton"))
+    assert calls == []
+    _close(out_d, out_r, "X' (separate ops)")
+    for i, (a, b) in enumerate(zip(g_d, g_r)):
+        _close(a, b, f"grad {i} (separate ops)")

@@ -25,6 +25,7 @@ Run::
     python -m tools.triton_aot --arch 90 --json runs/aot.json
     python -m tools.triton_aot capture specs.json    # the two halves (compile may run under
     python -m tools.triton_aot compile specs.json    #   another Triton: PYTHONPATH=<dir> python ...)
+    python -m tools.triton_aot compile specs.json --arch 80 --dtypes bfloat16   # the bf16 launches only
     python -m tools.triton_aot resources --arch 90 [--presets P,...]   # registers, spills, shared memory
 
 ``resources`` captures the zoo presets' HC modules (bf16 state, the GPU training path), compiles
@@ -428,8 +429,10 @@ def resources_lines(results: List[dict], module_prefix: str = "xhc.") -> List[st
     return out
 
 
-def compile_specs(specs: dict, archs: List[int], log=print, resources: bool = False) -> List[dict]:
-    """Compile every recorded launch for every arch.  Launches that Triton's binder specialises
+def compile_specs(specs: dict, archs: List[int], log=print, resources: bool = False,
+                  dtypes: Optional[Tuple[str, ...]] = None) -> List[dict]:
+    """Compile every recorded launch for every arch (with ``dtypes``: only the launches captured with
+    one of those state dtypes, the last word of their context).  Launches that Triton's binder specialises
     alike (e.g. C = 1024 and 2048: both multiples of 16, same constexprs) share one kernel, as they
     would on the GPU (Triton's own kernel cache): one result dict per distinct kernel and arch, with
     ``launches`` counting the launches it serves."""
@@ -447,6 +450,8 @@ def compile_specs(specs: dict, archs: List[int], log=print, resources: bool = Fa
         fresh = set()
         try:
             for launch in specs["launches"]:
+                if dtypes and launch["context"].split()[-1].split(":")[-1] not in dtypes:  # "... bfloat16", "ops 4:64:bfloat16"
+                    continue
                 name = launch["name"]
                 res = {"arch": arch, "kernel": name, "module": launch["module"], "context": launch["context"],
                        "triton": triton.__version__, "launches": 1, "meta": _meta(launch)}
@@ -530,10 +535,13 @@ def main(argv=None) -> int:
     p.add_argument("--execute", action="store_true",
                    help="capture: also run each kernel in the interpreter (slow; default: record the launch only)")
     p.add_argument("--json", default=None, help="compile: write the results here")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="capture: state dtypes (default: bfloat16,float32)")
+    p.add_argument("--dtypes", default=None,
+                   help="capture: state dtypes (default: bfloat16,float32); compile: only the launches captured "
+                        "with these (default: every launch in the file)")
     args = p.parse_args(argv)
     extra = [] if args.no_extra else (args.extra or list(TEST_SHAPES))
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
+    dtypes = tuple(d for d in args.dtypes.split(",") if d) if args.dtypes else None
     try:
         archs = [int(a) for a in args.arch.split(",") if a.strip()]
     except ValueError:
@@ -541,7 +549,7 @@ def main(argv=None) -> int:
     if args.command == "capture":
         if not args.specs:
             p.error("capture needs the output file: python -m tools.triton_aot capture specs.json")
-        specs = capture(extra, tuple(d for d in args.dtypes.split(",") if d),
+        specs = capture(extra, dtypes or ("bfloat16", "float32"),
                         log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute, presets=presets)
         Path(args.specs).write_text(json.dumps(specs))
         print(f"{len(specs['launches'])} launches captured ({len(specs['sources'])} sources) -> {args.specs}")
@@ -571,7 +579,7 @@ def main(argv=None) -> int:
     if not specs.get("launches"):
         print("FAIL nothing captured: no kernel launch was recorded")
         return 1
-    results = compile_specs(specs, archs, log=lambda s: print(s, flush=True))
+    results = compile_specs(specs, archs, log=lambda s: print(s, flush=True), dtypes=dtypes)
     print(summary_line(results), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

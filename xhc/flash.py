@@ -79,6 +79,8 @@ from xhc.xhc import (
     entry_mappings,
     entry_statistics,
     fold_components,
+    fused_write,
+    fused_write_runs,
     make_temporal,
     mapping_diagnostics,
     num_components,
@@ -149,6 +151,17 @@ def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Opt
     return kernels.write(X0, I, Xa, H_res, P, comps.V, out_dtype, backend=run.backend), H_res, H_post
 
 
+def carried_write_fused(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping],
+                        y: torch.Tensor, temporal: nn.Module, cfg: HCConfig, seq, run: WindowRun,
+                        exit: Optional[WindowExit] = None, moments=None):
+    """:func:`carried_write` with the branch output ``y`` itself: its temporal components, their
+    Gram–Schmidt coefficients and the write in one kernel (:func:`~xhc.xhc.fused_write`, where
+    :func:`~xhc.xhc.fused_write_runs`); same results and return values."""
+    H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
+    X0, I = (None, None) if exit is None else (exit.X0, exit.I)
+    return fused_write(X0, I, Xa, H_res, p.unsqueeze(-1) * H_post, y, temporal, cfg, seq), H_res, H_post
+
+
 def unbind_readouts(R: torch.Tensor) -> Optional[tuple]:
     """The window's readouts ``R`` ``[..., T, C]`` (one read of X^(0) for all T sublayers) as T tensors,
     for autograd outside ``torch.compile``: their T gradients then come back as one stack instead of
@@ -215,6 +228,14 @@ class _WindowPart(nn.Module):
 
     def _components(self, y: torch.Tensor, temporal: Optional[nn.Module], seq, backend: str) -> Components:
         return branch_components(y, temporal, self.cfg, seq, backend)
+
+    def _branch_write(self, Xa, p, post, res, y, temporal, seq, run: WindowRun, exit=None, moments=None):
+        """A carried write from the branch output ``y``: the fused write kernel where it runs
+        (:func:`carried_write_fused`), else the components then :func:`carried_write`."""
+        if fused_write_runs(temporal, Xa, y, seq, run.backend):
+            return carried_write_fused(Xa, p, post, res, y, temporal, self.cfg, seq, run, exit, moments)
+        comps = self._components(y, temporal, seq, run.backend)
+        return carried_write(Xa, p, post, res, comps, run, exit, moments)
 
     def _two_sublayers(self, st, attn: Callable, mlp: Callable, seq=None):
         """attention then MLP on a window state: ``mlp_write(st', mlp(mlp_read(st')))``, st' = attn_write(…)."""
@@ -321,9 +342,8 @@ class XHCFlashLayer(_WindowPart):
         """X_a^(M) = H_res^M·X_a^(A) + diag(p)·H_post^M·V, scattered into X^(0): X^(1) ``[..., N, C]``."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_write")
         run = self._run(state.X0)
-        comps = self._components(y, self.temporal_M, seq, run.backend)
-        X1, _, _ = carried_write(state.Xa, state.p, self.post_M, self.res_M, comps, run,
-                                 WindowExit(state.X0, state.I))
+        X1, _, _ = self._branch_write(state.Xa, state.p, self.post_M, self.res_M, y, self.temporal_M, seq, run,
+                                      WindowExit(state.X0, state.I))
         return X1
 
     def forward(self, X0: torch.Tensor, attn: Callable, mlp: Callable, seq=None) -> torch.Tensor:
@@ -391,12 +411,12 @@ class _Flash4Part(_WindowPart):
                 "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order"
             )
         run = self._run(state.X0)
-        comps = self._components(y, temporal, seq, run.backend)
         mom = state.act_moments  # X_a is still X^(0)[I] only before the first write
         if last:
-            X, _, _ = carried_write(state.Xa, state.p, post, res, comps, run, WindowExit(state.X0, state.I), mom)
+            X, _, _ = self._branch_write(state.Xa, state.p, post, res, y, temporal, seq, run,
+                                         WindowExit(state.X0, state.I), mom)
             return X
-        Xa, _, _ = carried_write(state.Xa, state.p, post, res, comps, run, moments=mom)
+        Xa, _, _ = self._branch_write(state.Xa, state.p, post, res, y, temporal, seq, run, moments=mom)
         return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None)
 
 

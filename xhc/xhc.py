@@ -432,6 +432,26 @@ def branch_components(y: torch.Tensor, temporal: Optional[nn.Module], cfg: HCCon
     return Components(write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None)
 
 
+def fused_write_runs(temporal: Optional[nn.Module], X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
+    """Whether a write with the temporal components of ``temporal`` runs as the fused xHC write kernel
+    (:mod:`xhc.kernels.xhc_post`; the xHC MLP sublayer and the Flash windows' writes): ``triton``, an
+    augmented write with at most 3 kernels, ``[s, b, ·]`` tensors (``X`` the state or the carried
+    X_a) and a sequence held whole by this rank (no halo exchange, segments or decode cache: those
+    keep the separate ops)."""
+    whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
+    return (backend == "triton" and temporal is not None and 0 < len(temporal.conv) <= kernels.FUSED_WRITE_MAX_KERNELS
+            and whole and X.dim() == 4 and y.dim() == 3)
+
+
+def fused_write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: Optional[torch.Tensor],
+                H_res: Optional[torch.Tensor], P: torch.Tensor, y: torch.Tensor, temporal: nn.Module, cfg: HCConfig,
+                seq) -> torch.Tensor:
+    """The fused xHC write (:func:`xhc.kernels.xhc_write`) with ``temporal``'s convs and document
+    positions: X' (``Xa`` None, or ``X`` given: the exit) or the new carried X_a (``X`` None)."""
+    pos = temporal._doc_positions(seq.pos_in_doc if seq is not None else None, y)
+    return kernels.xhc_write(X, I, H_res, P, y, list(temporal.conv), pos, cfg.gram_schmidt, cfg.gs_eps, Xa=Xa)
+
+
 def check_xhc_config(cfg: HCConfig, variants: Sequence[str]) -> None:
     """Reject settings that xHC does not define (one-line error naming the field)."""
     if cfg.variant not in variants:
@@ -536,12 +556,8 @@ class XHCSublayer(nn.Module):
 
     def _fused_post(self, X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
         """Whether the temporal components, their Gram–Schmidt coefficients and the write run as the
-        fused xHC write kernel (:mod:`xhc.kernels.xhc_post`): ``triton``, an augmented sublayer with at
-        most 3 kernels, ``[s, b, ·]`` tensors and a sequence held whole by this rank (no halo exchange,
-        segments or decode cache: those keep the separate ops)."""
-        whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
-        return (backend == "triton" and self.temporal is not None and 0 < len(self.temporal.conv) <= kernels.FUSED_WRITE_MAX_KERNELS
-                and whole and X.dim() == 4 and y.dim() == 3)
+        fused xHC write kernel (:func:`fused_write_runs`)."""
+        return fused_write_runs(self.temporal, X, y, seq, backend)
 
     def read(self, X: torch.Tensor):
         """Route, generate every mapping and read the branch input (docs/math.md §3.5 steps 1–3).
@@ -584,9 +600,7 @@ class XHCSublayer(nn.Module):
         """
         backend = kernels.resolve_backend(self.cfg, X.device)
         if ctx.P is not None and self._fused_post(X, y, seq, backend):
-            pos = self.temporal._doc_positions(seq.pos_in_doc if seq is not None else None, y)
-            return kernels.xhc_write(X, ctx.I, ctx.H_res, ctx.P, y, list(self.temporal.conv), pos,
-                                     self.cfg.gram_schmidt, self.cfg.gs_eps)
+            return fused_write(X, ctx.I, None, ctx.H_res, ctx.P, y, self.temporal, self.cfg, seq)
         V, L = branch_components(y, self.temporal, self.cfg, seq, backend)
         P = ctx.P if ctx.P is not None else ctx.p.unsqueeze(-1) * ctx.H_post  # P = diag(p)·H_post
         P = fold_components(P, L)  # (·L)

@@ -465,13 +465,14 @@ FUSED_WRITE_MAX_KERNELS = 3
 """The fused xHC MLP write (:mod:`xhc.kernels.xhc_post`) takes at most this many temporal kernels (K ≤ 4)."""
 
 
-def xhc_write(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float):
+def xhc_write(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float, Xa=None):
     """The fused xHC MLP write on the ``triton`` backend (:mod:`xhc.kernels.xhc_post`): the temporal
     components of ``y``, their Gram–Schmidt coefficients folded into ``P`` and the sparse write in one
-    kernel -> X'."""
+    kernel -> X' (with ``Xa``, a Flash window's carried active streams: the new X_a when ``X`` is None,
+    else X' with the new X_a scattered into X at ``I``)."""
     from xhc.kernels import xhc_post
 
-    return xhc_post.xhc_post(X, I, H, P, y, weights, pos, gram_schmidt, gs_eps)
+    return xhc_post.xhc_post(X, I, H, P, y, weights, pos, gram_schmidt, gs_eps, Xa=Xa)
 
 
 def mhc_write(X, H, h_post, y):

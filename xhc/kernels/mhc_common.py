@@ -82,11 +82,19 @@ TUNE_GRID = {
     "mhc_dw": [{"BT": 32, "BK": 64, "S": 8}, {"BT": 64, "BK": 64, "S": 8}, {"BT": 32, "BK": 32, "S": 16},
                {"BT": 32, "BK": 64, "S": 32}],
     "mhc_dw_reduce": [{"BK": 32}, {"BK": 64}, {"BK": 128}],
+    # the fused xHC sublayer (xhc_entry, xhc_grad); xhc_dw's BK and BT are clamped to its register budget
+    "xhc_entry_fwd": [{"BT": 16, "BK": 32}, {"BT": 16, "BK": 64}, {"BT": 8, "BK": 32}, {"BT": 32, "BK": 32}],
+    "xhc_entry_bwd": [{"BT": 8}, {"BT": 16}, {"BT": 32}],
+    "xhc_dx": [{"BT": 8}, {"BT": 16}, {"BT": 32}],
+    "xhc_dw": [{"BT": 32, "BK": 64, "S": 8}, {"BT": 32, "BK": 64, "S": 16}, {"BT": 32, "BK": 32, "S": 32}],
+    "xhc_dw_reduce": [{"BK": 32}, {"BK": 64}, {"BK": 128}],
 }
 KERNEL_OF = {  # tuning key -> the Triton kernel it sizes
     "mhc_pre_fwd": "_mhc_pre_fwd_kernel", "mhc_pre_bwd": "_mhc_pre_bwd_kernel",
     "mhc_post_fwd": "_mhc_post_fwd_kernel", "mhc_post_bwd": "_mhc_post_bwd_kernel", "mhc_dx": "_mhc_dx_kernel",
     "mhc_dw": "_mhc_dw_kernel", "mhc_dw_reduce": "_mhc_dw_reduce_kernel",
+    "xhc_entry_fwd": "_xhc_entry_fwd_kernel", "xhc_entry_bwd": "_xhc_entry_bwd_kernel", "xhc_dx": "_xhc_dx_kernel",
+    "xhc_dw": "_xhc_dw_kernel", "xhc_dw_reduce": "_xhc_dw_reduce_kernel",
 }
 
 

@@ -127,8 +127,9 @@ def _mgs_bwd(M, gL, eps, K: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def _xhc_post_fwd_kernel(X, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C, B, k1, k2, k3, kmax, gs_eps,
-                         R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, NP: tl.constexpr,
+def _xhc_post_fwd_kernel(X, XA, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C, B, k1, k2, k3, kmax, gs_eps,
+                         R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, CARRIED: tl.constexpr,
+                         EXIT: tl.constexpr, HAS_H: tl.constexpr, NP: tl.constexpr,
                          KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     si = t // B
@@ -150,25 +151,39 @@ def _xhc_post_fwd_kernel(X, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C, B,
         tl.store(MS + t * SP * SP + sr * SP + sc, M)
         L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
         p = tl.sum(p[:, :, None] * L[None, :, :], 1)
-    h = tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)
-    rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+    h = tl.zeros([KP, KP], dtype=CDT)
+    if HAS_H:
+        h += tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)
+    else:  # no mixing (a Flash carried write before the window's last MLP): H = I_k
+        h += tl.where((jr == qc) & (jr < k), 1.0, 0.0)
+    rows = jr
+    keep = jr < 0
     nr = tl.arange(0, NP)[:, None]
-    idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
-    keep = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
+    if EXIT:
+        rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+        idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
+        keep = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
     for c0 in range(0, C, BC):  # 3. the write
         c = c0 + tl.arange(0, BC)
         cmk = c < C
         V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
-        xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        if CARRIED:  # X_a carried by a Flash window, [T, k, C]
+            xa = tl.load(XA + t * k * C + jr * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        else:
+            xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
         new = tl.sum(p[:, :, None] * V[None, :, :], 1) + tl.sum(h[:, :, None] * xa[None, :, :], 1)
-        tl.store(OUT + t * N * C + rows * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
-        x = tl.load(X + t * N * C + nr * C + c[None, :], mask=keep & cmk[None, :], other=0.0)
-        tl.store(OUT + t * N * C + nr * C + c[None, :], x, mask=keep & cmk[None, :])
+        if EXIT:
+            tl.store(OUT + t * N * C + rows * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
+            x = tl.load(X + t * N * C + nr * C + c[None, :], mask=keep & cmk[None, :], other=0.0)
+            tl.store(OUT + t * N * C + nr * C + c[None, :], x, mask=keep & cmk[None, :])
+        else:
+            tl.store(OUT + t * k * C + jr * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
 
 
 @triton.jit
-def _xhc_post_bwd_kernel(DOUT, X, I, H, P, Y, W1, W2, W3, POS, MS, DX, DH, DP, DV, N, k, K, C, B, k1, k2, k3, kmax,
-                         gs_eps, R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, NEED_DX: tl.constexpr,
+def _xhc_post_bwd_kernel(DOUT, X, XA, I, H, P, Y, W1, W2, W3, POS, MS, DX, DXA, DH, DP, DV, N, k, K, C, B, k1, k2, k3,
+                         kmax, gs_eps, R: tl.constexpr, GS: tl.constexpr, HAS_POS: tl.constexpr, NEED_DX: tl.constexpr,
+                         NEED_DXA: tl.constexpr, CARRIED: tl.constexpr, EXIT: tl.constexpr, HAS_H: tl.constexpr,
                          NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     si = t // B
@@ -187,19 +202,32 @@ def _xhc_post_bwd_kernel(DOUT, X, I, H, P, Y, W1, W2, W3, POS, MS, DX, DH, DP, D
         L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
         pf = tl.sum(p[:, :, None] * L[None, :, :], 1)
     hmask = (jr < k) & (qc < k)
-    h = tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
-    rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+    h = tl.zeros([KP, KP], dtype=CDT)
+    if HAS_H:
+        h += tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
+    else:
+        h += tl.where((jr == qc) & (jr < k), 1.0, 0.0)
+    rows = jr  # the rows of dX' that hold the new X_a: I (window exit, xHC) or 0..k-1 (carried)
+    ostride = k * C
+    if EXIT:
+        rows = tl.load(I + t * k + jr, mask=jr < k, other=0)
+        ostride = N * C
     dh = tl.zeros([KP, KP], dtype=CDT)
     dpf = tl.zeros([KP, SP], dtype=CDT)
     for c0 in range(0, C, BC):  # dH_res, dP' = Σ_c dX'_a ⊗ (X_a, V)
         c = c0 + tl.arange(0, BC)
         cmk = c < C
         V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
-        dn = tl.load(DOUT + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
-        xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
-        dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
+        dn = tl.load(DOUT + t * ostride + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        if HAS_H:
+            if CARRIED:
+                xa = tl.load(XA + t * k * C + jr * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+            else:
+                xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+            dh += tl.sum(dn[:, None, :] * xa[None, :, :], 2)
         dpf += tl.sum(dn[:, None, :] * V[None, :, :], 2)
-    tl.store(DH + t * k * k + jr * k + qc, dh, mask=hmask)
+    if HAS_H:
+        tl.store(DH + t * k * k + jr * k + qc, dh, mask=hmask)
     if GS:  # P' = P·L: dP = dP'·Lᵀ, dL = Pᵀ·dP'; then the Gram–Schmidt adjoint gives dM
         dp = tl.sum(dpf[:, None, :] * L[None, :, :], 2)
         dL = tl.sum(p[:, :, None] * dpf[:, None, :], 0)
@@ -209,19 +237,27 @@ def _xhc_post_bwd_kernel(DOUT, X, I, H, P, Y, W1, W2, W3, POS, MS, DX, DH, DP, D
         dp = dpf
     tl.store(DP + t * k * K + jr * K + sc, dp, mask=pmask)
     nr = tl.arange(0, NP)[:, None]
-    idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
-    outside = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
+    outside = nr < 0
+    if EXIT:
+        idx_row = tl.load(I + t * k + qc, mask=qc < k, other=-1)
+        outside = (nr < N) & (tl.sum(tl.where(nr == idx_row, 1, 0), 1)[:, None] == 0)
     for c0 in range(0, C, BC):  # dV = P'ᵀ·dX'_a (+ the Gram matrix's term); dX when no entry op owns it
         c = c0 + tl.arange(0, BC)
         cmk = c < C
-        dn = tl.load(DOUT + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
+        dn = tl.load(DOUT + t * ostride + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
         dv = tl.sum(pf[:, :, None] * dn[:, None, :], 0)  # [SP, BC]
         if GS:
             V = _components(Y, W1, W2, W3, t, si, pos, B, C, c, cmk, k1, k2, k3, kmax, R, SP, HAS_POS, CDT)
             dv += tl.sum(G2[:, :, None] * V[None, :, :], 1)
         tl.store(DV + t * SP * C + sr * C + c[None, :], dv, mask=cmk[None, :])
-        if NEED_DX:
+        if NEED_DXA:  # carried: dX_a = H_resᵀ·dX'_a
             dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
+            tl.store(DXA + t * k * C + jr * C + c[None, :], _cast(dxa, DXA), mask=(jr < k) & cmk[None, :])
+        if NEED_DX:
+            if CARRIED:  # the entry state's active rows were replaced, not read: 0 there
+                dxa = tl.zeros([KP, BC], dtype=CDT)
+            else:
+                dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
             tl.store(DX + t * N * C + rows * C + c[None, :], _cast(dxa, DX), mask=(jr < k) & cmk[None, :])
             g = tl.load(DOUT + t * N * C + nr * C + c[None, :], mask=outside & cmk[None, :], other=0.0)
             tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=outside & cmk[None, :])
@@ -288,60 +324,76 @@ def _meta(N: int, k: int, K: int, C: int):
 
 
 class XHCPost(torch.autograd.Function):
+    """The fused MLP write; modes (module docstring): the xHC sublayer (``Xa`` None: X_a = X[I], the
+    exit into X), a Flash window's carried write (``Xa`` given; ``X`` None: the new X_a) and its last
+    write (``Xa`` and ``X``: the new X_a scattered into the window-entry state X).  ``H`` None: no mixing."""
+
     @staticmethod
-    def forward(ctx, X, I, H, P, y, w1, w2, w3, pos, gs, gs_eps):
-        lead = I.shape[:-1]
+    def forward(ctx, X, Xa, I, H, P, y, w1, w2, w3, pos, gs, gs_eps):
+        lead = P.shape[:-2]
         s, B = lead
-        N, C = X.shape[-2:]
         k, K = P.shape[-2:]
+        C = y.shape[-1]
+        carried, exit_ = Xa is not None, X is not None
+        N = X.shape[-2] if exit_ else k
         T = s * B
         ws = [w for w in (w1, w2, w3) if w is not None]
         R = len(ws)
         ks = [w.shape[0] for w in ws] + [0] * (3 - R)
         kmax = max(ks + [1])
-        cdt = cm._cdt(X, H, P, y)
-        Xc, Ic = X.reshape(T, N, C).contiguous(), I.reshape(T, k).contiguous()
-        Hc, Pc, yc = H.reshape(T, k, k).contiguous(), P.reshape(T, k, K).contiguous(), y.reshape(T, C).contiguous()
-        posc = None if pos is None else pos.reshape(T).contiguous()
-        out = torch.empty(T, N, C, dtype=X.dtype, device=X.device)
+        cdt = cm._cdt(*(t for t in (X, Xa, H, P, y) if t is not None))
+        c = lambda t, *sh: None if t is None else t.reshape(*sh).contiguous()  # noqa: E731
+        Xc, Xac, Ic = c(X, T, N, C), c(Xa, T, k, C), c(I, T, k)
+        Hc, Pc, yc = c(H, T, k, k), c(P, T, k, K), c(y, T, C)
+        posc = c(pos, T)
+        ref = X if exit_ else Xa
+        out = torch.empty(T, N if exit_ else k, C, dtype=ref.dtype, device=ref.device)
         NP, KP, SP, BC = _meta(N, k, K, C)
         GS = bool(gs) and R > 0
-        MS = torch.empty(T, SP, SP, dtype=cdt, device=X.device) if GS else None
+        MS = torch.empty(T, SP, SP, dtype=cdt, device=ref.device) if GS else None
         if T > 0:
-            _xhc_post_fwd_kernel[(T,)](Xc, Ic, Hc, Pc, yc, *(ws + [None] * (3 - R)), posc, out, MS, N, k, K, C, B,
-                                       *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NP=NP, KP=KP,
-                                       SP=SP, BC=BC, CDT=_tl(cdt))
-        ctx.save_for_backward(X, I, H, P, y, w1, w2, w3, pos, MS)
-        ctx.meta = (GS, gs_eps, R, ks, kmax)
-        ctx.owner = _claim(X, "write", (H, P))  # the xHC entry op on this state writes dX
-        return out.view(*lead, N, C)
+            _xhc_post_fwd_kernel[(T,)](Xc, Xac, Ic, Hc, Pc, yc, *(ws + [None] * (3 - R)), posc, out, MS, N, k, K, C, B,
+                                       *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, CARRIED=carried,
+                                       EXIT=exit_, HAS_H=H is not None, NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt))
+        ctx.save_for_backward(X, Xa, I, H, P, y, w1, w2, w3, pos, MS)
+        ctx.meta = (GS, gs_eps, R, ks, kmax, N)
+        # the xHC entry op on this state writes dX (a carried write does not read X: it returns its dX)
+        ctx.owner = None if carried else _claim(X, "write", (H, P))
+        return out.view(*lead, N if exit_ else k, C)
 
     @staticmethod
     def backward(ctx, dout):
-        X, I, H, P, y, w1, w2, w3, pos, MS = ctx.saved_tensors
-        GS, gs_eps, R, ks, kmax = ctx.meta
-        s, B = I.shape[:-1]
-        N, C = X.shape[-2:]
+        X, Xa, I, H, P, y, w1, w2, w3, pos, MS = ctx.saved_tensors
+        GS, gs_eps, R, ks, kmax, N = ctx.meta
+        s, B = P.shape[:-2]
         k, K = P.shape[-2:]
+        C = y.shape[-1]
+        carried, exit_ = Xa is not None, X is not None
         T = s * B
         ws = [w for w in (w1, w2, w3) if w is not None]
-        cdt = cm._cdt(X, H, P, y)
-        Xc, Ic = X.reshape(T, N, C).contiguous(), I.reshape(T, k).contiguous()
-        Hc, Pc, yc = H.reshape(T, k, k).contiguous(), P.reshape(T, k, K).contiguous(), y.reshape(T, C).contiguous()
-        posc = None if pos is None else pos.reshape(T).contiguous()
-        doutc = dout.reshape(T, N, C).contiguous()
+        cdt = cm._cdt(*(t for t in (X, Xa, H, P, y) if t is not None))
+        c = lambda t, *sh: None if t is None else t.reshape(*sh).contiguous()  # noqa: E731
+        Xc, Xac, Ic = c(X, T, N, C), c(Xa, T, k, C), c(I, T, k)
+        Hc, Pc, yc = c(H, T, k, k), c(P, T, k, K), c(y, T, C)
+        posc = c(pos, T)
+        doutc = dout.reshape(T, N if exit_ else k, C).contiguous()
         NP, KP, SP, BC = _meta(N, k, K, C)
+        dev = y.device
         defer = ctx.owner is not None and ctx.needs_input_grad[0]
-        need_dx = ctx.needs_input_grad[0] and not defer
-        dX = torch.empty(T, N, C, dtype=X.dtype, device=X.device) if need_dx else None
-        dH, dP = torch.empty(T, k, k, dtype=cdt, device=X.device), torch.empty(T, k, K, dtype=cdt, device=X.device)
-        dV = torch.empty(T, SP, C, dtype=cdt, device=X.device)
-        dy = torch.empty(T, C, dtype=y.dtype, device=y.device)
+        need_dx = exit_ and ctx.needs_input_grad[0] and not defer
+        need_dxa = carried and ctx.needs_input_grad[1]
+        dX = torch.empty(T, N, C, dtype=X.dtype, device=dev) if need_dx else None
+        dXa = torch.empty(T, k, C, dtype=Xa.dtype, device=dev) if need_dxa else None
+        dH = torch.empty(T, k, k, dtype=cdt, device=dev) if H is not None else None
+        dP = torch.empty(T, k, K, dtype=cdt, device=dev)
+        dV = torch.empty(T, SP, C, dtype=cdt, device=dev)
+        dy = torch.empty(T, C, dtype=y.dtype, device=dev)
         dws = [torch.empty(w.shape, dtype=cdt, device=w.device) for w in ws]
         wargs = ws + [None] * (3 - R)
         if T > 0:  # 2 warps: no spills on sm_90 (4 warps spilled 16-24 bytes at N = 16)
-            _xhc_post_bwd_kernel[(T,)](doutc, Xc, Ic, Hc, Pc, yc, *wargs, posc, MS, dX, dH, dP, dV, N, k, K, C, B,
-                                       *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NEED_DX=need_dx,
+            _xhc_post_bwd_kernel[(T,)](doutc, Xc, Xac, Ic, Hc, Pc, yc, *wargs, posc, MS, dX, dXa, dH, dP, dV, N, k, K,
+                                       C, B, *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NEED_DX=need_dx,
+                                       NEED_DXA=need_dxa, CARRIED=carried, EXIT=exit_, HAS_H=H is not None,
                                        NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt), num_warps=2)
             BCc = max(16, min(triton.next_power_of_2(C), 32))
             _xhc_conv_bwd_kernel[(triton.cdiv(C, BCc),)](
@@ -351,15 +403,19 @@ class XHCPost(torch.autograd.Function):
         if defer:
             triton_ops._hand_over(ctx.owner, "write", (doutc, Hc, Ic, k, False))
         dwo = [dw.to(w.dtype) for dw, w in zip(dws, ws)] + [None] * (3 - R)
-        return (None if dX is None else dX.view(X.shape), None, dH.view(H.shape), dP.view(P.shape),
-                dy.view(y.shape), *dwo, None, None, None)
+        return (None if dX is None else dX.view(X.shape), None if dXa is None else dXa.view(Xa.shape), None,
+                None if dH is None else dH.view(H.shape), dP.view(P.shape), dy.view(y.shape), *dwo, None, None, None)
 
 
-def xhc_post(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float):
-    """X' ``[s, b, N, C]`` of an xHC MLP sublayer: X'[I_j] = Σ_q H[j, q]·X[I_q] + Σ_t (P·L)[j, t]·V_t with
+def xhc_post(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float, Xa=None):
+    """X' ``[s, b, N, C]`` of an xHC MLP sublayer: X'[I_j] = Σ_q H[j, q]·X_a[q] + Σ_t (P·L)[j, t]·V_t with
     V = [y, g_1, …, g_r] (the causal convs ``weights`` ``[κ_j, C]``, taps reset by ``pos`` ``[s, b]``
     or None) and L its Gram–Schmidt coefficients (identity when ``gram_schmidt`` is off); the rows
-    outside I copied.  ``X`` ``[s, b, N, C]``; ``I`` ``[s, b, k]``; ``H`` ``[s, b, k, k]``; ``P`` =
-    diag(p)·H_post ``[s, b, k, r + 1]``; ``y`` ``[s, b, C]``; r ≤ :data:`MAX_KERNELS`."""
+    outside I copied.  ``X`` ``[s, b, N, C]``; ``I`` ``[s, b, k]``; ``H`` ``[s, b, k, k]`` or None (no
+    mixing); ``P`` = diag(p)·H_post ``[s, b, k, r + 1]``; ``y`` ``[s, b, C]``; r ≤ :data:`MAX_KERNELS`.
+
+    ``Xa`` None: X_a = X[I] (the xHC sublayer).  ``Xa`` ``[s, b, k, C]``: a Flash window's carried
+    active streams; with ``X`` None the result is the new X_a ``[s, b, k, C]`` (a write inside the
+    window), with ``X`` (the window-entry state) and ``I`` it is scattered into X (the window exit)."""
     ws = list(weights) + [None] * (MAX_KERNELS - len(weights))
-    return XHCPost.apply(X, I, H, P, y, *ws, pos, bool(gram_schmidt), float(gs_eps))
+    return XHCPost.apply(X, Xa, I, H, P, y, *ws, pos, bool(gram_schmidt), float(gs_eps))
