@@ -116,7 +116,7 @@ def test_slope_row_removes_per_call_bytes():
 # --launches, --perf, --autotune (the Triton kernels in the interpreter)
 # ------------------------------------------------------------------------------------------------
 LAUNCH_CEILING = {  # docs/kernels.md "Launch counts": the mHC and xHC targets; the others: no more than now
-    "mhc": (5, 6), "xhc-attn": (6, 8), "xhc-mlp": (7, 9), "flash": (78, 133), "flash4": (69, 116)}
+    "mhc": (5, 6), "xhc-attn": (6, 8), "xhc-mlp": (7, 9), "flash": (27, 45), "flash4": (19, 34)}
 
 
 def _interp(monkeypatch):

@@ -205,19 +205,20 @@ def test_every_autotuning_candidate_equals_eager(monkeypatch):
             _close(g_f[name], g_r[name], f"candidate set {i}: d{name}")
 
 
-def _run_window(cfg):
-    """A Flash (one layer) or Flash-4sub window in float64 with perturbed weights; (X', grads)."""
+def _run_window(cfg, dtype=F64, pdtype=None):
+    """A Flash (one layer) or Flash-4sub window with perturbed weights (float64 unless ``dtype``, the
+    parameters in ``pdtype``); (X', grads)."""
     from xhc.flash import Flash4Window, XHCFlashLayer
 
     torch.manual_seed(0)
-    mod = (XHCFlashLayer if cfg.variant == "xhc_flash" else Flash4Window)(cfg, C, layer_index=0).double()
+    mod = (XHCFlashLayer if cfg.variant == "xhc_flash" else Flash4Window)(cfg, C, layer_index=0).to(pdtype or dtype)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in mod.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=F64))
-    X = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).requires_grad_()
-    Go = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64)
-    Ws = [torch.randn(C, C, generator=g, dtype=F64) for _ in range(4)]
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=F64).to(p))
+    X = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(dtype).requires_grad_()
+    Go = torch.randn(S, B, cfg.n, C, generator=g, dtype=F64).to(dtype)
+    Ws = [torch.randn(C, C, generator=g, dtype=F64).to(dtype) for _ in range(4)]
     branches = [lambda u, W=W: torch.tanh(u @ W) for W in Ws]
     seq = SequenceContext(pos_in_doc=POS)
     out = mod(X, *branches[:2], seq=seq) if cfg.variant == "xhc_flash" else mod(X, branches, seq=seq)
@@ -235,12 +236,13 @@ def _run_window(cfg):
 ])
 def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
     """Every augmented write of a Flash window (carried X_a, the last one scattered into X^(0)) runs the
-    fused write kernel on ``triton`` and equals eager in float64 (document resets, Gram–Schmidt on and
+    fused write kernel on ``triton``, every write's mappings come from the fused active-mappings kernel,
+    and the window equals eager in float64 (document resets, Gram–Schmidt on and
     off, temporal attention, no H_res); where the fused write does not run (a distributed sequence,
     a decode cache) the separate ops give the same."""
     _need_triton()
     from xhc import flash
-    from xhc.kernels import xhc_post
+    from xhc.kernels import xhc_active, xhc_post
     from xhc.temporal import SequenceContext as SC
 
     calls = []
@@ -252,11 +254,17 @@ def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
         return post(X, Xa, *a)
 
     monkeypatch.setattr(xhc_post.XHCPost, "apply", spy)
+    maps = []  # every write's mappings from the carried X_a in one kernel (xhc/kernels/xhc_active.py)
+    active = xhc_active.XHCActive.apply
+    monkeypatch.setattr(xhc_active.XHCActive, "apply",
+                        lambda Xa, p, W_res, *a: (maps.append(W_res is not None), active(Xa, p, W_res, *a))[1])
     cfg = HCConfig(**kw)
     out_r, g_r = _run_window(cfg.replace(kernels="eager"))
-    assert calls == []
+    assert calls == [] and maps == []
     out_f, g_f = _run_window(cfg.replace(kernels="triton"))
     assert calls == modes, calls
+    writes = 2 if cfg.variant == "xhc_flash" else 4  # H_res only at the window's last write
+    assert maps == [False] * (writes - 1) + [not cfg.ablate_res], maps
     _close(out_f, out_r, "X'")
     for i, (a, b) in enumerate(zip(g_f, g_r)):
         _close(a, b, f"grad {i}")
@@ -271,3 +279,20 @@ def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
     _close(out_d, out_r, "X' (separate ops)")
     for i, (a, b) in enumerate(zip(g_d, g_r)):
         _close(a, b, f"grad {i} (separate ops)")
+
+
+def test_flash4_window_bf16_state_and_deterministic():
+    """A bf16 Flash-4sub window with fp32 parameters on the fused kernels: X' within a few bf16 ulps of
+    eager's (both round the carried X_a to bf16 after every write; fp32 orders of summation differ),
+    gradients within a few bf16 ulps of their scale; two runs give the same bits."""
+    _need_triton()
+    cfg = HCConfig(variant="xhc_flash4", n=8, k=4, m=2, kernel_sizes=(2,), sinkhorn_iters=4)
+    out_r, g_r = _run_window(cfg.replace(kernels="eager"), torch.bfloat16, torch.float32)
+    out_f, g_f = _run_window(cfg.replace(kernels="triton"), torch.bfloat16, torch.float32)
+    assert out_f.dtype == torch.bfloat16
+    _close(out_f, out_r, "X'", rtol=2 ** -6, atol=2 ** -6)
+    for i, (a, b) in enumerate(zip(g_f, g_r)):
+        scale = b.abs().max().item() + 1e-6
+        _close(a, b, f"grad {i}", rtol=2 ** -4, atol=2 ** -4 * scale)
+    out_2, g_2 = _run_window(cfg.replace(kernels="triton"), torch.bfloat16, torch.float32)
+    assert torch.equal(out_2, out_f) and all(torch.equal(a, b) for a, b in zip(g_2, g_f))

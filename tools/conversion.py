@@ -297,9 +297,11 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
 # modules are not shipped.  An import of one of them in the shipped code becomes a placeholder that
 # raises (with the reason) if it is ever used; it never is with ``hc.kernels: eager``.
 EXPORT_KERNELS = "eager"
-NOT_SHIPPED = ("xhc.kernels.triton_ops", "xhc.kernels.liger", "xhc.kernels.mhc_common", "xhc.kernels.mhc_pre",
-               "xhc.kernels.mhc_post", "xhc.kernels.mhc_grad", "xhc.kernels.xhc_entry", "xhc.kernels.xhc_grad",
-               "xhc.kernels.xhc_post")
+# every module of xhc/kernels/ but the package itself and torch_ops (the eager and compile ops): a
+# kernel module added later is left out without being listed here
+NOT_SHIPPED = tuple(sorted(f"xhc.kernels.{f[:-3]}" for f in os.listdir(os.path.join(os.path.dirname(_xhc.__file__),
+                                                                                      "kernels"))
+                           if f.endswith(".py") and f not in ("__init__.py", "torch_ops.py")))
 NOT_SHIPPED_FILE = "xhc_not_shipped.py"
 _NOT_SHIPPED_SRC = '''"""Placeholder for the xhc modules an exported folder does not ship (it runs the eager HC path)."""
 

@@ -26,7 +26,7 @@ Run::
     python -m tools.triton_aot capture specs.json    # the two halves (compile may run under
     python -m tools.triton_aot compile specs.json    #   another Triton: PYTHONPATH=<dir> python ...)
     python -m tools.triton_aot compile specs.json --arch 80 --dtypes bfloat16   # the bf16 launches only
-    python -m tools.triton_aot resources --arch 90 [--presets P,...]   # registers, spills, shared memory
+    python -m tools.triton_aot resources --arch 90 [--presets P,...] [--extra n:C:dtype]   # registers, spills, smem
 
 ``resources`` captures the zoo presets' HC modules (bf16 state, the GPU training path), compiles
 every kernel and prints, per distinct compiled specialisation of our kernels,
@@ -279,8 +279,9 @@ def _op_shapes(rec: Recorder, spec: str) -> None:
 
 
 def capture(extra: List[str], dtypes=("bfloat16", "float32"), log=print, execute: bool = False,
-            presets: Optional[List[str]] = None) -> dict:
-    """Run the modules (see the module docstring) under the interpreter; returns the specs."""
+            presets: Optional[List[str]] = None, module_tests: bool = True) -> dict:
+    """Run the modules (see the module docstring) under the interpreter; returns the specs.  With
+    ``extra`` (and ``module_tests``) also every preset config at the module tests' C, float64."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton_aot capture: set TRITON_INTERPRET=1 before Python starts "
                            "(`TRITON_INTERPRET=1 python -m tools.triton_aot capture FILE`)")
@@ -332,7 +333,7 @@ def capture(extra: List[str], dtypes=("bfloat16", "float32"), log=print, execute
             _op_shapes(rec, spec)
             log(f"captured {rec.context}")
             sources.append(rec.context)
-        if extra:  # the module tests' size: every distinct preset config at C = 8, float64
+        if extra and module_tests:  # the module tests' size: every distinct preset config at C = 8, float64
             done = set()
             for names, cfg, _ in preset_configs(presets):
                 if repr(cfg) in done:
@@ -507,7 +508,7 @@ def summary_line(results: List[dict]) -> str:
 
 
 def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[str]] = None,
-                           dtypes: Optional[Tuple[str, ...]] = None) -> None:
+                           dtypes: Optional[Tuple[str, ...]] = None, module_tests: bool = True) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "tools.triton_aot", "capture", path]
@@ -519,6 +520,8 @@ def _capture_in_subprocess(path: str, extra: List[str], presets: Optional[List[s
         cmd += ["--presets", ",".join(presets)]
     if dtypes:
         cmd += ["--dtypes", ",".join(dtypes)]
+    if not module_tests:
+        cmd.append("--no-module-tests")
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 
@@ -530,6 +533,8 @@ def main(argv=None) -> int:
     p.add_argument("--extra", action="append", default=None,
                    help="capture: also the HC ops at n:C:dtype (repeatable; default: the kernel tests' shapes)")
     p.add_argument("--no-extra", action="store_true", help="capture: only the zoo presets")
+    p.add_argument("--no-module-tests", action="store_true",
+                   help="capture: with --extra, only the ops' shapes (not the float64 module tests' configs)")
     p.add_argument("--presets", default=None,
                    help="capture: zoo presets to use, comma-separated fnmatch patterns (default: all), e.g. 'tiny-moe:*'")
     p.add_argument("--execute", action="store_true",
@@ -550,14 +555,16 @@ def main(argv=None) -> int:
         if not args.specs:
             p.error("capture needs the output file: python -m tools.triton_aot capture specs.json")
         specs = capture(extra, dtypes or ("bfloat16", "float32"),
-                        log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute, presets=presets)
+                        log=lambda s: print(s, file=sys.stderr, flush=True), execute=args.execute, presets=presets,
+                        module_tests=not args.no_module_tests)
         Path(args.specs).write_text(json.dumps(specs))
         print(f"{len(specs['launches'])} launches captured ({len(specs['sources'])} sources) -> {args.specs}")
         return 0 if specs["launches"] else 1
     if args.command == "resources":  # capture the presets, compile, print the resource lines
         with tempfile.TemporaryDirectory(prefix="xhc-aot-") as d:
             path = os.path.join(d, "specs.json")
-            _capture_in_subprocess(path, [], presets, dtypes=("bfloat16",))
+            _capture_in_subprocess(path, args.extra or [], presets, dtypes=("bfloat16",),  # --extra: the ops too
+                                   module_tests=False)
             specs = json.loads(Path(path).read_text())
         results = compile_specs(specs, archs, log=lambda s: print(s, file=sys.stderr, flush=True), resources=True)
         lines = resources_lines(results)

@@ -131,6 +131,22 @@ def nonactive_weights(h: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
     return h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
 
 
+def window_mappings(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping], run: WindowRun,
+                    moments=None):
+    """(H_res or None, H_post, P = diag(p)·H_post) of a window write from the *current* carried X_a
+    (docs/math.md §8 #24): :func:`~xhc.xhc.active_mappings`, or on ``triton`` with fused coefficients
+    one kernel (:func:`xhc.kernels.xhc_mappings`; k ≤ 16, K ≤ 8, no ablated post mapping)."""
+    k, K = post.k, post.K
+    if run.backend == "triton" and run.fused and post.weight is not None and k <= 16 and K <= 8:
+        c = res.cfg if res is not None else None
+        return kernels.xhc_mappings(
+            Xa, p, *((res.weight, res.bias, res.alpha) if res is not None else (None, None, None)), post.weight,
+            post.bias, post.alpha, K, run.eps, c.sinkhorn_iters if c else 0, c.sinkhorn_eps if c else 0.0,
+            c.sinkhorn_order if c else "row_last")
+    H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
+    return H_res, H_post, p.unsqueeze(-1) * H_post
+
+
 def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping],
                   comps: Components, run: WindowRun, exit: Optional[WindowExit] = None, moments=None):
     """One window sublayer's write on the carried active streams (docs/math.md §4.1, §4.2 "Writes").
@@ -144,8 +160,8 @@ def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Opt
     into ``exit.X0`` (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
     ``moments``: (μ, ν) of vec(X_a) when already known.
     """
-    H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
-    P = fold_components(p.unsqueeze(-1) * H_post, comps.L)
+    H_res, H_post, P = window_mappings(Xa, p, post, res, run, moments)
+    P = fold_components(P, comps.L)
     X0, I = (None, None) if exit is None else (exit.X0, exit.I)
     out_dtype = Xa.dtype if X0 is None else X0.dtype
     return kernels.write(X0, I, Xa, H_res, P, comps.V, out_dtype, backend=run.backend), H_res, H_post
@@ -157,9 +173,9 @@ def carried_write_fused(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, re
     """:func:`carried_write` with the branch output ``y`` itself: its temporal components, their
     Gram–Schmidt coefficients and the write in one kernel (:func:`~xhc.xhc.fused_write`, where
     :func:`~xhc.xhc.fused_write_runs`); same results and return values."""
-    H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
+    H_res, H_post, P = window_mappings(Xa, p, post, res, run, moments)
     X0, I = (None, None) if exit is None else (exit.X0, exit.I)
-    return fused_write(X0, I, Xa, H_res, p.unsqueeze(-1) * H_post, y, temporal, cfg, seq), H_res, H_post
+    return fused_write(X0, I, Xa, H_res, P, y, temporal, cfg, seq), H_res, H_post
 
 
 def unbind_readouts(R: torch.Tensor) -> Optional[tuple]:

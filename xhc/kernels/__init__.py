@@ -461,6 +461,15 @@ def xhc_read(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a
                                norm_eps, t_max, sk_eps, order)
 
 
+def xhc_mappings(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,
+               sk_eps: float, order: str):
+    """A Flash window write's mappings on the ``triton`` backend (:mod:`xhc.kernels.xhc_active`): H_res
+    (None without ``W_res``), H_post and P = diag(p)·H_post from the carried X_a in one kernel."""
+    from xhc.kernels import xhc_active as xa
+
+    return xa.xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K, norm_eps, t_max, sk_eps, order)
+
+
 FUSED_WRITE_MAX_KERNELS = 3
 """The fused xHC MLP write (:mod:`xhc.kernels.xhc_post`) takes at most this many temporal kernels (K ≤ 4)."""
 

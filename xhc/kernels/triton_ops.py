@@ -638,8 +638,10 @@ def _write_bwd_kernel(DOUT, X, I, XA, H, P, V, DX, DXA, DH, DP, DV, N, k, K, C, 
 
 def _write_meta(N, k, K, C):
     NP, KP, SP = _np2(N), _np2(k), _np2(K)
-    # a [NP, BC] tile at most 4096 values: no spills on sm_90 at N = 16, k = 2 (tools.triton_aot resources)
-    return NP, KP, SP, min(_block_c(C, KP, max(KP, SP, NP // KP if NP > KP else 1)), max(16, 4096 // NP))
+    # a [NP, BC] tile at most 4096 values, [KP·SP, BC] at most 2048: no spills on sm_90 at N = 16 with k = 2
+    # and with k = K = 4 (8 bytes spilled at BC = 256; tools.triton_aot resources --extra 16:1024:bfloat16)
+    return NP, KP, SP, min(_block_c(C, KP, max(KP, SP, NP // KP if NP > KP else 1)), max(16, 4096 // NP),
+                           max(16, 2048 // (KP * SP)))
 
 
 class _Write(torch.autograd.Function):
@@ -711,6 +713,7 @@ class _Write(torch.autograd.Function):
         dP = torch.empty_like(Pc)
         dX = torch.empty(T, N, C, dtype=x_dtype, device=dout.device) if need_dx else None
         NP, KP, SP, BC = _write_meta(N, k, K, C)
+        BC = max(16, min(BC, 1024 // (KP * SP)))  # dX_a, dV beside dX' (sm_90: 8 bytes spilled at BC = 128, k = K = 4)
         doutc = dout.reshape(T, N, C).contiguous()
         if T > 0:
             _write_bwd_kernel[(T,)](doutc, Xc, Ic, Xac, Hc, Pc, Vc, dX, dXa, dH, dP,

@@ -81,94 +81,136 @@ def _xhc_dx_kernel(X, DU, DOUT, HPRE, IDX, HRES, GE, GA, COEF, WR, WPRE, WRES, W
 
 
 @triton.jit
+def _dw_entry_part(X, GE, STAT, PARTE, pid, s, t_lo, t_hi, D, EW: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
+    """Partial dW_e of split ``s``, columns ``pid``·BK… of vec X."""
+    kk = pid * BK + tl.arange(0, BK)
+    km = kk < D
+    ce = tl.arange(0, EW)
+    acc = tl.zeros([EW, BK], dtype=CDT)
+    corr = tl.zeros([EW], dtype=CDT)
+    for t0 in range(t_lo, t_hi, BT):
+        t = (t0 + tl.arange(0, BT)).to(tl.int64)
+        tm = t < t_hi
+        x = tl.load(X + t[:, None] * D + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)
+        ge = tl.load(GE + t[:, None] * EW + ce[None, :], mask=tm[:, None], other=0.0).to(CDT)
+        mu = tl.load(STAT + t * 4, mask=tm, other=0.0).to(CDT)
+        acc += mm(tl.trans(ge), x, USE_DOT, PREC)
+        corr += tl.sum(ge * mu[:, None], 0)
+    acc -= tl.where(ce < NP, corr, 0.0)[:, None]  # router rows: Σ_t g·(x − μ)
+    tl.store(PARTE + s.to(tl.int64) * EW * D + ce[:, None] * D + kk[None, :], acc, mask=km[None, :])
+
+
+@triton.jit
+def _dw_active_part(X, IDX, GA, PARTA, pa, s, t_lo, t_hi, D, C, k, RA: tl.constexpr, PA: tl.constexpr,
+                    BT: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, USE_DOT: tl.constexpr,
+                    PREC: tl.constexpr, CDT: tl.constexpr):
+    """Partial dW_a of split ``s``, columns ``pa``·BK… of vec X_a (slot j = column // C)."""
+    AW = RA + PA
+    KC = k * C
+    kk = pa * BK + tl.arange(0, BK)
+    km = kk < KC
+    j = kk // C
+    cc = kk % C
+    cra = tl.arange(0, RA)
+    cpa = tl.arange(0, PA)
+    accr = tl.zeros([RA, BK], dtype=CDT)
+    accp = tl.zeros([PA, BK], dtype=CDT)
+    for t0 in range(t_lo, t_hi, BT):
+        t = (t0 + tl.arange(0, BT)).to(tl.int64)
+        tm = t < t_hi
+        m2 = tm[:, None] & km[None, :]
+        if ROWS:  # X_a = X[I], row by row from the state
+            Ij = tl.load(IDX + t[:, None] * k + j[None, :], mask=m2, other=0)
+            xa = tl.load(X + t[:, None] * D + Ij * C + cc[None, :], mask=m2, other=0.0).to(CDT)
+        else:  # X is X_a itself, [T, k, C] (a Flash window's carried streams, .xhc_active)
+            xa = tl.load(X + t[:, None] * KC + kk[None, :], mask=m2, other=0.0).to(CDT)
+        gar = tl.load(GA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
+        gap = tl.load(GA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
+        accr += mm(tl.trans(gar), xa, USE_DOT, PREC)
+        accp += mm(tl.trans(gap), xa, USE_DOT, PREC)
+    base = PARTA + s.to(tl.int64) * AW * KC
+    tl.store(base + cra[:, None] * KC + kk[None, :], accr, mask=km[None, :])
+    tl.store(base + (RA + cpa[:, None]) * KC + kk[None, :], accp, mask=km[None, :])
+
+
+@triton.jit
 def _xhc_dw_kernel(X, IDX, GE, GA, STAT, PARTE, PARTA, T, N, C, k, NE, TS, EW: tl.constexpr, NP: tl.constexpr,
-                   RA: tl.constexpr, PA: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_DOT: tl.constexpr,
-                   PREC: tl.constexpr, CDT: tl.constexpr):
+                   RA: tl.constexpr, PA: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, HAS_E: tl.constexpr,
+                   ROWS: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
     pid = tl.program_id(0)
     s = tl.program_id(1)
     D = N * C
-    AW = RA + PA
     t_lo = s * TS
     t_hi = tl.minimum(t_lo + TS, T)
-    if pid < NE:  # entry columns of vec X
-        kk = pid * BK + tl.arange(0, BK)
-        km = kk < D
-        ce = tl.arange(0, EW)
-        acc = tl.zeros([EW, BK], dtype=CDT)
-        corr = tl.zeros([EW], dtype=CDT)
-        for t0 in range(t_lo, t_hi, BT):
-            t = (t0 + tl.arange(0, BT)).to(tl.int64)
-            tm = t < t_hi
-            x = tl.load(X + t[:, None] * D + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)
-            ge = tl.load(GE + t[:, None] * EW + ce[None, :], mask=tm[:, None], other=0.0).to(CDT)
-            mu = tl.load(STAT + t * 4, mask=tm, other=0.0).to(CDT)
-            acc += mm(tl.trans(ge), x, USE_DOT, PREC)
-            corr += tl.sum(ge * mu[:, None], 0)
-        acc -= tl.where(ce < NP, corr, 0.0)[:, None]  # router rows: Σ_t g·(x − μ)
-        tl.store(PARTE + s.to(tl.int64) * EW * D + ce[:, None] * D + kk[None, :], acc, mask=km[None, :])
-    else:  # active columns of vec X_a (slot j = column // C)
-        KC = k * C
-        kk = (pid - NE) * BK + tl.arange(0, BK)
-        km = kk < KC
-        j = kk // C
-        cc = kk % C
-        cra = tl.arange(0, RA)
-        cpa = tl.arange(0, PA)
-        accr = tl.zeros([RA, BK], dtype=CDT)
-        accp = tl.zeros([PA, BK], dtype=CDT)
-        for t0 in range(t_lo, t_hi, BT):
-            t = (t0 + tl.arange(0, BT)).to(tl.int64)
-            tm = t < t_hi
-            m2 = tm[:, None] & km[None, :]
-            Ij = tl.load(IDX + t[:, None] * k + j[None, :], mask=m2, other=0)
-            xa = tl.load(X + t[:, None] * D + Ij * C + cc[None, :], mask=m2, other=0.0).to(CDT)
-            gar = tl.load(GA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
-            gap = tl.load(GA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
-            accr += mm(tl.trans(gar), xa, USE_DOT, PREC)
-            accp += mm(tl.trans(gap), xa, USE_DOT, PREC)
-        base = PARTA + s.to(tl.int64) * AW * KC
-        tl.store(base + cra[:, None] * KC + kk[None, :], accr, mask=km[None, :])
-        tl.store(base + (RA + cpa[:, None]) * KC + kk[None, :], accp, mask=km[None, :])
+    if HAS_E:  # NE programs for the entry columns of vec X, then the active columns of vec X_a
+        if pid < NE:
+            _dw_entry_part(X, GE, STAT, PARTE, pid, s, t_lo, t_hi, D, EW, NP, BT, BK, USE_DOT, PREC, CDT)
+        else:
+            _dw_active_part(X, IDX, GA, PARTA, pid - NE, s, t_lo, t_hi, D, C, k, RA, PA, BT, BK, ROWS, USE_DOT,
+                            PREC, CDT)
+    else:  # the active columns only (.xhc_active)
+        _dw_active_part(X, IDX, GA, PARTA, pid, s, t_lo, t_hi, D, C, k, RA, PA, BT, BK, ROWS, USE_DOT, PREC, CDT)
+
+
+@triton.jit
+def _reduce_entry_part(PARTE, DWR, DWPRE, pid, S, N, D, HAS_R: tl.constexpr, EW: tl.constexpr, NP: tl.constexpr,
+                       BK: tl.constexpr, CDT: tl.constexpr):
+    """dW_r, dW_pre columns ``pid``·BK…: the splits summed in a fixed order."""
+    kk = pid * BK + tl.arange(0, BK)
+    km = kk < D
+    ce = tl.arange(0, EW)
+    acc = tl.zeros([EW, BK], dtype=CDT)
+    for s in range(0, S):  # a fixed order over the splits
+        acc += tl.load(PARTE + s * EW * D + ce[:, None] * D + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    mr = ce[:, None]
+    if HAS_R:
+        tl.store(DWR + mr.to(tl.int64) * D + kk[None, :], acc, mask=(mr < N) & km[None, :])
+    mp = mr - NP
+    tl.store(DWPRE + mp.to(tl.int64) * D + kk[None, :], acc, mask=(mp >= 0) & (mp < N) & km[None, :])
+
+
+@triton.jit
+def _reduce_active_part(PARTA, DWRES, DWPOST, pa, S, C, k, K, HAS_RES: tl.constexpr, KP: tl.constexpr,
+                        SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr):
+    """dW_res, dW_post columns ``pa``·BK…: the splits summed in a fixed order."""
+    AW = RA + PA
+    KC = k * C
+    kk = pa * BK + tl.arange(0, BK)
+    km = kk < KC
+    cra = tl.arange(0, RA)
+    cpa = tl.arange(0, PA)
+    accr = tl.zeros([RA, BK], dtype=CDT)
+    accp = tl.zeros([PA, BK], dtype=CDT)
+    for s in range(0, S):
+        base = PARTA + s * AW * KC
+        accr += tl.load(base + cra[:, None] * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+        accp += tl.load(base + (RA + cpa[:, None]) * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    ri = cra[:, None] // KP
+    rq = cra[:, None] % KP
+    if HAS_RES:
+        tl.store(DWRES + (ri * k + rq).to(tl.int64) * KC + kk[None, :], accr, mask=(ri < k) & (rq < k) & km[None, :])
+    pj = cpa[:, None] // SP
+    ps = cpa[:, None] % SP
+    tl.store(DWPOST + (pj * K + ps).to(tl.int64) * KC + kk[None, :], accp, mask=(pj < k) & (ps < K) & km[None, :])
 
 
 @triton.jit
 def _xhc_dw_reduce_kernel(PARTE, PARTA, DZE, DZA, DA, DWR, DWPRE, DWRES, DWPOST, DBPRE, DBRES, DBPOST,
-                          DAPRE, DARES, DAPOST, S, T, N, C, k, K, NE, HAS_R: tl.constexpr, EW: tl.constexpr,
+                          DAPRE, DARES, DAPOST, S, T, N, C, k, K, NE, HAS_R: tl.constexpr, HAS_E: tl.constexpr,
+                          HAS_RES: tl.constexpr, EW: tl.constexpr,
                           NP: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                           BK: tl.constexpr, BT: tl.constexpr, CDT: tl.constexpr):
     pid = tl.program_id(0)
     D = N * C
     AW = RA + PA
-    if pid < NE:
-        kk = pid * BK + tl.arange(0, BK)
-        km = kk < D
-        ce = tl.arange(0, EW)
-        acc = tl.zeros([EW, BK], dtype=CDT)
-        for s in range(0, S):  # a fixed order over the splits
-            acc += tl.load(PARTE + s * EW * D + ce[:, None] * D + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
-        mr = ce[:, None]
-        if HAS_R:
-            tl.store(DWR + mr.to(tl.int64) * D + kk[None, :], acc, mask=(mr < N) & km[None, :])
-        mp = mr - NP
-        tl.store(DWPRE + mp.to(tl.int64) * D + kk[None, :], acc, mask=(mp >= 0) & (mp < N) & km[None, :])
-    else:
-        KC = k * C
-        kk = (pid - NE) * BK + tl.arange(0, BK)
-        km = kk < KC
-        cra = tl.arange(0, RA)
-        cpa = tl.arange(0, PA)
-        accr = tl.zeros([RA, BK], dtype=CDT)
-        accp = tl.zeros([PA, BK], dtype=CDT)
-        for s in range(0, S):
-            base = PARTA + s * AW * KC
-            accr += tl.load(base + cra[:, None] * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
-            accp += tl.load(base + (RA + cpa[:, None]) * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
-        ri = cra[:, None] // KP
-        rq = cra[:, None] % KP
-        tl.store(DWRES + (ri * k + rq).to(tl.int64) * KC + kk[None, :], accr, mask=(ri < k) & (rq < k) & km[None, :])
-        pj = cpa[:, None] // SP
-        ps = cpa[:, None] % SP
-        tl.store(DWPOST + (pj * K + ps).to(tl.int64) * KC + kk[None, :], accp, mask=(pj < k) & (ps < K) & km[None, :])
+    if HAS_E:  # NE programs for the entry columns, then the active columns
+        if pid < NE:
+            _reduce_entry_part(PARTE, DWR, DWPRE, pid, S, N, D, HAS_R, EW, NP, BK, CDT)
+        else:
+            _reduce_active_part(PARTA, DWRES, DWPOST, pid - NE, S, C, k, K, HAS_RES, KP, SP, RA, PA, BK, CDT)
+    else:  # the active columns only (.xhc_active)
+        _reduce_active_part(PARTA, DWRES, DWPOST, pid, S, C, k, K, HAS_RES, KP, SP, RA, PA, BK, CDT)
     if pid == 0:  # db = Σ_t dz, dα = Σ_t partials, in a fixed order
         jn = tl.arange(0, NP)
         cra = tl.arange(0, RA)
@@ -181,20 +223,23 @@ def _xhc_dw_reduce_kernel(PARTE, PARTA, DZE, DZA, DA, DWR, DWPRE, DWRES, DWPOST,
         for t0 in range(0, T, BT):
             t = (t0 + tl.arange(0, BT)).to(tl.int64)
             tm = t < T
-            dbe += tl.sum(tl.load(DZE + t[:, None] * NP + jn[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
+            if HAS_E:
+                dbe += tl.sum(tl.load(DZE + t[:, None] * NP + jn[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
             dbr += tl.sum(tl.load(DZA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
             dbp += tl.sum(tl.load(DZA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT), 0)
             da += tl.sum(tl.load(DA + t[:, None] * 3 + a4[None, :], mask=tm[:, None] & (a4 < 3)[None, :],
                                  other=0.0).to(CDT), 0)
-        tl.store(DBPRE + jn, dbe, mask=jn < N)
+        if HAS_E:
+            tl.store(DBPRE + jn, dbe, mask=jn < N)
+            tl.store(DAPRE + a4 * 0, da, mask=a4 == 0)
         bi = cra // KP
         bq = cra % KP
-        tl.store(DBRES + bi * k + bq, dbr, mask=(bi < k) & (bq < k))
+        if HAS_RES:
+            tl.store(DBRES + bi * k + bq, dbr, mask=(bi < k) & (bq < k))
+            tl.store(DARES + a4 * 0, da, mask=a4 == 1)
         pj = cpa // SP
         ps = cpa % SP
         tl.store(DBPOST + pj * K + ps, dbp, mask=(pj < k) & (ps < K))
-        tl.store(DAPRE + a4 * 0, da, mask=a4 == 0)
-        tl.store(DARES + a4 * 0, da, mask=a4 == 1)
         tl.store(DAPOST + a4 * 0, da, mask=a4 == 2)
 
 
@@ -243,11 +288,45 @@ def param_grads(Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, W_pre, W_res, W_post, k:
     use_dot = cm.dot_ok(cdt)
     _xhc_dw_kernel[(NE + triton.cdiv(KC, BK), S)](
         Xc, I, GE, GA, STAT, parte, parta, T, N, C, k, NE, TS, EW=EW, NP=NP, RA=RA, PA=PA, BT=BT, BK=BK,
-        USE_DOT=use_dot, PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+        HAS_E=True, ROWS=True, USE_DOT=use_dot, PREC=cm.dot_precision(), CDT=cm._tl(cdt))
     BKR = cm.blocks("xhc_dw_reduce", N, C)["BK"]
     NER = triton.cdiv(D, BKR)
     _xhc_dw_reduce_kernel[(NER + triton.cdiv(KC, BKR),)](
         parte, parta, DZE, DZA, DA, dWr, dWpre, dWres, dWpost, dbpre, dbres, dbpost, dapre, dares, dapost, S, T, N,
-        C, k, K, NER, HAS_R=W_r is not None, EW=EW, NP=NP, KP=KP, SP=SP, RA=RA, PA=PA, BK=BKR, BT=64,
+        C, k, K, NER, HAS_R=W_r is not None, HAS_E=True, HAS_RES=True, EW=EW, NP=NP, KP=KP, SP=SP, RA=RA, PA=PA, BK=BKR, BT=64,
         CDT=cm._tl(cdt))
     return [dWr, dWpre, dbpre, dapre, dWres, dbres, dares, dWpost, dbpost, dapost]
+
+
+def active_param_grads(Xa, GA, DZA, DA, W_res, W_post, k: int, K: int):
+    """(dW_res, db_res, dα_res, dW_post, db_post, dα_post) of :mod:`.xhc_active` (res None when ``W_res``
+    is None) from X_a ``[T, k, C]`` and the backward's GA, DZA, DA: the active columns of
+    :func:`_xhc_dw_kernel` and :func:`_xhc_dw_reduce_kernel`, deterministic."""
+    T, _, C = Xa.shape
+    KC = k * C
+    _, _, KP, SP, RA, PA = layout(k, k, K)
+    cdt = GA.dtype
+    dev = Xa.device
+    b = cm.blocks("xhc_dw", k, C)
+    BT, BK = b["BT"], b["BK"]
+    AW = RA + PA
+    pow2 = lambda x: 1 << (max(int(x), 1).bit_length() - 1)  # noqa: E731
+    BK = min(BK, max(16, pow2(2048 // AW)))
+    BT = min(BT, max(16, pow2(4096 // AW)))
+    S = max(1, min(int(b["S"]), triton.cdiv(max(T, 1), BT)))
+    TS = triton.cdiv(triton.cdiv(max(T, 1), S), BT) * BT
+    S = triton.cdiv(max(T, 1), TS)
+    e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
+    parta = e(S, AW, KC)
+    has_res = W_res is not None
+    dWres, dbres, dares = (e(k * k, KC), e(k * k), e(1)) if has_res else (None, None, None)
+    dWpost, dbpost, dapost = e(k * K, KC), e(k * K), e(1)
+    _xhc_dw_kernel[(triton.cdiv(KC, BK), S)](
+        Xa, None, None, GA, None, None, parta, T, k, C, k, 0, TS, EW=16, NP=4, RA=RA, PA=PA, BT=BT, BK=BK,
+        HAS_E=False, ROWS=False, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+    BKR = cm.blocks("xhc_dw_reduce", k, C)["BK"]
+    _xhc_dw_reduce_kernel[(triton.cdiv(KC, BKR),)](
+        None, parta, None, DZA, DA, None, None, dWres, dWpost, None, dbres, dbpost, None, dares, dapost, S, T, k,
+        C, k, K, 0, HAS_R=False, HAS_E=False, HAS_RES=has_res, EW=16, NP=4, KP=KP, SP=SP, RA=RA, PA=PA, BK=BKR,
+        BT=64, CDT=cm._tl(cdt))
+    return [dWres, dbres, dares, dWpost, dbpost, dapost]

@@ -151,11 +151,8 @@ def _xhc_post_fwd_kernel(X, XA, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C
         tl.store(MS + t * SP * SP + sr * SP + sc, M)
         L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
         p = tl.sum(p[:, :, None] * L[None, :, :], 1)
-    h = tl.zeros([KP, KP], dtype=CDT)
-    if HAS_H:
-        h += tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)
-    else:  # no mixing (a Flash carried write before the window's last MLP): H = I_k
-        h += tl.where((jr == qc) & (jr < k), 1.0, 0.0)
+    if HAS_H:  # else no mixing (a Flash carried write before the window's last): H = I_k
+        h = tl.load(H + t * k * k + jr * k + qc, mask=(jr < k) & (qc < k), other=0.0).to(CDT)
     rows = jr
     keep = jr < 0
     nr = tl.arange(0, NP)[:, None]
@@ -171,7 +168,11 @@ def _xhc_post_fwd_kernel(X, XA, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C
             xa = tl.load(XA + t * k * C + jr * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
         else:
             xa = tl.load(X + t * N * C + rows * C + c[None, :], mask=(jr < k) & cmk[None, :], other=0.0).to(CDT)
-        new = tl.sum(p[:, :, None] * V[None, :, :], 1) + tl.sum(h[:, :, None] * xa[None, :, :], 1)
+        new = tl.sum(p[:, :, None] * V[None, :, :], 1)
+        if HAS_H:
+            new += tl.sum(h[:, :, None] * xa[None, :, :], 1)
+        else:
+            new += xa
         if EXIT:
             tl.store(OUT + t * N * C + rows * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
             x = tl.load(X + t * N * C + nr * C + c[None, :], mask=keep & cmk[None, :], other=0.0)
@@ -202,11 +203,8 @@ def _xhc_post_bwd_kernel(DOUT, X, XA, I, H, P, Y, W1, W2, W3, POS, MS, DX, DXA, 
         L = _mgs(M, gs_eps, R + 1, (R + 1) * R // 2, SP)
         pf = tl.sum(p[:, :, None] * L[None, :, :], 1)
     hmask = (jr < k) & (qc < k)
-    h = tl.zeros([KP, KP], dtype=CDT)
-    if HAS_H:
-        h += tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
-    else:
-        h += tl.where((jr == qc) & (jr < k), 1.0, 0.0)
+    if HAS_H:  # else H = I_k
+        h = tl.load(H + t * k * k + jr * k + qc, mask=hmask, other=0.0).to(CDT)
     rows = jr  # the rows of dX' that hold the new X_a: I (window exit, xHC) or 0..k-1 (carried)
     ostride = k * C
     if EXIT:
@@ -251,16 +249,19 @@ def _xhc_post_bwd_kernel(DOUT, X, XA, I, H, P, Y, W1, W2, W3, POS, MS, DX, DXA, 
             dv += tl.sum(G2[:, :, None] * V[None, :, :], 1)
         tl.store(DV + t * SP * C + sr * C + c[None, :], dv, mask=cmk[None, :])
         if NEED_DXA:  # carried: dX_a = H_resᵀ·dX'_a
-            dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
+            if HAS_H:
+                dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
+            else:
+                dxa = dn
             tl.store(DXA + t * k * C + jr * C + c[None, :], _cast(dxa, DXA), mask=(jr < k) & cmk[None, :])
         if NEED_DX:
-            if CARRIED:  # the entry state's active rows were replaced, not read: 0 there
-                dxa = tl.zeros([KP, BC], dtype=CDT)
+            g = tl.load(DOUT + t * N * C + nr * C + c[None, :], mask=outside & cmk[None, :], other=0.0)
+            if CARRIED:  # the entry state's active rows were replaced, not read: 0 there, dX' elsewhere
+                tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=(nr < N) & cmk[None, :])
             else:
                 dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
-            tl.store(DX + t * N * C + rows * C + c[None, :], _cast(dxa, DX), mask=(jr < k) & cmk[None, :])
-            g = tl.load(DOUT + t * N * C + nr * C + c[None, :], mask=outside & cmk[None, :], other=0.0)
-            tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=outside & cmk[None, :])
+                tl.store(DX + t * N * C + rows * C + c[None, :], _cast(dxa, DX), mask=(jr < k) & cmk[None, :])
+                tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=outside & cmk[None, :])
 
 
 @triton.jit
@@ -335,6 +336,8 @@ class XHCPost(torch.autograd.Function):
         k, K = P.shape[-2:]
         C = y.shape[-1]
         carried, exit_ = Xa is not None, X is not None
+        if not (carried or (exit_ and H is not None and I is not None)):
+            raise ValueError("xhc_post: the xHC sublayer's write needs X, I and H_res (a write without Xa)")
         N = X.shape[-2] if exit_ else k
         T = s * B
         ws = [w for w in (w1, w2, w3) if w is not None]
@@ -378,6 +381,8 @@ class XHCPost(torch.autograd.Function):
         posc = c(pos, T)
         doutc = dout.reshape(T, N if exit_ else k, C).contiguous()
         NP, KP, SP, BC = _meta(N, k, K, C)
+        if carried:  # X_a's and dX_a's tiles beside dX' (sm_90: 16-24 bytes spilled at BC = 64)
+            BC = max(16, min(BC // 2, 32))
         dev = y.device
         defer = ctx.owner is not None and ctx.needs_input_grad[0]
         need_dx = exit_ and ctx.needs_input_grad[0] and not defer

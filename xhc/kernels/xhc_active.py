@@ -1,0 +1,260 @@
+"""Fused active mappings of a Flash window's write (``xhc_active``): H_res, H_post and P = diag(p)·H_post
+from the carried active streams X_a in one kernel (docs/math.md §3.4, §4.1, §4.2 "Writes").
+
+Every write inside an xHC-Flash or Flash-4sub window generates its mappings from the *current*
+carried X_a ``[T, k, C]`` (not from the window-entry state), so they cannot come from the window's
+entry kernel.
+
+Forward (:func:`_xhc_active_fwd_kernel`, a program per BT tokens): one pass over X_a — the GEMM
+``vec(X_a)·[W_res; W_post]ᵀ`` (``tl.dot``, fp32 accumulation) with Σx² in the same loads — then in
+registers the RMSNorm applied after the GEMM (r_a = rsqrt(mean x² + ε)), H_res =
+clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.triton_ops.sinkhorn_tile`), H_post =
+2σ(α·r_a·proj + b) and P = diag(p)·H_post.
+
+    byte budget, per token, state dtype s:  k·C·s (X_a, once)  + 4·(k² + 2·k·K) (H_res, H_post, P)
+                                            + 4·(RA + PA + 1) saved for the backward
+    (the weights, 4·(k² + k·K)·k·C bytes, are read once per BT tokens)
+
+Backward (:func:`_xhc_active_bwd_kernel`, a program per BT tokens): P's product rule (dp, dH_post),
+σ', the Sinkhorn adjoint (per-step sums in a per-token scratch) give the GEMM's output gradient GA,
+the logits' gradients (for db) and the α partials; then a pass over X_a writes
+dX_a = GA·W_a + a·X_a (a: the RMSNorm's term).  dW: :mod:`.xhc_grad`'s ``_xhc_dw_kernel`` and
+``_xhc_dw_reduce_kernel`` on the active columns only (X_a read directly): per-split partials summed in
+a fixed order, deterministic.
+
+    byte budget:  2·k·C·s (X_a in, dX_a out) + 4·(k² + 2·k·K + RA + PA + 1)  (+ k·C·s per token for dW)
+
+Column layout: :func:`.xhc_entry.layout` (res ``RA = KP²`` columns, post ``PA = KP·SP``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from xhc.kernels import mhc_common as cm
+from xhc.kernels.mhc_common import _cast, mm
+from xhc.kernels.mhc_pre import _sig
+from xhc.kernels.triton_ops import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.xhc_entry import _active_logits, layout, w_post_act_tile, w_res_act_tile, warps
+
+
+@triton.jit
+def _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+                 CDT: tl.constexpr):
+    """(z_post [BT, KP, SP], pmask3) without a res group."""
+    i3 = tl.arange(0, KP)[None, :, None]
+    s3 = tl.arange(0, SP)[None, None, :]
+    pmask3 = tm[:, None, None] & (i3 < k) & (s3 < K)
+    apost = tl.load(APOST).to(CDT)
+    bpost = tl.load(BPOST + i3 * K + s3, mask=(i3 < k) & (s3 < K), other=0.0).to(CDT)
+    return apost * ra[:, None, None] * tl.reshape(accp, [BT, KP, SP]) + bpost, pmask3
+
+
+@triton.jit
+def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, HPOST, PW, PAC, RAS,
+                           T, C, k, K, norm_eps, t_max, sk_eps,
+                           HAS_RES: tl.constexpr, ROW_LAST: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+                           RA: tl.constexpr, PA: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                           USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    tm = t < T
+    KC = k * C
+    accr = tl.zeros([BT, RA], dtype=CDT)
+    accp = tl.zeros([BT, PA], dtype=CDT)
+    ss = tl.zeros([BT], dtype=CDT)
+    for j in range(0, k):  # the GEMM and Σx² in one pass over X_a
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            cmk = c < C
+            xa = tl.load(XA + t[:, None] * KC + j * C + c[None, :], mask=tm[:, None] & cmk[None, :],
+                         other=0.0).to(CDT)
+            ss += tl.sum(xa * xa, 1)
+            if HAS_RES:
+                accr += mm(xa, tl.trans(w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT)), USE_DOT, PREC)
+            accp += mm(xa, tl.trans(w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT)), USE_DOT, PREC)
+    ra = 1.0 / tl.sqrt(ss / KC + norm_eps)
+    AW = RA + PA
+    tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
+    tl.store(PAC + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], accp, mask=tm[:, None])
+    tl.store(RAS + t, ra, mask=tm)
+    i3 = tl.arange(0, KP)[None, :, None]
+    q3 = tl.arange(0, KP)[None, None, :]
+    s3 = tl.arange(0, SP)[None, None, :]
+    if HAS_RES:
+        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+                                                    CDT)
+        M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
+        tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
+    else:
+        zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
+    kq = tl.arange(0, KP)
+    p = tl.load(PR + t[:, None] * k + kq[None, :], mask=tm[:, None] & (kq[None, :] < k), other=0.0).to(CDT)
+    hpost = 2.0 * _sig(zpost)
+    tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
+    tl.store(PW + t[:, None, None] * k * K + i3 * K + s3, p[:, :, None] * hpost, mask=pmask3)
+
+
+@triton.jit
+def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARES, WPOST, BPOST, APOST, S,
+                           DXA, DPR, GA, DZA, DA, T, C, k, K, t_max, sk_eps,
+                           HAS_RES: tl.constexpr, HAS_DHRES: tl.constexpr, HAS_DHPOST: tl.constexpr,
+                           HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, ROW_LAST: tl.constexpr,
+                           NS: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
+                           BT: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
+                           CDT: tl.constexpr):
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    tm = t < T
+    KC = k * C
+    AW = RA + PA
+    cra = tl.arange(0, RA)
+    cpa = tl.arange(0, PA)
+    accr = tl.load(PAC + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    accp = tl.load(PAC + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    ra = tl.load(RAS + t, mask=tm, other=0.0).to(CDT)
+    i3 = tl.arange(0, KP)[None, :, None]
+    q3 = tl.arange(0, KP)[None, None, :]
+    s3 = tl.arange(0, SP)[None, None, :]
+    kq = tl.arange(0, KP)
+    km2 = tm[:, None] & (kq[None, :] < k)
+    if HAS_RES:
+        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+                                                    CDT)
+    else:
+        zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
+    sp = _sig(zpost)
+    p = tl.load(PR + t[:, None] * k + kq[None, :], mask=km2, other=0.0).to(CDT)
+    dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
+    dp = tl.zeros([BT, KP], dtype=CDT)
+    if HAS_DHPOST:
+        dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+    if HAS_DPW:  # P = diag(p)·H_post
+        dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+        dhpost += p[:, :, None] * dpw
+        dp += tl.sum(dpw * 2.0 * sp, 2)
+    tl.store(DPR + t[:, None] * k + kq[None, :], dp, mask=km2)
+    dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
+    dzp2 = tl.reshape(dzpost, [BT, PA])
+    apost = tl.load(APOST).to(CDT)
+    gpost = tl.sum(dzp2 * accp, 1)
+    gap = apost * ra[:, None] * dzp2
+    gres = tl.zeros([BT], dtype=CDT)
+    gar = tl.zeros([BT, RA], dtype=CDT)
+    dzr2 = tl.zeros([BT, RA], dtype=CDT)
+    ares = apost * 0.0
+    if HAS_RES:
+        if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), per-step sums in S
+            Gd = tl.load(DHRES + t[:, None, None] * k * k + i3 * k + q3, mask=mask3, other=0.0).to(CDT)
+            dzres = sinkhorn_tile_bwd(zres, mask3, Gd, S, t[:, None] * NS * KP, t_max, sk_eps, ROW_LAST, True, NS, KP)
+            dzr2 += tl.reshape(dzres, [BT, RA])
+        ares = tl.load(ARES).to(CDT)
+        gres = tl.sum(dzr2 * accr, 1)
+        gar = ares * ra[:, None] * dzr2
+    tl.store(GA + t[:, None] * AW + cra[None, :], gar, mask=tm[:, None])
+    tl.store(GA + t[:, None] * AW + RA + cpa[None, :], gap, mask=tm[:, None])
+    tl.store(DZA + t[:, None] * AW + cra[None, :], dzr2, mask=tm[:, None])
+    tl.store(DZA + t[:, None] * AW + RA + cpa[None, :], dzp2, mask=tm[:, None])
+    a4 = tl.arange(0, 4)[None, :]  # dα partials in the xhc_grad layout: (pre = 0, res, post)
+    da = tl.where(a4 == 1, (gres * ra)[:, None], 0.0) + tl.where(a4 == 2, (gpost * ra)[:, None], 0.0)
+    tl.store(DA + t[:, None] * 3 + a4, da, mask=tm[:, None] & (a4 < 3))
+    if NEED_DXA:  # dX_a = GA·W_a − (α_res·g_res + α_post·g_post)·r_a³/(kC)·X_a  (the RMSNorm's term)
+        a1a = -(ares * gres + apost * gpost) * ra * ra * ra / KC
+        for j in range(0, k):
+            for c0 in range(0, C, BC):
+                c = c0 + tl.arange(0, BC)
+                cmk = c < C
+                m2 = tm[:, None] & cmk[None, :]
+                xa = tl.load(XA + t[:, None] * KC + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
+                g = mm(gap, w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT), USE_DOT, PREC)
+                if HAS_RES:
+                    g += mm(gar, w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT), USE_DOT, PREC)
+                g += a1a[:, None] * xa
+                tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
+
+
+# ------------------------------------------------------------------------------------------------
+def _blocks(C: int, RA: int, PA: int):
+    """(BT, BC): 16 tokens a program; weight tiles ``[RA + PA, BC]`` of at most 2048 values beside the
+    X_a tile and the [BT, KP, KP] Sinkhorn tiles (sm_90: 16 bytes spilled at BC = 128, k = 4)."""
+    BT = 16
+    pow2 = 1 << (max(2048 // (RA + PA), 1).bit_length() - 1)  # the power of two ≤ 2048 / (RA + PA)
+    return BT, max(16, min(triton.next_power_of_2(int(C)), pow2))
+
+
+class XHCActive(torch.autograd.Function):
+    """(H_res or None, H_post, P) of a Flash window's write from the carried X_a; see :func:`xhc_active`."""
+
+    @staticmethod
+    def forward(ctx, Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, cfg):
+        K, norm_eps, t_max, sk_eps, order = cfg
+        k, C = Xa.shape[-2:]
+        lead = Xa.shape[:-2]
+        T = math.prod(lead)
+        _, _, KP, SP, RA, PA = layout(k, k, K)
+        cdt = cm._cdt(Xa, W_post)
+        Xc, pc = Xa.reshape(T, k, C).contiguous(), p.reshape(T, k).contiguous()
+        dev = Xa.device
+        e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
+        has_res = W_res is not None
+        H = e(T, k, k) if has_res else None
+        Hpost, PW, PAC, RAS = e(T, k, K), e(T, k, K), e(T, RA + PA), e(T)
+        BT, BC = _blocks(C, RA, PA)
+        if T > 0:
+            _xhc_active_fwd_kernel[(triton.cdiv(T, BT),)](
+                Xc, pc, W_res, b_res, a_res, W_post, b_post, a_post, H, Hpost, PW, PAC, RAS, T, C, k, K, norm_eps,
+                t_max, sk_eps, HAS_RES=has_res, ROW_LAST=order == "row_last", KP=KP, SP=SP, RA=RA, PA=PA, BT=BT,
+                BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS)
+        ctx.cfg = cfg
+        view = lambda x, *s: None if x is None else x.view(*lead, *s)  # noqa: E731
+        return view(H, k, k), view(Hpost, k, K), view(PW, k, K)
+
+    @staticmethod
+    def backward(ctx, dH, dHpost, dPW):
+        from xhc.kernels import xhc_grad
+
+        Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS = ctx.saved_tensors
+        K, norm_eps, t_max, sk_eps, order = ctx.cfg
+        k, C = Xa.shape[-2:]
+        T = math.prod(Xa.shape[:-2])
+        _, _, KP, SP, RA, PA = layout(k, k, K)
+        cdt = PAC.dtype
+        dev = Xa.device
+        has_res = W_res is not None
+        Xc, pc = Xa.reshape(T, k, C).contiguous(), p.reshape(T, k).contiguous()
+        c = lambda g, *s: None if g is None else g.reshape(*s).contiguous()  # noqa: E731
+        dHc, dHpostc, dPWc = c(dH if has_res else None, T, k, k), c(dHpost, T, k, K), c(dPW, T, k, K)
+        BT, BC = _blocks(C, RA, PA)
+        grid = triton.cdiv(T, BT)
+        NS = 2 * t_max + (1 if order == "row_last" else 0) + 1
+        e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
+        S = e(grid * BT, NS, KP) if has_res and dHc is not None else None
+        need_dxa = ctx.needs_input_grad[0]
+        dXa = torch.empty_like(Xc) if need_dxa else None
+        dp, GA, DZA, DA = e(T, k), e(T, RA + PA), e(T, RA + PA), e(T, 3)
+        if T > 0:
+            _xhc_active_bwd_kernel[(grid,)](
+                Xc, dHc, dHpostc, dPWc, pc, PAC, RAS, W_res, b_res, a_res, W_post, b_post, a_post, S,
+                dXa, dp, GA, DZA, DA, T, C, k, K, t_max, sk_eps, HAS_RES=has_res, HAS_DHRES=dHc is not None,
+                HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None, NEED_DXA=need_dxa,
+                ROW_LAST=order == "row_last", NS=NS, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=BC,
+                USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
+        grads = [None] * 6
+        if any(ctx.needs_input_grad[2:8]):
+            grads = xhc_grad.active_param_grads(Xc, GA, DZA, DA, W_res, W_post, k, K)
+        return (None if dXa is None else dXa.view(Xa.shape), dp.view(p.shape).to(p.dtype), *grads, None)
+
+
+def xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,
+               sk_eps: float, order: str):
+    """(H_res ``[..., k, k]`` or None, H_post ``[..., k, K]``, P = diag(p)·H_post ``[..., k, K]``), fp32, from
+    the carried ``Xa`` ``[..., k, C]`` and the route weights ``p`` ``[..., k]`` (module docstring).
+    ``W_res`` ``[k², k·C]`` (None: no H_res, a write before the window's last), ``W_post`` ``[k·K, k·C]``,
+    their biases and gates; every weight fp32 (float64 for the reference tests)."""
+    f = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return XHCActive.apply(Xa, p, f(W_res), f(b_res), f(a_res), f(W_post), f(b_post), f(a_post),
+                           (int(K), float(norm_eps), int(t_max), float(sk_eps), order))
