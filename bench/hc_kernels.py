@@ -711,7 +711,8 @@ def autotune_main(device: str, C: int, tokens: int, dtype, reps: int, out: str, 
                   grid_limit: Optional[int] = None) -> dict:
     """Time each fused HC kernel over :data:`xhc.kernels.mhc_common.TUNE_GRID` at (N, C, tokens), one
     kernel at a time (the others at their defaults): the mHC kernels (``mhc_*``) in the mHC sublayer
-    with N in ``ns``, the fused xHC kernels (``xhc_*``) in the bench's xHC MLP sublayer (N = 16, k = 4).
+    with N in ``ns``, the fused xHC kernels (``xhc_*``) in the bench's xHC MLP sublayer (N = 16, k = 4),
+    the Flash writes' mappings (``xhc_active``, keyed by the carried k rows) in its Flash-4sub window.
     The fastest block sizes go to ``out`` as JSON in the layout of ``xhc/kernels/tuned_blocks.json``,
     ``{kernel: {"N<n>_C<C>": blocks}}`` (merged into ``out`` when it exists), rewritten atomically
     after every kernel: a run stopped by a time limit keeps the kernels it finished."""
@@ -721,13 +722,17 @@ def autotune_main(device: str, C: int, tokens: int, dtype, reps: int, out: str, 
     if os.path.exists(out):
         with open(out) as f:
             result = json.load(f)
-    units = [(_mhc_unit(n, C, device, dtype), "mhc_") for n in ns]
-    units.append((build_unit("xhc-mlp", C, "triton", device, dtype), "xhc_"))
-    for unit, prefix in units:
+    units = [(_mhc_unit(n, C, device, dtype), lambda kern: kern.startswith("mhc_")) for n in ns]
+    units.append((build_unit("xhc-mlp", C, "triton", device, dtype),
+                  lambda kern: kern.startswith("xhc_") and kern != "xhc_active"))
+    units.append((build_unit("flash4", C, "triton", device, dtype), lambda kern: kern == "xhc_active"))
+    for unit, tuned_here in units:
         sets = _rotating(unit, C, tokens, device, dtype, k=2)
         key = f"N{unit.n}_C{C}"
+        if unit.name == "flash4":  # the carried X_a has k rows: the kernel looks its blocks up at (k, C)
+            key = f"N{unit.modules[0].k}_C{C}"
         for kernel, grid in cm.TUNE_GRID.items():
-            if not kernel.startswith(prefix):
+            if not tuned_here(kernel):
                 continue
             grid = grid[:grid_limit] if grid_limit else grid
             best = None

@@ -494,15 +494,16 @@ def _spy_state_grad(monkeypatch, ops):
     from xhc.kernels import xhc_grad  # the fused xHC entry writes its sublayer's dX itself
 
     fused_grad = xhc_grad.state_grad
-    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a: (log.append("dX"), fused_grad(*a))[1])
+    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a, **kw: (log.append("dX"), fused_grad(*a, **kw))[1])
     return log
 
 
 MHC_TERMS, XHC_TERMS = {"read", "write"}, {"read", "write", "linear", "rows"}
 FUSED_XHC_TERMS = {"write"}  # the fused entry (xhc/kernels/xhc_entry.py) owns the read, both GEMMs, no gather
-# Flash windows: X^(0)'s read, entry GEMM and gather hand over; the writes on the carried X_a (the fused
-# mappings and write kernels, xhc/kernels/xhc_active.py, xhc_post.py) return dX_a themselves
-FLASH_TERMS = {"read", "linear", "rows"}
+# Flash windows: the fused window entry (xhc/kernels/xhc_entry.py: window_entry) reads X^(0) for the routing,
+# every pre-map, the readouts and the gather, and writes dX^(0) itself; the writes on the carried X_a (the
+# fused mappings and write kernels, xhc_active.py, xhc_post.py) return dX_a themselves: nothing is handed over
+FLASH_TERMS = set()
 
 
 @pytest.mark.parametrize("kind, kw, terms", [
@@ -518,8 +519,8 @@ FLASH_TERMS = {"read", "linear", "rows"}
 @pytest.mark.slow
 def test_triton_state_gradient_written_once(monkeypatch, device, kind, kw, terms):
     """The read and the write (xHC: also the entry GEMM and the gather of the active rows) hand their
-    dX terms to the state's first coefficient op, which writes dX in one pass (Flash: the window
-    entry's terms for X^(0); the carried active state's gradient comes from the fused write ops);
+    dX terms to the state's first coefficient op, which writes dX in one pass (Flash: the fused window
+    entry writes dX^(0) once; the carried active state's gradient comes from the fused write ops);
     every gradient still equals the float64 eager reference."""
     ops = _triton_ops()
     cfg = _cfg(kw, 4)

@@ -90,7 +90,7 @@ def test_fused_xhc_equals_eager_float64(monkeypatch, device, kw, is_mlp):
 
     calls = []
     sg = xhc_grad.state_grad
-    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a: (calls.append("dX"), sg(*a))[1])
+    monkeypatch.setattr(xhc_grad, "state_grad", lambda *a, **kw: (calls.append("dX"), sg(*a, **kw))[1])
     orig = xhc_entry.XHCEntry.apply
     monkeypatch.setattr(xhc_entry.XHCEntry, "apply", lambda *a: (calls.append("entry"), orig(*a))[1])
     post = xhc_post.XHCPost.apply
@@ -191,7 +191,7 @@ def test_every_autotuning_candidate_equals_eager(monkeypatch):
     _need_triton()
     from xhc.kernels import mhc_common as cm
 
-    grids = {k: g for k, g in cm.TUNE_GRID.items() if k.startswith("xhc_")}
+    grids = {k: g for k, g in cm.TUNE_GRID.items() if k.startswith("xhc_") and k != "xhc_active"}
     assert set(grids) == {"xhc_entry_fwd", "xhc_entry_bwd", "xhc_dx", "xhc_dw", "xhc_dw_reduce"}
     cfg = HCConfig(variant="xhc", n=8, k=4, m=2, kernel_sizes=(2, 3))
     outs_r, I_r, g_r = _run(cfg.replace(kernels="eager"), "cpu", True)
@@ -242,7 +242,7 @@ def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
     a decode cache) the separate ops give the same."""
     _need_triton()
     from xhc import flash
-    from xhc.kernels import xhc_active, xhc_post
+    from xhc.kernels import xhc_active, xhc_entry, xhc_post
     from xhc.temporal import SequenceContext as SC
 
     calls = []
@@ -254,6 +254,9 @@ def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
         return post(X, Xa, *a)
 
     monkeypatch.setattr(xhc_post.XHCPost, "apply", spy)
+    entries = []  # the window entry in one kernel (xhc/kernels/xhc_entry.py: window_entry)
+    entry = xhc_entry.XHCEntry.apply
+    monkeypatch.setattr(xhc_entry.XHCEntry, "apply", lambda *a: (entries.append(a[-1][7]), entry(*a))[1])
     maps = []  # every write's mappings from the carried X_a in one kernel (xhc/kernels/xhc_active.py)
     active = xhc_active.XHCActive.apply
     monkeypatch.setattr(xhc_active.XHCActive, "apply",
@@ -264,18 +267,20 @@ def test_flash_windows_write_through_the_fused_kernel(monkeypatch, kw, modes):
     out_f, g_f = _run_window(cfg.replace(kernels="triton"))
     assert calls == modes, calls
     writes = 2 if cfg.variant == "xhc_flash" else 4  # H_res only at the window's last write
+    assert entries == [writes], entries  # one entry op with a pre-map per sublayer
     assert maps == [False] * (writes - 1) + [not cfg.ablate_res], maps
     _close(out_f, out_r, "X'")
     for i, (a, b) in enumerate(zip(g_f, g_r)):
         _close(a, b, f"grad {i}")
     calls.clear()
+    entries.clear()
     temporal = SimpleNamespace(conv=[None])  # one temporal kernel: what fused_write_runs reads of the module
     Xa, y = torch.randn(S, B, cfg.k, C), torch.randn(S, B, C)
     assert flash.fused_write_runs(temporal, Xa, y, SC(pos_in_doc=POS), "triton")
     assert not flash.fused_write_runs(temporal, Xa, y, SC(decode_cache={}), "triton")
     monkeypatch.setattr(flash, "fused_write_runs", lambda *a: False)
     out_d, g_d = _run_window(cfg.replace(kernels="triton"))
-    assert calls == []
+    assert calls == [] and entries == [writes]
     _close(out_d, out_r, "X' (separate ops)")
     for i, (a, b) in enumerate(zip(g_d, g_r)):
         _close(a, b, f"grad {i} (separate ops)")
@@ -296,3 +301,20 @@ def test_flash4_window_bf16_state_and_deterministic():
         _close(a, b, f"grad {i}", rtol=2 ** -4, atol=2 ** -4 * scale)
     out_2, g_2 = _run_window(cfg.replace(kernels="triton"), torch.bfloat16, torch.float32)
     assert torch.equal(out_2, out_f) and all(torch.equal(a, b) for a, b in zip(g_2, g_f))
+
+
+def test_every_autotuning_candidate_of_the_window_mappings_equals_eager(monkeypatch):
+    """Each ``xhc_active`` block size the autotuning may commit gives a Flash-4sub window equal to eager
+    in float64 (10 tokens: a ragged last block for every BT)."""
+    _need_triton()
+    from xhc.kernels import mhc_common as cm
+
+    cfg = HCConfig(variant="xhc_flash4", n=8, k=4, m=2, kernel_sizes=(2,))
+    out_r, g_r = _run_window(cfg.replace(kernels="eager"))
+    assert len(cm.TUNE_GRID["xhc_active"]) >= 2
+    for cand in cm.TUNE_GRID["xhc_active"]:
+        monkeypatch.setattr(cm, "OVERRIDE", {"xhc_active": cand})
+        out_f, g_f = _run_window(cfg.replace(kernels="triton"))
+        _close(out_f, out_r, f"{cand}: X'")
+        for i, (a, b) in enumerate(zip(g_f, g_r)):
+            _close(a, b, f"{cand}: grad {i}")

@@ -245,6 +245,18 @@ class _WindowPart(nn.Module):
     def _components(self, y: torch.Tensor, temporal: Optional[nn.Module], seq, backend: str) -> Components:
         return branch_components(y, temporal, self.cfg, seq, backend)
 
+    def _fused_entry(self, run: WindowRun, pres) -> bool:
+        """Whether the window entry runs as one kernel (:func:`xhc.kernels.xhc_window_read`): ``triton``
+        with fused coefficients, the sigmoid router, no ablated pre-mapping, N ≤ 16, k ≤ 16."""
+        c = self.cfg
+        return (run.backend == "triton" and run.fused and c.router == "sigmoid" and c.n <= 16 and c.k <= 16
+                and all(pre.weight is not None for pre in pres))
+
+    def _entry_read(self, X0: torch.Tensor, run: WindowRun, pres, nonactive: bool):
+        """(R ``[..., T, C]``, I, p, score, h ``[..., T, N]``, X_a) of the fused window entry."""
+        return kernels.xhc_window_read(X0, self.router.weight, [(pre.weight, pre.bias, pre.alpha) for pre in pres],
+                                       self.k, self.cfg.m, run.eps, nonactive)
+
     def _branch_write(self, Xa, p, post, res, y, temporal, seq, run: WindowRun, exit=None, moments=None):
         """A carried write from the branch output ``y``: the fused write kernel where it runs
         (:func:`carried_write_fused`), else the components then :func:`carried_write`."""
@@ -321,6 +333,9 @@ class XHCFlashLayer(_WindowPart):
         ``X0``: ``[s, b, N, C]`` (any leading dims)  ->  :class:`FlashState`.
         """
         run = self._run(X0)
+        if self._fused_entry(run, [self.pre_A, self.pre_M]):
+            inp, I, p, score, h, Xa = self._entry_read(X0, run, [self.pre_A, self.pre_M], False)
+            return FlashState(X0, I, p, score, h, inp, Xa, inps=unbind_readouts(inp))
         stats, entry_mom = entry_statistics(X0, run.fused, run.backend)
         routing, (h_A, h_M) = entry_mappings(X0, self.router, [self.pre_A, self.pre_M], run.eps, run.fused,
                                               entry_mom, run.backend)
@@ -390,7 +405,7 @@ class Flash4State:
     p: torch.Tensor  # [..., k] fp32 route weights
     score: torch.Tensor  # [..., N] fp32 router scores (diagnostics)
     h_pre: torch.Tensor  # [..., 4, N] fp32: h^t for t = A1, M1, A2, M2, all from X^(0)
-    h_active: torch.Tensor  # [..., 4, k] fp32: h^t[I_j]
+    h_active: torch.Tensor  # [4, ..., k] fp32: h^t[I_j] (t first: each sublayer's read weights contiguous)
     base: torch.Tensor  # [..., 4, C] fp32: base_t = Σ_{i∉I} h^t_i X^(0)_i
     Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
     bases: Optional[tuple] = None  # base as four tensors (unbind_readouts)
@@ -403,6 +418,12 @@ class Flash4State:
         return FLASH4_SUBLAYERS[self.step] if self.step < 4 else "done"
 
 
+def active_read_weights(h: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
+    """h^t[I_j] for every sublayer t as ``[T, ..., k]`` (t first, so that each sublayer's split read gets
+    contiguous weights: one copy here instead of one per read) from h ``[..., T, N]``, I ``[..., k]``."""
+    return h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1])).movedim(-2, 0).contiguous()
+
+
 def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
     """u_t of sublayer ``t`` (0..3) by the split read u_t = base_t + Σ_j h^t[I_j] · X_a[j]
     (docs/math.md §4.2)  ->  ``[..., C]`` residual dtype."""
@@ -411,7 +432,7 @@ def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
             f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
         )
-    h_a = state.h_active[..., t, :]
+    h_a = state.h_active[t]
     u = readout(state.base, state.bases, t) + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
     return u.to(state.X0.dtype)
 
@@ -462,11 +483,16 @@ class Flash4FirstLayer(_Flash4Part):
         """Window entry: routing, four pre-mappings, four non-active bases (one pass over X^(0))."""
         pres = [getattr(self, f"pre_{name}") for name in FLASH4_SUBLAYERS]
         run = self._run(X0)
+        if self._fused_entry(run, pres):
+            base, I, p, score, h, Xa = self._entry_read(X0, run, pres, True)
+            h_active = active_read_weights(h, I)
+            return Flash4State(X0, I, p, score, h, h_active, base, Xa, bases=unbind_readouts(base),
+                               backend=run.backend)
         stats, entry_mom = entry_statistics(X0, run.fused, run.backend)
         routing, hs = entry_mappings(X0, self.router, pres, run.eps, run.fused, entry_mom, run.backend)
         h = torch.stack(hs, -2)  # [..., 4, N]
         I = routing.I
-        h_active = h.gather(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]))  # [..., 4, k]
+        h_active = active_read_weights(h, I)
         # base_t = Σ_{i∉I} h^t_i X^(0)_i: one read with the active weights zeroed
         base = kernels.read(nonactive_weights(h, I), X0, fp32(h).dtype, backend=run.backend)
         act = None if stats is None else moments_of_rows(*stats, X0.shape[-1], I)

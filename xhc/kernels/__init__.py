@@ -461,6 +461,15 @@ def xhc_read(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a
                                norm_eps, t_max, sk_eps, order)
 
 
+def xhc_window_read(X, W_r, pres, k: int, m: int, norm_eps: float, nonactive: bool):
+    """A Flash window's entry on the ``triton`` backend (:func:`xhc.kernels.xhc_entry.window_entry`): the
+    routing, every pre-map's read weights, their readouts (over the streams outside I when ``nonactive``)
+    and the gathered X_a in one kernel -> (R ``[..., T, C]``, I, p, score, h ``[..., T, N]``, X_a)."""
+    from xhc.kernels import xhc_entry
+
+    return xhc_entry.window_entry(X, W_r, pres, k, m, norm_eps, nonactive)
+
+
 def xhc_mappings(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,
                sk_eps: float, order: str):
     """A Flash window write's mappings on the ``triton`` backend (:mod:`xhc.kernels.xhc_active`): H_res

@@ -66,6 +66,7 @@ DEFAULT_BLOCKS = {
     "xhc_dx": {"BT": 16},
     "xhc_dw": {"BT": 32, "BK": 64, "S": 8},
     "xhc_dw_reduce": {"BK": 64},
+    "xhc_active": {"BT": 16},
 }
 
 
@@ -88,6 +89,7 @@ TUNE_GRID = {
     "xhc_dx": [{"BT": 8}, {"BT": 16}, {"BT": 32}],
     "xhc_dw": [{"BT": 32, "BK": 64, "S": 8}, {"BT": 32, "BK": 64, "S": 16}, {"BT": 32, "BK": 32, "S": 32}],
     "xhc_dw_reduce": [{"BK": 32}, {"BK": 64}, {"BK": 128}],
+    "xhc_active": [{"BT": 8}, {"BT": 16}, {"BT": 32}],  # a Flash write's mappings (xhc_active; its BC is bounded)
 }
 KERNEL_OF = {  # tuning key -> the Triton kernel it sizes
     "mhc_pre_fwd": "_mhc_pre_fwd_kernel", "mhc_pre_bwd": "_mhc_pre_bwd_kernel",
@@ -95,6 +97,7 @@ KERNEL_OF = {  # tuning key -> the Triton kernel it sizes
     "mhc_dw": "_mhc_dw_kernel", "mhc_dw_reduce": "_mhc_dw_reduce_kernel",
     "xhc_entry_fwd": "_xhc_entry_fwd_kernel", "xhc_entry_bwd": "_xhc_entry_bwd_kernel", "xhc_dx": "_xhc_dx_kernel",
     "xhc_dw": "_xhc_dw_kernel", "xhc_dw_reduce": "_xhc_dw_reduce_kernel",
+    "xhc_active": "_xhc_active_fwd_kernel",
 }
 
 
@@ -174,6 +177,21 @@ def pick(v, col, NP: tl.constexpr, OFF: tl.constexpr):
     jj = tl.arange(0, NP)
     sel = col[None, None, :] == (OFF + jj)[None, :, None]
     return tl.sum(tl.where(sel, v[:, None, :], 0.0), 2)
+
+
+@triton.jit
+def pick_group(v, g: tl.constexpr, G: tl.constexpr, NP: tl.constexpr):
+    """``v[:, g·NP + j]`` for j < NP as ``[B, NP]`` (v ``[B, G·NP]``): :func:`pick` of an aligned group through a
+    ``[B, G, NP]`` view, G times fewer values than pick's ``[B, NP, G·NP]`` tile."""
+    v3 = tl.reshape(v, [v.shape[0], G, NP])
+    return tl.sum(tl.where(tl.arange(0, G)[None, :, None] == g, v3, 0.0), 1)
+
+
+@triton.jit
+def place_group(a, g: tl.constexpr, G: tl.constexpr, NP: tl.constexpr):
+    """``[B, G·NP]`` with ``a`` ``[B, NP]`` at columns g·NP + j, zero elsewhere: the inverse of :func:`pick_group`."""
+    a3 = tl.where(tl.arange(0, G)[None, :, None] == g, a[:, None, :], 0.0)
+    return tl.reshape(a3, [a.shape[0], G * NP])
 
 
 @triton.jit

@@ -176,10 +176,11 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
 
 
 # ------------------------------------------------------------------------------------------------
-def _blocks(C: int, RA: int, PA: int):
-    """(BT, BC): 16 tokens a program; weight tiles ``[RA + PA, BC]`` of at most 2048 values beside the
-    X_a tile and the [BT, KP, KP] Sinkhorn tiles (sm_90: 16 bytes spilled at BC = 128, k = 4)."""
-    BT = 16
+def _blocks(k: int, C: int, RA: int, PA: int):
+    """(BT, BC): BT tokens a program (``mhc_common`` blocks ``xhc_active``, autotuned); weight tiles
+    ``[RA + PA, BC]`` of at most 2048 values beside the X_a tile and the [BT, KP, KP] Sinkhorn tiles
+    (sm_90: 16 bytes spilled at BC = 128, k = 4)."""
+    BT = int(cm.blocks("xhc_active", k, C)["BT"])
     pow2 = 1 << (max(2048 // (RA + PA), 1).bit_length() - 1)  # the power of two ≤ 2048 / (RA + PA)
     return BT, max(16, min(triton.next_power_of_2(int(C)), pow2))
 
@@ -201,7 +202,7 @@ class XHCActive(torch.autograd.Function):
         has_res = W_res is not None
         H = e(T, k, k) if has_res else None
         Hpost, PW, PAC, RAS = e(T, k, K), e(T, k, K), e(T, RA + PA), e(T)
-        BT, BC = _blocks(C, RA, PA)
+        BT, BC = _blocks(k, C, RA, PA)
         if T > 0:
             _xhc_active_fwd_kernel[(triton.cdiv(T, BT),)](
                 Xc, pc, W_res, b_res, a_res, W_post, b_post, a_post, H, Hpost, PW, PAC, RAS, T, C, k, K, norm_eps,
@@ -228,7 +229,7 @@ class XHCActive(torch.autograd.Function):
         Xc, pc = Xa.reshape(T, k, C).contiguous(), p.reshape(T, k).contiguous()
         c = lambda g, *s: None if g is None else g.reshape(*s).contiguous()  # noqa: E731
         dHc, dHpostc, dPWc = c(dH if has_res else None, T, k, k), c(dHpost, T, k, K), c(dPW, T, k, K)
-        BT, BC = _blocks(C, RA, PA)
+        BT, BC = _blocks(k, C, RA, PA)
         grid = triton.cdiv(T, BT)
         NS = 2 * t_max + (1 if order == "row_last" else 0) + 1
         e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731

@@ -42,17 +42,18 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm, pick, place
+from xhc.kernels.mhc_common import _cast, mm, pick, pick_group, place, place_group
 from xhc.kernels.mhc_pre import _sig
 from xhc.kernels.triton_ops import OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
 
 
-def layout(n: int, k: int, K: int):
-    """(NP, EW, KP, SP, RA, PA) for N = n streams, k active, K write components."""
+def layout(n: int, k: int, K: int, TM: int = 1):
+    """(NP, EW, KP, SP, RA, PA) for N = n streams, k active, K write components and TM pre-maps (a Flash
+    window's entry: 2 or 4, :mod:`.xhc_window`)."""
     NP = cm.np_of(n)
     KP = max(4, triton.next_power_of_2(int(k)))
     SP = max(4, triton.next_power_of_2(int(K)))
-    return NP, max(16, 2 * NP), KP, SP, KP * KP, KP * SP
+    return NP, max(16, triton.next_power_of_2((1 + int(TM)) * NP)), KP, SP, KP * KP, KP * SP
 
 
 def warps(KP: int) -> int:
@@ -63,13 +64,24 @@ def warps(KP: int) -> int:
 
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def w_entry_tile(WR, WPRE, kk, kmask, N, D, NP: tl.constexpr, EW: tl.constexpr, HAS_R: tl.constexpr,
-                 CDT: tl.constexpr):
-    """[W_router; W_pre] as ``[EW, BK]`` in the entry layout, columns ``kk`` of vec X."""
+def _pre_rows(W, mp, kk, km, N, D, CDT: tl.constexpr):
+    return tl.load(W + mp.to(tl.int64) * D + kk[None, :], mask=(mp >= 0) & (mp < N) & km, other=0.0).to(CDT)
+
+
+@triton.jit
+def w_entry_tile(WR, WP0, WP1, WP2, WP3, kk, kmask, N, D, NP: tl.constexpr, EW: tl.constexpr, HAS_R: tl.constexpr,
+                 TM: tl.constexpr, CDT: tl.constexpr):
+    """[W_router; W_pre,0; …; W_pre,TM−1] as ``[EW, BK]`` in the entry layout (pre-map t at rows
+    (1 + t)·NP + i), columns ``kk`` of vec X."""
     mr = tl.arange(0, EW)[:, None]
     km = kmask[None, :]
-    mp = mr - NP
-    w = tl.load(WPRE + mp.to(tl.int64) * D + kk[None, :], mask=(mp >= 0) & (mp < N) & km, other=0.0).to(CDT)
+    w = _pre_rows(WP0, mr - NP, kk, km, N, D, CDT)
+    if TM > 1:
+        w += _pre_rows(WP1, mr - 2 * NP, kk, km, N, D, CDT)
+    if TM > 2:
+        w += _pre_rows(WP2, mr - 3 * NP, kk, km, N, D, CDT)
+    if TM > 3:
+        w += _pre_rows(WP3, mr - 4 * NP, kk, km, N, D, CDT)
     if HAS_R:
         w += tl.load(WR + mr.to(tl.int64) * D + kk[None, :], mask=(mr < N) & km, other=0.0).to(CDT)
     return w
@@ -114,10 +126,51 @@ def _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT: tl.co
 
 
 @triton.jit
-def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOST, APOST,
-                          U, IDX, PR, SCORE, HPRE, HRES, HPOST, PW, PE, PAC, STAT, WSUM,
+def pick_col_group(v, ce, g: tl.constexpr, G: tl.constexpr, NP: tl.constexpr):
+    """Column group g of the entry layout ``[B, NP]`` (v ``[B, G·NP]``, ce its column index): through a
+    ``[B, G, NP]`` view from NP = 8 on (fewer registers: moe-10b xHC N = 16 spilled 24 bytes with the
+    ``[B, NP, G·NP]`` tile), the tile below (N ≤ 4: the view spilled 8 bytes on sm_90)."""
+    if NP >= 8:
+        return pick_group(v, g, G, NP)
+    else:
+        return pick(v, ce, NP, g * NP)
+
+
+@triton.jit
+def place_col_group(a, ce, g: tl.constexpr, G: tl.constexpr, NP: tl.constexpr):
+    """The inverse of :func:`pick_col_group`: ``[B, G·NP]`` with ``a`` at column group g."""
+    if NP >= 8:
+        return place_group(a, g, G, NP)
+    else:
+        return place(a, ce, NP, g * NP)
+
+
+@triton.jit
+def _pre_h(acc, ce, r, AP, BP, jn, jm, valid, NP: tl.constexpr, G: tl.constexpr, GI: tl.constexpr,
+           CDT: tl.constexpr):
+    """h_pre = σ(α·r·proj + b) of the pre-map at column group GI of the entry GEMM ``[BT, NP]``."""
+    a = tl.load(AP).to(CDT)
+    b = tl.load(BP + jn, mask=jm, other=0.0).to(CDT)
+    return tl.where(valid, _sig(a * r[:, None] * pick_col_group(acc, ce, GI, G, NP) + b[None, :]), 0.0)
+
+
+@triton.jit
+def _read_out(U, h, x3, act, t, c, cmk, tm, TM, tt, C, NONACT: tl.constexpr):
+    """u_tt = Σ_i h[i]·X_i (``NONACT``: the streams outside I only) into row ``tt`` of U ``[T, TM, C]``."""
+    if NONACT:
+        h = tl.where(act, 0.0, h)
+    u = tl.sum(h[:, :, None] * x3, 1)
+    tl.store(U + t[:, None] * TM * C + tt * C + c[None, :], _cast(u, U), mask=tm[:, None] & cmk[None, :])
+
+
+@triton.jit
+def _xhc_entry_fwd_kernel(X, WR, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP1, AP2, AP3,
+                          WRES, BRES, ARES, WPOST, BPOST, APOST,
+                          U, XA, IDX, PR, SCORE, HPRE, HRES, HPOST, PW, PE, PAC, STAT, WSUM,
                           T, N, C, k, m, K, norm_eps, t_max, sk_eps,
-                          HAS_R: tl.constexpr, ROW_LAST: tl.constexpr, NP: tl.constexpr, EW: tl.constexpr,
+                          HAS_R: tl.constexpr, ROW_LAST: tl.constexpr, TM: tl.constexpr, NONACT: tl.constexpr,
+                          HAS_ACT: tl.constexpr, HAS_XA: tl.constexpr, NP: tl.constexpr, EW: tl.constexpr,
+                          G: tl.constexpr,
                           KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
                           USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
@@ -140,7 +193,7 @@ def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOS
             x = tl.load(X + t[:, None] * D + kk[None, :], mask=tm[:, None] & cmk[None, :], other=0.0).to(CDT)
             ssr += tl.where(jn[None, :] == i, tl.sum(x * x, 1)[:, None], 0.0)
             sx += tl.sum(x, 1)
-            w = w_entry_tile(WR, WPRE, kk, cmk, N, D, NP, EW, HAS_R, CDT)
+            w = w_entry_tile(WR, WP0, WP1, WP2, WP3, kk, cmk, N, D, NP, EW, HAS_R, TM, CDT)
             wsum += tl.sum(w, 1)
             acc += mm(x, tl.trans(w), USE_DOT, PREC)
     nu = tl.sum(ssr, 1) / D  # 2. the entry epilogue
@@ -148,13 +201,20 @@ def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOS
     r = 1.0 / tl.sqrt(nu + norm_eps)
     rl = 1.0 / tl.sqrt(tl.maximum(nu - mu * mu, 0.0) + norm_eps)
     valid = tm[:, None] & jm[None, :]
-    projp = pick(acc, ce, NP, NP)
-    apre = tl.load(APRE).to(CDT)
-    bpre = tl.load(BPRE + jn, mask=jm, other=0.0).to(CDT)
-    hpre = tl.where(valid, _sig(apre * r[:, None] * projp + bpre[None, :]), 0.0)
+    h0 = _pre_h(acc, ce, r, AP0, BP0, jn, jm, valid, NP, G, 1, CDT)  # the pre-maps' read weights
+    tl.store(HPRE + t[:, None] * TM * N + jn[None, :], h0, mask=valid)
+    if TM > 1:
+        h1 = _pre_h(acc, ce, r, AP1, BP1, jn, jm, valid, NP, G, 2, CDT)
+        tl.store(HPRE + t[:, None] * TM * N + N + jn[None, :], h1, mask=valid)
+    if TM > 2:
+        h2 = _pre_h(acc, ce, r, AP2, BP2, jn, jm, valid, NP, G, 3, CDT)
+        tl.store(HPRE + t[:, None] * TM * N + 2 * N + jn[None, :], h2, mask=valid)
+    if TM > 3:
+        h3 = _pre_h(acc, ce, r, AP3, BP3, jn, jm, valid, NP, G, 4, CDT)
+        tl.store(HPRE + t[:, None] * TM * N + 3 * N + jn[None, :], h3, mask=valid)
     if HAS_R:
-        wsr = pick(wsum[None, :], ce, NP, 0)
-        zr = rl[:, None] * (pick(acc, ce, NP, 0) - mu[:, None] * wsr)
+        wsr = pick_col_group(wsum[None, :], ce, 0, G, NP)
+        zr = rl[:, None] * (pick_col_group(acc, ce, 0, G, NP) - mu[:, None] * wsr)
         score = _sig(zr)
         seli = tl.where(valid & (jn[None, :] < m), 1, 0)
         for _ in range(0, k - m):  # the top-(k − m) of score[m:], ties to the lower index
@@ -178,7 +238,6 @@ def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOS
     tl.store(IDX + t[:, None] * k + kq[None, :], Iv.to(tl.int64), mask=km2)
     tl.store(PR + t[:, None] * k + kq[None, :], p, mask=km2)
     tl.store(SCORE + t[:, None] * N + jn[None, :], score, mask=valid)
-    tl.store(HPRE + t[:, None] * N + jn[None, :], hpre, mask=valid)
     tl.store(PE + t[:, None] * EW + ce[None, :], acc, mask=tm[:, None])
     tl.store(STAT + t * 4, mu, mask=tm)
     tl.store(STAT + t * 4 + 1, r, mask=tm)
@@ -186,42 +245,105 @@ def _xhc_entry_fwd_kernel(X, WR, WPRE, BPRE, APRE, WRES, BRES, ARES, WPOST, BPOS
     tl.store(STAT + t * 4 + 3, ra, mask=tm)
     if pid == 0:
         tl.store(WSUM + ce, wsum)
+    act = seli == 1
     accr = tl.zeros([BT, RA], dtype=CDT)
     accp = tl.zeros([BT, PA], dtype=CDT)
-    for c0 in range(0, C, BC):  # 3. the read and the active GEMM
+    for c0 in range(0, C, BC):  # 3. the reads, the gather and the active GEMM
         c = c0 + tl.arange(0, BC)
         cmk = c < C
         x3 = tl.load(X + t[:, None, None] * D + jn[None, :, None] * C + c[None, None, :],
                      mask=valid[:, :, None] & cmk[None, None, :], other=0.0).to(CDT)
-        u = tl.sum(hpre[:, :, None] * x3, 1)
-        tl.store(U + t[:, None] * C + c[None, :], _cast(u, U), mask=tm[:, None] & cmk[None, :])
-        for j in range(0, k):
-            aj = (seli == 1) & (rank == j)
-            xa = tl.sum(tl.where(aj[:, :, None], x3, 0.0), 1)  # X_a[j]: [BT, BC]
-            accr += mm(xa, tl.trans(w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT)), USE_DOT, PREC)
-            accp += mm(xa, tl.trans(w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT)), USE_DOT, PREC)
-    AW = RA + PA  # 4. the active epilogue
-    tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
-    tl.store(PAC + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], accp, mask=tm[:, None])
-    zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
-    M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
-    i3 = tl.arange(0, KP)[None, :, None]
-    q3 = tl.arange(0, KP)[None, None, :]
-    s3 = tl.arange(0, SP)[None, None, :]
-    tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
-    hpost = 2.0 * _sig(zpost)
-    tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
-    tl.store(PW + t[:, None, None] * k * K + i3 * K + s3, p[:, :, None] * hpost, mask=pmask3)
+        _read_out(U, h0, x3, act, t, c, cmk, tm, TM, 0, C, NONACT)
+        if TM > 1:
+            _read_out(U, h1, x3, act, t, c, cmk, tm, TM, 1, C, NONACT)
+        if TM > 2:
+            _read_out(U, h2, x3, act, t, c, cmk, tm, TM, 2, C, NONACT)
+        if TM > 3:
+            _read_out(U, h3, x3, act, t, c, cmk, tm, TM, 3, C, NONACT)
+        if HAS_ACT or HAS_XA:
+            for j in range(0, k):
+                aj = act & (rank == j)
+                xa = tl.sum(tl.where(aj[:, :, None], x3, 0.0), 1)  # X_a[j]: [BT, BC]
+                if HAS_XA:  # the gathered active streams (a Flash window carries them)
+                    tl.store(XA + t[:, None] * k * C + j * C + c[None, :], _cast(xa, XA), mask=tm[:, None] & cmk[None, :])
+                if HAS_ACT:
+                    accr += mm(xa, tl.trans(w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT)), USE_DOT, PREC)
+                    accp += mm(xa, tl.trans(w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT)), USE_DOT, PREC)
+    if HAS_ACT:  # 4. the active epilogue
+        AW = RA + PA
+        tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
+        tl.store(PAC + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], accp, mask=tm[:, None])
+        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+                                                    CDT)
+        M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
+        i3 = tl.arange(0, KP)[None, :, None]
+        q3 = tl.arange(0, KP)[None, None, :]
+        s3 = tl.arange(0, SP)[None, None, :]
+        tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
+        hpost = 2.0 * _sig(zpost)
+        tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
+        tl.store(PW + t[:, None, None] * k * K + i3 * K + s3, p[:, :, None] * hpost, mask=pmask3)
+
+
+@triton.jit
+def _dh_term(DU, x3, t, c, cmk, tm, C, TM: tl.constexpr, tt: tl.constexpr, CDT: tl.constexpr):
+    du = tl.load(DU + t[:, None] * TM * C + tt * C + c[None, :], mask=tm[:, None] & cmk[None, :], other=0.0).to(CDT)
+    return tl.sum(x3 * du[:, None, :], 2)
+
+
+@triton.jit
+def _dh_pass(X, DU, t, jn, valid, act, tm, C, D, TM: tl.constexpr, NONACT: tl.constexpr, BT: tl.constexpr,
+             NP: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
+    """dh_t = Σ_c du_t·X_i for every pre-map t in one pass over X (``NONACT``: 0 on the active streams)."""
+    dh0 = tl.zeros([BT, NP], dtype=CDT)
+    dh1 = tl.zeros([BT, NP], dtype=CDT)
+    dh2 = tl.zeros([BT, NP], dtype=CDT)
+    dh3 = tl.zeros([BT, NP], dtype=CDT)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        cmk = c < C
+        x3 = tl.load(X + t[:, None, None] * D + jn[None, :, None] * C + c[None, None, :],
+                     mask=valid[:, :, None] & cmk[None, None, :], other=0.0).to(CDT)
+        dh0 += _dh_term(DU, x3, t, c, cmk, tm, C, TM, 0, CDT)
+        if TM > 1:
+            dh1 += _dh_term(DU, x3, t, c, cmk, tm, C, TM, 1, CDT)
+        if TM > 2:
+            dh2 += _dh_term(DU, x3, t, c, cmk, tm, C, TM, 2, CDT)
+        if TM > 3:
+            dh3 += _dh_term(DU, x3, t, c, cmk, tm, C, TM, 3, CDT)
+    if NONACT:
+        dh0 = tl.where(act, 0.0, dh0)
+        dh1 = tl.where(act, 0.0, dh1)
+        dh2 = tl.where(act, 0.0, dh2)
+        dh3 = tl.where(act, 0.0, dh3)
+    return dh0, dh1, dh2, dh3
+
+
+@triton.jit
+def _pre_bwd(dh, pe, ce, r, AP, BP, DHPRE, DZE, t, jn, jm, valid, tm, N, TM: tl.constexpr, tt: tl.constexpr,
+             HAS_DHPRE: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, CDT: tl.constexpr):
+    """Pre-map tt's adjoint: (its GE columns' values α·r·dz ``[BT, NP]``, Σ dz·proj ``[BT]``, α); dz
+    stored in DZE."""
+    if HAS_DHPRE:
+        dh += tl.load(DHPRE + t[:, None] * TM * N + tt * N + jn[None, :], mask=valid, other=0.0).to(CDT)
+    projp = pick_col_group(pe, ce, 1 + tt, G, NP)
+    a = tl.load(AP).to(CDT)
+    b = tl.load(BP + jn, mask=jm, other=0.0).to(CDT)
+    s = _sig(a * r[:, None] * projp + b[None, :])
+    dz = tl.where(valid, dh * s * (1.0 - s), 0.0)
+    tl.store(DZE + t[:, None] * TM * NP + tt * NP + jn[None, :], dz, mask=tm[:, None])
+    return a * r[:, None] * dz, tl.sum(dz * projp, 1), a
 
 
 @triton.jit
 def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PAC, STAT, WSUM,
-                          BPRE, APRE, BRES, ARES, BPOST, APOST, S,
+                          BP0, BP1, BP2, BP3, AP0, AP1, AP2, AP3, BRES, ARES, BPOST, APOST, S,
                           GE, GA, DZE, DZA, DA, COEF, T, N, C, k, m, K, t_max, sk_eps,
                           HAS_DU: tl.constexpr, HAS_DHPRE: tl.constexpr, HAS_DPR: tl.constexpr,
                           HAS_DHRES: tl.constexpr, HAS_DHPOST: tl.constexpr, HAS_DPW: tl.constexpr,
-                          HAS_R: tl.constexpr, ROW_LAST: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
-                          EW: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
+                          HAS_R: tl.constexpr, ROW_LAST: tl.constexpr, TM: tl.constexpr, NONACT: tl.constexpr,
+                          HAS_ACT: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr,
+                          EW: tl.constexpr, G: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, CDT: tl.constexpr):
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     tm = t < T
@@ -230,151 +352,181 @@ def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PA
     jm = jn < N
     valid = tm[:, None] & jm[None, :]
     ce = tl.arange(0, EW)
-    dhpre = tl.zeros([BT, NP], dtype=CDT)
-    if HAS_DU:  # dh_pre = Σ_c du·X_i
-        for c0 in range(0, C, BC):
-            c = c0 + tl.arange(0, BC)
-            cmk = c < C
-            x3 = tl.load(X + t[:, None, None] * D + jn[None, :, None] * C + c[None, None, :],
-                         mask=valid[:, :, None] & cmk[None, None, :], other=0.0).to(CDT)
-            du = tl.load(DU + t[:, None] * C + c[None, :], mask=tm[:, None] & cmk[None, :], other=0.0).to(CDT)
-            dhpre += tl.sum(x3 * du[:, None, :], 2)
-    if HAS_DHPRE:
-        dhpre += tl.load(DHPRE + t[:, None] * N + jn[None, :], mask=valid, other=0.0).to(CDT)
+    kq = tl.arange(0, KP)
+    km2 = tm[:, None] & (kq[None, :] < k)
+    Iv = tl.load(IDX + t[:, None] * k + kq[None, :], mask=km2, other=-1)
+    A = Iv[:, :, None] == jn[None, None, :]  # [BT, KP, NP]: slot j holds stream i
+    act = tl.sum(tl.where(A, 1, 0), 1) > 0
     pe = tl.load(PE + t[:, None] * EW + ce[None, :], mask=tm[:, None], other=0.0).to(CDT)
     mu = tl.load(STAT + t * 4, mask=tm, other=0.0).to(CDT)
     r = tl.load(STAT + t * 4 + 1, mask=tm, other=0.0).to(CDT)
     rl = tl.load(STAT + t * 4 + 2, mask=tm, other=0.0).to(CDT)
     ra = tl.load(STAT + t * 4 + 3, mask=tm, other=0.0).to(CDT)
-    projp = pick(pe, ce, NP, NP)
-    apre = tl.load(APRE).to(CDT)
-    bpre = tl.load(BPRE + jn, mask=jm, other=0.0).to(CDT)
-    s = _sig(apre * r[:, None] * projp + bpre[None, :])
-    dzpre = tl.where(valid, dhpre * s * (1.0 - s), 0.0)
-    kq = tl.arange(0, KP)
-    km2 = tm[:, None] & (kq[None, :] < k)
-    AW = RA + PA
-    cra = tl.arange(0, RA)
-    cpa = tl.arange(0, PA)
-    accr = tl.load(PAC + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
-    accp = tl.load(PAC + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
-    zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
-    i3 = tl.arange(0, KP)[None, :, None]
-    q3 = tl.arange(0, KP)[None, None, :]
-    s3 = tl.arange(0, SP)[None, None, :]
-    sp = _sig(zpost)
+    # the pre-maps: dh_t = Σ_c du_t·X_i (one pass over X for all of them), σ', their GE columns
+    dh0 = tl.zeros([BT, NP], dtype=CDT)
+    dh1 = tl.zeros([BT, NP], dtype=CDT)
+    dh2 = tl.zeros([BT, NP], dtype=CDT)
+    dh3 = tl.zeros([BT, NP], dtype=CDT)
+    if HAS_DU:
+        dh0, dh1, dh2, dh3 = _dh_pass(X, DU, t, jn, valid, act, tm, C, D, TM, NONACT, BT, NP, BC, CDT)
+    gcol, g, a = _pre_bwd(dh0, pe, ce, r, AP0, BP0, DHPRE, DZE, t, jn, jm, valid, tm, N, TM, 0, HAS_DHPRE, NP, G, CDT)
+    ge = place_col_group(gcol, ce, 1, G, NP)
+    tl.store(DA + t * (TM + 2), g * r, mask=tm)  # dα = Σ_t r·Σ dz·proj
+    asum = a * g
+    if TM > 1:
+        gcol, g, a = _pre_bwd(dh1, pe, ce, r, AP1, BP1, DHPRE, DZE, t, jn, jm, valid, tm, N, TM, 1, HAS_DHPRE, NP, G, CDT)
+        ge += place_col_group(gcol, ce, 2, G, NP)
+        tl.store(DA + t * (TM + 2) + 1, g * r, mask=tm)
+        asum += a * g
+    if TM > 2:
+        gcol, g, a = _pre_bwd(dh2, pe, ce, r, AP2, BP2, DHPRE, DZE, t, jn, jm, valid, tm, N, TM, 2, HAS_DHPRE, NP, G, CDT)
+        ge += place_col_group(gcol, ce, 3, G, NP)
+        tl.store(DA + t * (TM + 2) + 2, g * r, mask=tm)
+        asum += a * g
+    if TM > 3:
+        gcol, g, a = _pre_bwd(dh3, pe, ce, r, AP3, BP3, DHPRE, DZE, t, jn, jm, valid, tm, N, TM, 3, HAS_DHPRE, NP, G, CDT)
+        ge += place_col_group(gcol, ce, 4, G, NP)
+        tl.store(DA + t * (TM + 2) + 3, g * r, mask=tm)
+        asum += a * g
     p = tl.load(PR + t[:, None] * k + kq[None, :], mask=km2, other=0.0).to(CDT)
-    dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
     dp = tl.zeros([BT, KP], dtype=CDT)
-    if HAS_DHPOST:
-        dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-    if HAS_DPW:  # P = diag(p)·H_post
-        dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-        dhpost += p[:, :, None] * dpw
-        dp += tl.sum(dpw * 2.0 * sp, 2)
     if HAS_DPR:
         dp += tl.load(DPR + t[:, None] * k + kq[None, :], mask=km2, other=0.0).to(CDT)
-    dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
-    dzres = tl.zeros([BT, KP, KP], dtype=CDT)
-    if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), per-step sums in S
-        Gd = tl.load(DHRES + t[:, None, None] * k * k + i3 * k + q3, mask=mask3, other=0.0).to(CDT)
-        dzres = sinkhorn_tile_bwd(zres, mask3, Gd, S, t[:, None] * NS * KP, t_max, sk_eps, ROW_LAST, True, NS, KP)
+    a1a = ra * 0.0
+    if HAS_ACT:  # the active mappings: P's product rule, σ', the Sinkhorn adjoint
+        AW = RA + PA
+        cra = tl.arange(0, RA)
+        cpa = tl.arange(0, PA)
+        accr = tl.load(PAC + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
+        accp = tl.load(PAC + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
+        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+                                                    CDT)
+        i3 = tl.arange(0, KP)[None, :, None]
+        q3 = tl.arange(0, KP)[None, None, :]
+        s3 = tl.arange(0, SP)[None, None, :]
+        sp = _sig(zpost)
+        dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
+        if HAS_DHPOST:
+            dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+        if HAS_DPW:  # P = diag(p)·H_post
+            dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+            dhpost += p[:, :, None] * dpw
+            dp += tl.sum(dpw * 2.0 * sp, 2)
+        dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
+        dzres = tl.zeros([BT, KP, KP], dtype=CDT)
+        if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), per-step sums in S
+            Gd = tl.load(DHRES + t[:, None, None] * k * k + i3 * k + q3, mask=mask3, other=0.0).to(CDT)
+            dzres = sinkhorn_tile_bwd(zres, mask3, Gd, S, t[:, None] * NS * KP, t_max, sk_eps, ROW_LAST, True, NS,
+                                      KP)
+        ares = tl.load(ARES).to(CDT)
+        apost = tl.load(APOST).to(CDT)
+        dzr2 = tl.reshape(dzres, [BT, RA])
+        dzp2 = tl.reshape(dzpost, [BT, PA])
+        tl.store(GA + t[:, None] * AW + cra[None, :], ares * ra[:, None] * dzr2, mask=tm[:, None])
+        tl.store(GA + t[:, None] * AW + RA + cpa[None, :], apost * ra[:, None] * dzp2, mask=tm[:, None])
+        tl.store(DZA + t[:, None] * AW + cra[None, :], dzr2, mask=tm[:, None])
+        tl.store(DZA + t[:, None] * AW + RA + cpa[None, :], dzp2, mask=tm[:, None])
+        gres = tl.sum(dzr2 * accr, 1)
+        gpost = tl.sum(dzp2 * accp, 1)
+        tl.store(DA + t * (TM + 2) + TM, gres * ra, mask=tm)
+        tl.store(DA + t * (TM + 2) + TM + 1, gpost * ra, mask=tm)
+        a1a = -(ares * gres + apost * gpost) * ra * ra * ra / (k * C)
     dzr = tl.zeros([BT, NP], dtype=CDT)
     zr = tl.zeros([BT, NP], dtype=CDT)
     wsr = tl.zeros([1, NP], dtype=CDT)
     if HAS_R:  # dp reaches the router through the routed slots' scores
-        Iv = tl.load(IDX + t[:, None] * k + kq[None, :], mask=km2, other=-1)
-        A = Iv[:, :, None] == jn[None, None, :]  # [BT, KP, NP]
         dscore = tl.sum(tl.where(A, dp[:, :, None], 0.0), 1)
-        wsr = pick(tl.load(WSUM + ce).to(CDT)[None, :], ce, NP, 0)
-        zr = rl[:, None] * (pick(pe, ce, NP, 0) - mu[:, None] * wsr)
+        wsr = pick_col_group(tl.load(WSUM + ce).to(CDT)[None, :], ce, 0, G, NP)
+        zr = rl[:, None] * (pick_col_group(pe, ce, 0, G, NP) - mu[:, None] * wsr)
         sc = _sig(zr)
         dzr = tl.where(valid & (jn[None, :] >= m), dscore * sc * (1.0 - sc), 0.0)
-    ares = tl.load(ARES).to(CDT)
-    apost = tl.load(APOST).to(CDT)
-    dzr2 = tl.reshape(dzres, [BT, RA])
-    dzp2 = tl.reshape(dzpost, [BT, PA])
-    tl.store(GE + t[:, None] * EW + ce[None, :],
-             place(rl[:, None] * dzr, ce, NP, 0) + place(apre * r[:, None] * dzpre, ce, NP, NP), mask=tm[:, None])
-    tl.store(GA + t[:, None] * AW + cra[None, :], ares * ra[:, None] * dzr2, mask=tm[:, None])
-    tl.store(GA + t[:, None] * AW + RA + cpa[None, :], apost * ra[:, None] * dzp2, mask=tm[:, None])
-    tl.store(DZE + t[:, None] * NP + jn[None, :], dzpre, mask=tm[:, None])
-    tl.store(DZA + t[:, None] * AW + cra[None, :], dzr2, mask=tm[:, None])
-    tl.store(DZA + t[:, None] * AW + RA + cpa[None, :], dzp2, mask=tm[:, None])
-    gpre = tl.sum(dzpre * projp, 1)
-    gres = tl.sum(dzr2 * accr, 1)
-    gpost = tl.sum(dzp2 * accp, 1)
-    tl.store(DA + t * 3, gpre * r, mask=tm)  # dα = Σ_t r·Σ dz·proj
-    tl.store(DA + t * 3 + 1, gres * ra, mask=tm)
-    tl.store(DA + t * 3 + 2, gpost * ra, mask=tm)
+    tl.store(GE + t[:, None] * EW + ce[None, :], place_col_group(rl[:, None] * dzr, ce, 0, G, NP) + ge, mask=tm[:, None])
     dzz = tl.sum(dzr * zr, 1)
     dzw = tl.sum(dzr * wsr, 1)
     # dX = GE·W_e + a0 + a1·X (every row) + GA·W_a + a1a·X (active rows); see the module docstring
-    a1 = -rl * rl * dzz / D - apre * gpre * r * r * r / D
+    a1 = -rl * rl * dzz / D - asum * r * r * r / D
     a0 = -rl * dzw / D + rl * rl * dzz * mu / D
-    a1a = -(ares * gres + apost * gpost) * ra * ra * ra / (k * C)
     tl.store(COEF + t * 4, a0, mask=tm)
     tl.store(COEF + t * 4 + 1, a1, mask=tm)
     tl.store(COEF + t * 4 + 2, a1a, mask=tm)
 
 
 # ------------------------------------------------------------------------------------------------
+def _maps(pres):
+    """The pre-maps' (W, b, α) as 12 kernel arguments (WP0..3, BP0..3, AP0..3), None past the last."""
+    pres = list(pres) + [(None, None, None)] * (4 - len(pres))
+    return [w for w, _, _ in pres] + [b for _, b, _ in pres] + [a for _, _, a in pres]
+
+
 class XHCEntry(torch.autograd.Function):
-    """(u, I, p, score, h_pre, H_res, H_post, P) of one xHC sublayer from X; see :func:`xhc_entry`."""
+    """The fused entry; see :func:`xhc_entry` (an xHC sublayer: one pre-map and the active mappings) and
+    :func:`window_entry` (a Flash window: TM pre-maps, the gathered X_a, no active mappings)."""
 
     @staticmethod
-    def forward(ctx, X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post, cfg):
-        k, m, K, norm_eps, t_max, sk_eps, order = cfg
+    def forward(ctx, X, W_r, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP1, AP2, AP3, W_res, b_res, a_res,
+                W_post, b_post, a_post, cfg):
+        k, m, K, norm_eps, t_max, sk_eps, order, TM, nonact, has_act = cfg
         N, C = X.shape[-2:]
         lead = X.shape[:-2]
         T = math.prod(lead)
-        NP, EW, KP, SP, RA, PA = layout(N, k, K)
-        cdt = cm._cdt(X, W_pre)
+        NP, EW, KP, SP, RA, PA = layout(N, k, K, TM)
+        cdt = cm._cdt(X, WP0)
         Xc = X.reshape(T, N, C).contiguous()
         dev = X.device
         e = lambda *s, dt=cdt: torch.empty(*s, dtype=dt, device=dev)  # noqa: E731
-        u = e(T, C, dt=X.dtype)
+        u = e(T, TM, C, dt=X.dtype if has_act else cdt)  # a window's base readouts stay fp32 (docs/math.md §4)
+        Xa = None if has_act else e(T, k, C, dt=X.dtype)
         I = e(T, k, dt=torch.int64)
-        p, score, hpre = e(T, k), e(T, N), e(T, N)
-        H, Hpost, PW = e(T, k, k), e(T, k, K), e(T, k, K)
-        PE, PAC, STAT, WSUM = e(T, EW), e(T, RA + PA), e(T, 4), e(EW)
+        p, score, hpre = e(T, k), e(T, N), e(T, TM, N)
+        H, Hpost, PW, PAC = (e(T, k, k), e(T, k, K), e(T, k, K), e(T, RA + PA)) if has_act else (None,) * 4
+        PE, STAT, WSUM = e(T, EW), e(T, 4), e(EW)
         b = cm.blocks("xhc_entry_fwd", N, C)
-        BT, BK = b["BT"], b["BK"]
+        BT, BK = b["BT"], min(b["BK"], max(16, 2048 // EW))  # the [EW, BK] weight tile (EW grows with TM)
+        if TM > 1:  # the [BT, EW] GEMM accumulator of 2 or 4 pre-maps (sm_90: 8-16 bytes spilled at BT = 16)
+            BT = min(BT, 8 if TM == 2 else 4)
         BC = cm.block_c(BT, NP, C, budget=2048)  # [BT, NP, BC] tiles beside [BT, KP, NP]: no spills on sm_90
+        maps = [WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP1, AP2, AP3]
         if T > 0:
             _xhc_entry_fwd_kernel[(triton.cdiv(T, BT),)](
-                Xc, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post,
-                u, I, p, score, hpre, H, Hpost, PW, PE, PAC, STAT, WSUM, T, N, C, k, m, K, norm_eps, t_max, sk_eps,
-                HAS_R=W_r is not None, ROW_LAST=order == "row_last", NP=NP, EW=EW, KP=KP, SP=SP, RA=RA, PA=PA,
+                Xc, W_r, *maps, W_res, b_res, a_res, W_post, b_post, a_post,
+                u, Xa, I, p, score, hpre, H, Hpost, PW, PE, PAC, STAT, WSUM, T, N, C, k, m, K, norm_eps, t_max, sk_eps,
+                HAS_R=W_r is not None, ROW_LAST=order == "row_last", TM=TM, NONACT=nonact, HAS_ACT=has_act,
+                HAS_XA=Xa is not None, NP=NP, EW=EW, G=EW // NP, KP=KP, SP=SP, RA=RA, PA=PA,
                 BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt),
                 num_warps=warps(KP))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(I, score)
-        ctx.save_for_backward(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post,
-                              I, p, hpre, H, PE, PAC, STAT, WSUM)
+        ctx.save_for_backward(X, W_r, *maps, W_res, b_res, a_res, W_post, b_post, a_post, I, p, hpre, H, PE, PAC, STAT,
+                              WSUM)
         ctx.cfg = cfg
         # the owner of the state's gradient: the write that reads X_a from this X hands its term over
         # (xhc.kernels.triton_ops._claim), so dX is written once, by xhc_grad.state_grad
         ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending, ctx._owner = _state_key(X), (N, C), {}, {}, None
-        return (u.view(*lead, C), I.view(*lead, k), p.view(*lead, k), score.view(*lead, N), hpre.view(*lead, N),
-                H.view(*lead, k, k), Hpost.view(*lead, k, K), PW.view(*lead, k, K))
+        if has_act:
+            return (u.view(*lead, C), I.view(*lead, k), p.view(*lead, k), score.view(*lead, N), hpre.view(*lead, N),
+                    H.view(*lead, k, k), Hpost.view(*lead, k, K), PW.view(*lead, k, K))
+        return (u.view(*lead, TM, C), I.view(*lead, k), p.view(*lead, k), score.view(*lead, N),
+                hpre.view(*lead, TM, N), Xa.view(*lead, k, C))
 
     @staticmethod
-    def backward(ctx, du, _dI, dp, _dscore, dhpre, dH, dHpost, dPW):
+    def backward(ctx, du, _dI, dp, _dscore, dhpre, *rest):
         from xhc.kernels import xhc_grad
 
-        (X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post,
-         I, p, hpre, H, PE, PAC, STAT, WSUM) = ctx.saved_tensors
-        k, m, K, norm_eps, t_max, sk_eps, order = ctx.cfg
+        X, W_r, *saved = ctx.saved_tensors
+        maps, saved = saved[:12], saved[12:]
+        W_res, b_res, a_res, W_post, b_post, a_post, I, p, hpre, H, PE, PAC, STAT, WSUM = saved
+        k, m, K, norm_eps, t_max, sk_eps, order, TM, nonact, has_act = ctx.cfg
+        dH, dHpost, dPW = rest if has_act else (None, None, None)
+        dXa = None if has_act else rest[0]
         N, C = X.shape[-2:]
         T = math.prod(X.shape[:-2])
-        NP, EW, KP, SP, RA, PA = layout(N, k, K)
+        NP, EW, KP, SP, RA, PA = layout(N, k, K, TM)
         cdt = PE.dtype
         dev = X.device
         Xc = X.reshape(T, N, C).contiguous()
         c = lambda g, *s: None if g is None else g.reshape(*s).contiguous()  # noqa: E731
-        duc, dpc, dhprec = c(du, T, C), c(dp, T, k), c(dhpre, T, N)
-        dHc, dHpostc, dPWc = c(dH, T, k, k), c(dHpost, T, k, K), c(dPW, T, k, K)
+        duc, dpc, dhprec = c(du, T, TM, C), c(dp, T, k), c(dhpre, T, TM, N)
+        dHc, dHpostc, dPWc, dXac = c(dH, T, k, k), c(dHpost, T, k, K), c(dPW, T, k, K), c(dXa, T, k, C)
         task = torch._C._current_graph_task_id()
         pend = ctx._pending.pop("write", None)
         ctx._pending.clear()
@@ -383,27 +535,37 @@ class XHCEntry(torch.autograd.Function):
         grid = triton.cdiv(T, BT)
         NS = 2 * t_max + (1 if order == "row_last" else 0) + 1
         e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
-        S = e(grid * BT, NS, KP)
-        GE, GA, DZE, DZA, DA, COEF = e(T, EW), e(T, RA + PA), e(T, NP), e(T, RA + PA), e(T, 3), e(T, 4)
+        S = e(grid * BT, NS, KP) if has_act else None
+        GE, DZE, DA, COEF = e(T, EW), e(T, TM * NP), e(T, TM + 2), e(T, 4)
+        GA, DZA = (e(T, RA + PA), e(T, RA + PA)) if has_act else (None, None)
         if T > 0:
             _xhc_entry_bwd_kernel[(grid,)](
-                Xc, duc, dhprec, dpc, dHc, dHpostc, dPWc, I, p, PE, PAC, STAT, WSUM, b_pre, a_pre, b_res, a_res,
+                Xc, duc, dhprec, dpc, dHc, dHpostc, dPWc, I, p, PE, PAC, STAT, WSUM, *maps[4:], b_res, a_res,
                 b_post, a_post, S, GE, GA, DZE, DZA, DA, COEF, T, N, C, k, m, K, t_max, sk_eps,
                 HAS_DU=duc is not None, HAS_DHPRE=dhprec is not None, HAS_DPR=dpc is not None,
                 HAS_DHRES=dHc is not None, HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None,
-                HAS_R=W_r is not None, ROW_LAST=order == "row_last", NS=NS, NP=NP, EW=EW, KP=KP, SP=SP, RA=RA, PA=PA,
-                BT=BT, BC=cm.block_c(BT, NP, C, budget=2048), CDT=cm._tl(cdt), num_warps=warps(KP))
+                HAS_R=W_r is not None, ROW_LAST=order == "row_last", TM=TM, NONACT=nonact, HAS_ACT=has_act, NS=NS,
+                NP=NP, EW=EW, G=EW // NP, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=cm.block_c(BT, NP, C, budget=2048),
+                CDT=cm._tl(cdt), num_warps=warps(KP))
         dX = None
         if ctx.needs_input_grad[0]:
-            dX = xhc_grad.state_grad(Xc, duc, write, hpre, I, H, GE, GA, COEF, W_r, W_pre, W_res, W_post, k, K)
+            dX = xhc_grad.state_grad(Xc, duc, write, hpre, I, GE, GA, COEF, W_r, maps[:4], W_res, W_post, k, K,
+                                     TM=TM, nonact=nonact, dXa=dXac)
             dX = dX.view(X.shape)
-        grads = [None] * 10
-        if any(ctx.needs_input_grad[1:11]):
-            grads = xhc_grad.param_grads(Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, W_pre, W_res, W_post, k, K)
+        grads = [None] * 19
+        if any(ctx.needs_input_grad[1:20]):
+            dWr, dWp, dbp, dap, dWres, dbres, dares, dWpost, dbpost, dapost = xhc_grad.param_grads(
+                Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, maps[:4], W_res, W_post, k, K, TM=TM)
+            pad = lambda v: list(v) + [None] * (4 - len(v))  # noqa: E731
+            grads = [dWr, *pad(dWp), *pad(dbp), *pad(dap), dWres, dbres, dares, dWpost, dbpost, dapost]
         return (dX, *grads, None)
 
 
 OWNER_CLASSES.append(XHCEntry._backward_cls)
+
+
+def _f(t):
+    return None if t is None else t.contiguous()
 
 
 def xhc_entry(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, a_post, k: int, m: int, K: int,
@@ -415,7 +577,19 @@ def xhc_entry(X, W_r, W_pre, b_pre, a_pre, W_res, b_res, a_res, W_post, b_post, 
     The sigmoid router (``W_r`` ``[N, N·C]``, or None when k = m), the dense read (``W_pre`` ``[N, N·C]``),
     H_res (``W_res`` ``[k², k·C]``) and H_post (``W_post`` ``[k·K, k·C]``) with their biases and gates;
     every weight fp32 (float64 for the reference tests).  I and score carry no gradient."""
-    f = lambda t: None if t is None else t.contiguous()  # noqa: E731
-    return XHCEntry.apply(X, f(W_r), f(W_pre), f(b_pre), f(a_pre), f(W_res), f(b_res), f(a_res), f(W_post),
-                          f(b_post), f(a_post), (int(k), int(m), int(K), float(norm_eps), int(t_max), float(sk_eps),
-                                                 order))
+    return XHCEntry.apply(X, _f(W_r), *_maps([(_f(W_pre), _f(b_pre), _f(a_pre))]), _f(W_res), _f(b_res), _f(a_res),
+                          _f(W_post), _f(b_post), _f(a_post),
+                          (int(k), int(m), int(K), float(norm_eps), int(t_max), float(sk_eps), order, 1, False, True))
+
+
+def window_entry(X, W_r, pres, k: int, m: int, norm_eps: float, nonactive: bool):
+    """A Flash window's fused entry from ``X`` ``[..., N, C]`` (docs/math.md §4.1, §4.2): the routing, the
+    read weights of every pre-map in ``pres`` (2 or 4 (W ``[N, N·C]``, b, α) triples), their readouts and
+    the gathered active streams in one kernel -> (R ``[..., T, C]`` fp32: R_t = Σ_i h_t[i]·X_i, over the
+    streams outside I when ``nonactive`` (Flash-4sub's bases), I long ``[..., k]``, p ``[..., k]``, score
+    ``[..., N]``, h ``[..., T, N]``, X_a = X[I] ``[..., k, C]`` in X's dtype)."""
+    if not 1 <= len(pres) <= 4:
+        raise ValueError(f"window_entry takes 1 to 4 pre-maps, got {len(pres)}")
+    return XHCEntry.apply(X, _f(W_r), *_maps([tuple(_f(t) for t in mp) for mp in pres]), None, None, None, None,
+                          None, None, (int(k), int(m), 1, float(norm_eps), 0, 0.0, "row_last", len(pres),
+                                       bool(nonactive), False))
