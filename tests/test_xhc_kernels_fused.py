@@ -9,7 +9,11 @@ float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids c
 * the backward is deterministic and the weights' gradient does not depend on the token split;
 * the launch counts of ``python -m bench.hc_kernels --launches`` meet the xHC attention and MLP targets;
 * MLP sublayers run the fused write (temporal components with document resets, Gram–Schmidt on or off,
-  up to 3 kernels), except on a sequence this rank does not hold whole.
+  up to 3 kernels), except on a sequence this rank does not hold whole;
+* every autotuning candidate of the xHC kernels gives the eager result;
+* Flash and Flash-4sub windows: the fused window entry (2 or 4 pre-maps), every write's mappings
+  (xhc_active.py) and every augmented write (xhc_post.py's carried modes) run and the window equals
+  eager in float64; a bf16 window within bf16-ulp bounds and bit-identical across runs.
 """
 
 import os

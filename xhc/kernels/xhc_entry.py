@@ -26,9 +26,19 @@ write's term handed over by :mod:`.triton_ops`' write) and dW, db, dα by determ
 
     byte budget:  N·C·s + C·s  (+ 4·(EW + 2·(RA + PA) + NP + 8) per token)
 
+**A Flash window's entry** (:func:`window_entry`, docs/math.md §4.1–§4.2) runs the same kernels with TM = 2
+or 4 pre-maps (one per sublayer of the window) and no active mappings (every write of a window
+generates its own from the carried X_a, :mod:`.xhc_active`): step 1's GEMM has TM pre groups, step 3
+writes TM readouts R_t = Σ_i h_t[i]·X_i (Flash-4sub: over the streams outside I, its non-active bases)
+and the gathered X_a ``[T, k, C]`` (the carried state) instead of the active GEMM.  The backward takes
+dR (all TM in one pass over X) and dX_a (added to the active rows by :mod:`.xhc_grad`'s dX kernel).
+
+    byte budget (forward):  N·C·s (X) + TM·C·4 (R, fp32) + k·C·s (X_a)  (+ 4·(EW + 4 + (1 + TM)·N) saved)
+    byte budget (backward): N·C·s (X) + TM·C·4 (dR)  (+ 4·(EW + TM·NP + 8) per token); dX: + k·C·s (dX_a)
+
 Column layouts (powers of two, so ``tl.dot`` and ``tl.reshape`` apply for N ≤ 16, k ≤ 16, K ≤ 8):
-entry ``EW = max(16, 2·NP)`` columns, router logit i at i, pre logit i at NP + i (NP = next power of
-two ≥ max(N, 4)); active: res ``RA = KP²`` columns (i·KP + q is H_res[i, q], row i·k + q of W_res) then
+entry ``EW = max(16, next power of two ≥ (1 + TM)·NP)`` columns in groups of NP, router logit i at i,
+pre-map t's logit i at (1 + t)·NP + i (NP = next power of two ≥ max(N, 4)); active: res ``RA = KP²`` columns (i·KP + q is H_res[i, q], row i·k + q of W_res) then
 post ``PA = KP·SP`` columns (j·SP + s is H_post[j, s], row j·K + s of W_post), KP = next power of two
 ≥ max(k, 4), SP = next power of two ≥ max(K, 4).
 """
