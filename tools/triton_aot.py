@@ -279,6 +279,12 @@ def _op_shapes(rec: Recorder, spec: str) -> None:
         outs.append(T.write(None, None, st(t, k, C), H, co(t, k, K), st(t, K, C)))
     for R, d in ((1, 24), (4, 24), (n, 0), (3, 40)):
         outs.extend(o for o in T.linear_stats(st(t, R, C), co(d, R * C)) if o.numel())
+    # the one-pass state gradient (the separate ops' path): linear_stats owns Xs, the read and the gather
+    # hand their dX terms over, _state_grad_kernel writes dX
+    Xs = st(t, n, C)
+    proj = T.linear_stats(Xs, co(2 * n, n * C))[0]
+    h = torch.sigmoid(proj[..., :n])
+    outs += [T.read(h, Xs), T.gather(Xs, I, h)]
     outs = [o for o in outs if o.requires_grad]
     torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
 

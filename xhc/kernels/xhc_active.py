@@ -39,7 +39,7 @@ from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast, mm
 from xhc.kernels.mhc_pre import _sig
 from xhc.kernels.triton_ops import sinkhorn_tile, sinkhorn_tile_bwd
-from xhc.kernels.xhc_entry import _active_logits, layout, w_post_act_tile, w_res_act_tile, warps
+from xhc.kernels.xhc_entry import _active_logits, layout, post_adjoint, w_post_act_tile, w_res_act_tile, warps
 
 
 @triton.jit
@@ -117,7 +117,6 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
     ra = tl.load(RAS + t, mask=tm, other=0.0).to(CDT)
     i3 = tl.arange(0, KP)[None, :, None]
     q3 = tl.arange(0, KP)[None, None, :]
-    s3 = tl.arange(0, SP)[None, None, :]
     kq = tl.arange(0, KP)
     km2 = tm[:, None] & (kq[None, :] < k)
     if HAS_RES:
@@ -125,18 +124,9 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                                                     CDT)
     else:
         zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
-    sp = _sig(zpost)
     p = tl.load(PR + t[:, None] * k + kq[None, :], mask=km2, other=0.0).to(CDT)
-    dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
-    dp = tl.zeros([BT, KP], dtype=CDT)
-    if HAS_DHPOST:
-        dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-    if HAS_DPW:  # P = diag(p)·H_post
-        dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-        dhpost += p[:, :, None] * dpw
-        dp += tl.sum(dpw * 2.0 * sp, 2)
+    dzpost, dp = post_adjoint(zpost, pmask3, p, DHPOST, DPW, t, k, K, HAS_DHPOST, HAS_DPW, BT, KP, SP, CDT)
     tl.store(DPR + t[:, None] * k + kq[None, :], dp, mask=km2)
-    dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
     dzp2 = tl.reshape(dzpost, [BT, PA])
     apost = tl.load(APOST).to(CDT)
     gpost = tl.sum(dzp2 * accp, 1)

@@ -174,6 +174,25 @@ def _read_out(U, h, x3, act, t, c, cmk, tm, TM, tt, C, NONACT: tl.constexpr):
 
 
 @triton.jit
+def post_adjoint(zpost, pmask3, p, DHPOST, DPW, t, k, K, HAS_DHPOST: tl.constexpr, HAS_DPW: tl.constexpr,
+                 BT: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, CDT: tl.constexpr):
+    """(dz_post ``[BT, KP, SP]``, dp ``[BT, KP]``) of H_post = 2σ(z_post) and P = diag(p)·H_post, from the
+    gradients dH_post and dP (each optional)."""
+    i3 = tl.arange(0, KP)[None, :, None]
+    s3 = tl.arange(0, SP)[None, None, :]
+    sp = _sig(zpost)
+    dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
+    dp = tl.zeros([BT, KP], dtype=CDT)
+    if HAS_DHPOST:
+        dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+    if HAS_DPW:  # P = diag(p)·H_post
+        dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
+        dhpost += p[:, :, None] * dpw
+        dp += tl.sum(dpw * 2.0 * sp, 2)
+    return tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0), dp
+
+
+@triton.jit
 def _xhc_entry_fwd_kernel(X, WR, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP1, AP2, AP3,
                           WRES, BRES, ARES, WPOST, BPOST, APOST,
                           U, XA, IDX, PR, SCORE, HPRE, HRES, HPOST, PW, PE, PAC, STAT, WSUM,
@@ -413,16 +432,8 @@ def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PA
                                                     CDT)
         i3 = tl.arange(0, KP)[None, :, None]
         q3 = tl.arange(0, KP)[None, None, :]
-        s3 = tl.arange(0, SP)[None, None, :]
-        sp = _sig(zpost)
-        dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
-        if HAS_DHPOST:
-            dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-        if HAS_DPW:  # P = diag(p)·H_post
-            dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-            dhpost += p[:, :, None] * dpw
-            dp += tl.sum(dpw * 2.0 * sp, 2)
-        dzpost = tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0)
+        dzpost, dpp = post_adjoint(zpost, pmask3, p, DHPOST, DPW, t, k, K, HAS_DHPOST, HAS_DPW, BT, KP, SP, CDT)
+        dp += dpp
         dzres = tl.zeros([BT, KP, KP], dtype=CDT)
         if HAS_DHRES:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), per-step sums in S
             Gd = tl.load(DHRES + t[:, None, None] * k * k + i3 * k + q3, mask=mask3, other=0.0).to(CDT)
