@@ -111,7 +111,7 @@ def pytest_addoption(parser):
 # The slow tier's longest files, longest first (read off the 25 slowest tests of a fresh-clone CI
 # run on 2026-12-04: the eight inductor compiles of test_hc_kernels, the torchrun and kill tests of
 # test_reliability, the Triton AOT compile, the trained-run tests of test_convert_hf, the journeys).
-_LONGEST_FILES = ("test_hc_kernels.py", "test_reliability.py", "test_triton_aot.py", "test_convert_hf.py",
+_LONGEST_FILES = ("test_hc_kernels.py", "test_xhc_kernels_fused.py", "test_reliability.py", "test_triton_aot.py", "test_convert_hf.py",
                   "test_elastic_resume.py",
                   "test_journeys.py", "test_journeys_more.py", "test_pretrain_dist.py", "test_hc_kernels_model.py",
                   "test_gpu_check.py", "test_bad_inputs.py", "test_sweep.py", "test_hc_megatron.py",
