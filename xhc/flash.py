@@ -79,6 +79,7 @@ from xhc.xhc import (
     entry_mappings,
     entry_statistics,
     fold_components,
+    fused_entry_runs,
     fused_write,
     fused_write_runs,
     make_temporal,
@@ -248,9 +249,7 @@ class _WindowPart(nn.Module):
     def _fused_entry(self, run: WindowRun, pres) -> bool:
         """Whether the window entry runs as one kernel (:func:`xhc.kernels.xhc_window_read`): ``triton``
         with fused coefficients, the sigmoid router, no ablated pre-mapping, N ≤ 16, k ≤ 16."""
-        c = self.cfg
-        return (run.backend == "triton" and run.fused and c.router == "sigmoid" and c.n <= 16 and c.k <= 16
-                and all(pre.weight is not None for pre in pres))
+        return fused_entry_runs(self.cfg, run.backend, run.fused, [pre.weight for pre in pres])
 
     def _entry_read(self, X0: torch.Tensor, run: WindowRun, pres, nonactive: bool):
         """(R ``[..., T, C]``, I, p, score, h ``[..., T, N]``, X_a) of the fused window entry."""

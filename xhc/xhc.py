@@ -432,6 +432,14 @@ def branch_components(y: torch.Tensor, temporal: Optional[nn.Module], cfg: HCCon
     return Components(write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None)
 
 
+def fused_entry_runs(cfg: HCConfig, backend: str, fused: bool, weights: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether an entry (the routing and the read mappings with the given ``weights``) can run as the fused
+    xHC entry kernel (:mod:`xhc.kernels.xhc_entry`; an xHC sublayer or a Flash window): ``triton`` with
+    fused coefficients, the sigmoid router, N ≤ 16, k ≤ 16, no ablated mapping among ``weights``."""
+    return (backend == "triton" and fused and cfg.router == "sigmoid" and cfg.n <= 16 and cfg.k <= 16
+            and all(w is not None for w in weights))
+
+
 def fused_write_runs(temporal: Optional[nn.Module], X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
     """Whether a write with the temporal components of ``temporal`` runs as the fused xHC write kernel
     (:mod:`xhc.kernels.xhc_post`; the xHC MLP sublayer and the Flash windows' writes): ``triton``, an
@@ -547,12 +555,11 @@ class XHCSublayer(nn.Module):
     # --------------------------------------------------------------------------------------------
     def _fused_entry(self, X: torch.Tensor, backend: str) -> bool:
         """Whether routing, every mapping and the read run as the fused xHC entry kernel
-        (:mod:`xhc.kernels.xhc_entry`): the ``triton`` backend with fused coefficients, the dense
-        read, the sigmoid router and every mapping group (the ablations keep the separate ops)."""
+        (:func:`fused_entry_runs`, plus the dense read, every mapping group and K ≤ 8; the ablations keep
+        the separate ops)."""
         c = self.cfg
-        return (backend == "triton" and resolve_fused(self.fused, backend) and c.dense_read and c.router == "sigmoid"
-                and self.pre.weight is not None and self.res is not None and self.post.weight is not None
-                and c.n <= 16 and c.k <= 16 and self.K <= 8)
+        return (fused_entry_runs(c, backend, resolve_fused(self.fused, backend), [self.pre.weight, self.post.weight])
+                and c.dense_read and self.res is not None and self.K <= 8)
 
     def _fused_post(self, X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
         """Whether the temporal components, their Gram–Schmidt coefficients and the write run as the
