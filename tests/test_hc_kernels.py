@@ -501,9 +501,9 @@ def _spy_state_grad(monkeypatch, ops):
 MHC_TERMS, XHC_TERMS = {"read", "write"}, {"read", "write", "linear", "rows"}
 FUSED_XHC_TERMS = {"write"}  # the fused entry (xhc/kernels/xhc_entry.py) owns the read, both GEMMs, no gather
 # Flash windows: the fused window entry (xhc/kernels/xhc_entry.py: window_entry) reads X^(0) for the routing,
-# every pre-map, the readouts and the gather, and writes dX^(0) itself; the writes on the carried X_a (the
-# fused mappings and write kernels, xhc_active.py, xhc_post.py) return dX_a themselves: nothing is handed over
-FLASH_TERMS = set()
+# every pre-map, the readouts and the gather, and writes dX^(0) once: the window's last write (the carried X_a
+# scattered into X^(0), xhc_post.py) hands its term (dX' on the rows outside I) over to it
+FLASH_TERMS = {"write"}
 
 
 @pytest.mark.parametrize("kind, kw, terms", [

@@ -310,6 +310,36 @@ def _claim(X: Optional[torch.Tensor], slot: str, coefs) -> Optional[object]:
     return best
 
 
+XA_OWNER_CLASSES: list = []
+"""Backward-node classes that own a Flash window's carried X_a gradient (the fused active mappings,
+:mod:`xhc.kernels.xhc_active`): they carry ``_xa_key``, ``_claims`` and ``_pending``, and add the
+handed-over dX_a of the write that uses their P into the dX_a they write."""
+
+
+def _claim_carried(Xa: Optional[torch.Tensor], P: Optional[torch.Tensor]) -> Optional[object]:
+    """The backward node of the op that made ``P`` from the carried ``Xa`` (a Flash window write's
+    mappings, :mod:`xhc.kernels.xhc_active`), with its "dxa" slot taken for the calling write; None
+    when there is none (the write then returns its dX_a to autograd).  Called in the write's forward;
+    the order is safe by construction: the write consumes P, so autograd runs that op's backward after
+    the write's."""
+    if Xa is None or P is None or not XA_OWNER_CLASSES:
+        return None
+    node = P.grad_fn
+    for _ in range(2):  # through the wrappers' broadcast / reshape views of P (one input each)
+        if node is None or isinstance(node, tuple(XA_OWNER_CLASSES)) or len(node.next_functions) != 1:
+            break
+        if type(node).__name__ not in ("ExpandBackward0", "ViewBackward0", "UnsafeViewBackward0"):
+            break
+        node = node.next_functions[0][0]
+    key = _state_key(Xa)
+    if key is None or not isinstance(node, tuple(XA_OWNER_CLASSES)) or getattr(node, "_xa_key", None) != key:
+        return None
+    if "dxa" in node._claims:
+        return None
+    node._claims["dxa"] = True
+    return node
+
+
 def _hand_over(owner, slot: str, terms) -> None:
     """In the deferring op's backward: give the owner the inputs of this op's dX term for this pass."""
     owner._pending[slot] = (torch._C._current_graph_task_id(), terms)
@@ -685,9 +715,11 @@ class _Write(torch.autograd.Function):
         # the state's gradient term can be deferred when the mixed rows are the state itself: the
         # mHC-family write (Xa = X, no I) or the xHC write reading X_a from X (I, own)
         # (with I and a separate Xa: X's term is dout on the rows outside I, handed over the same way)
-        ctx.owner, ctx.defer_x = None, I is not None
+        ctx.owner, ctx.defer_x, ctx.xa_owner = None, I is not None, None
         if not inplace:
             ctx.owner = _claim(X if I is not None else Xa, "write", (H, P))
+            if not own and (ctx.owner is None or ctx.defer_x):  # a window's carried X_a: its mappings' op adds dX_a
+                ctx.xa_owner = _claim_carried(Xa, P)
         if inplace:
             ctx.mark_dirty(X)
             return X
@@ -707,7 +739,10 @@ class _Write(torch.autograd.Function):
         Ic = None if I is None else I.reshape(T, k).contiguous()
         defer = ctx.owner is not None and ctx.needs_input_grad[0 if ctx.defer_x else 2]
         need_dx = I is not None and ctx.needs_input_grad[0] and not (defer and ctx.defer_x)
-        dXa = None if own or (defer and not ctx.defer_x) else torch.empty_like(Xac)
+        xa_defer = ctx.xa_owner is not None and ctx.needs_input_grad[2]
+        # X_a's gradient: dout itself without I and H (nothing to compute: handed over as it is)
+        xa_as_dout = xa_defer and I is None and H is None
+        dXa = None if own or (defer and not ctx.defer_x) or xa_as_dout else torch.empty_like(Xac)
         dV = torch.empty_like(Vc)
         dH = None if H is None else torch.empty_like(Hc)
         dP = torch.empty_like(Pc)
@@ -723,6 +758,9 @@ class _Write(torch.autograd.Function):
         if defer:  # the state's term (Hᵀ·dout on the mixed rows, dout on the others): linear_stats writes it
             # (a separate Xa with I: X's active rows get nothing, X_a's gradient is dXa above)
             _hand_over(ctx.owner, "write", (doutc, Hc if own or I is None else None, Ic, k, not own and I is not None))
+        if xa_defer:  # the carried X_a's term: added by the op that made P from it (xhc.kernels.xhc_active)
+            _hand_over(ctx.xa_owner, "dxa", doutc if xa_as_dout else dXa)
+            dXa = None
         return (None if dX is None else dX.view(*lead, N, C), None,
                 None if dXa is None else dXa.view(*lead, k, C),
                 None if dH is None else dH.view(H.shape), dP.view(P.shape), dV.view(V.shape), None, None)

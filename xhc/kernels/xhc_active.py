@@ -38,7 +38,7 @@ import triton.language as tl
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.mhc_common import _cast, mm
 from xhc.kernels.mhc_pre import _sig
-from xhc.kernels.triton_ops import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.triton_ops import XA_OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
 from xhc.kernels.xhc_entry import _active_logits, layout, post_adjoint, w_post_act_tile, w_res_act_tile, warps
 
 
@@ -100,9 +100,9 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
 
 @triton.jit
 def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARES, WPOST, BPOST, APOST, S,
-                           DXA, DPR, GA, DZA, DA, T, C, k, K, t_max, sk_eps,
+                           DXIN, DXA, DPR, GA, DZA, DA, T, C, k, K, t_max, sk_eps,
                            HAS_RES: tl.constexpr, HAS_DHRES: tl.constexpr, HAS_DHPOST: tl.constexpr,
-                           HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, ROW_LAST: tl.constexpr,
+                           HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, HAS_DXIN: tl.constexpr, ROW_LAST: tl.constexpr,
                            NS: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                            BT: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
                            CDT: tl.constexpr):
@@ -150,7 +150,7 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
     a4 = tl.arange(0, 4)[None, :]  # dα partials in the xhc_grad layout: (pre = 0, res, post)
     da = tl.where(a4 == 1, (gres * ra)[:, None], 0.0) + tl.where(a4 == 2, (gpost * ra)[:, None], 0.0)
     tl.store(DA + t[:, None] * 3 + a4, da, mask=tm[:, None] & (a4 < 3))
-    if NEED_DXA:  # dX_a = GA·W_a − (α_res·g_res + α_post·g_post)·r_a³/(kC)·X_a  (the RMSNorm's term)
+    if NEED_DXA:  # dX_a = GA·W_a − (α_res·g_res + α_post·g_post)·r_a³/(kC)·X_a (the RMSNorm's term) [+ the write's]
         a1a = -(ares * gres + apost * gpost) * ra * ra * ra / KC
         for j in range(0, k):
             for c0 in range(0, C, BC):
@@ -162,6 +162,8 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                 if HAS_RES:
                     g += mm(gar, w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT), USE_DOT, PREC)
                 g += a1a[:, None] * xa
+                if HAS_DXIN:  # the write's dX_a, handed over (triton_ops._claim_carried)
+                    g += tl.load(DXIN + t[:, None] * KC + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
                 tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
 
 
@@ -201,6 +203,9 @@ class XHCActive(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS)
         ctx.cfg = cfg
+        # the owner of X_a's gradient: the write that takes P hands its dX_a over (triton_ops._claim_carried),
+        # so dX_a is written once, here
+        ctx._xa_key, ctx._claims, ctx._pending = _state_key(Xa), {}, {}
         view = lambda x, *s: None if x is None else x.view(*lead, *s)  # noqa: E731
         return view(H, k, k), view(Hpost, k, K), view(PW, k, K)
 
@@ -226,18 +231,25 @@ class XHCActive(torch.autograd.Function):
         S = e(grid * BT, NS, KP) if has_res and dHc is not None else None
         need_dxa = ctx.needs_input_grad[0]
         dXa = torch.empty_like(Xc) if need_dxa else None
+        pend = ctx._pending.pop("dxa", None)
+        ctx._pending.clear()
+        dxin = pend[1] if pend is not None and pend[0] == torch._C._current_graph_task_id() else None
         dp, GA, DZA, DA = e(T, k), e(T, RA + PA), e(T, RA + PA), e(T, 3)
         if T > 0:
             _xhc_active_bwd_kernel[(grid,)](
                 Xc, dHc, dHpostc, dPWc, pc, PAC, RAS, W_res, b_res, a_res, W_post, b_post, a_post, S,
-                dXa, dp, GA, DZA, DA, T, C, k, K, t_max, sk_eps, HAS_RES=has_res, HAS_DHRES=dHc is not None,
+                dxin, dXa, dp, GA, DZA, DA, T, C, k, K, t_max, sk_eps, HAS_RES=has_res, HAS_DHRES=dHc is not None,
                 HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None, NEED_DXA=need_dxa,
+                HAS_DXIN=need_dxa and dxin is not None,
                 ROW_LAST=order == "row_last", NS=NS, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=BC,
                 USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
         grads = [None] * 6
         if any(ctx.needs_input_grad[2:8]):
             grads = xhc_grad.active_param_grads(Xc, GA, DZA, DA, W_res, W_post, k, K)
         return (None if dXa is None else dXa.view(Xa.shape), dp.view(p.shape).to(p.dtype), *grads, None)
+
+
+XA_OWNER_CLASSES.append(XHCActive._backward_cls)
 
 
 def xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,

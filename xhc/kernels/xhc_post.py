@@ -17,8 +17,8 @@ Forward (:func:`_xhc_post_fwd_kernel`, a program per token):
 Backward: :func:`_xhc_post_bwd_kernel` (a program per token): dH_res, dP' in a pass over dX' (and X, V);
 the adjoints of the fold and of the Gram–Schmidt loop (a hand-written reverse of its ≤ 6 steps, each
 step's input recomputed) give dP and dM; a second pass writes dV = P'ᵀ·dX'_a + (dM + dMᵀ)·V / C.
-The state's term is handed to the xHC entry's backward (:mod:`.xhc_grad`), or written here when no
-entry op owns the state.  :func:`_xhc_conv_bwd_kernel` (a program per BC columns, every token in
+The state's term is handed to the entry's backward (:mod:`.xhc_grad`; a Flash window's last write:
+dX' on the rows outside I, to the window entry), or written here when no entry op owns the state.  :func:`_xhc_conv_bwd_kernel` (a program per BC columns, every token in
 order: deterministic, no partials) writes dy = dV_0 + Σ_j Σ_i w_j[i]·dV_j[t + i] and dw_j[i] = Σ_t dV_j[t]·y[t − i].
 
     byte budget:  2·N·C·s (dX' in, X's active rows) + 4·K·C (dV) + C·s (y) + C·s (dy)
@@ -360,8 +360,11 @@ class XHCPost(torch.autograd.Function):
                                        EXIT=exit_, HAS_H=H is not None, NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt))
         ctx.save_for_backward(X, Xa, I, H, P, y, w1, w2, w3, pos, MS)
         ctx.meta = (GS, gs_eps, R, ks, kmax, N)
-        # the xHC entry op on this state writes dX (a carried write does not read X: it returns its dX)
-        ctx.owner = None if carried else _claim(X, "write", (H, P))
+        # the entry op on this state writes dX (xHC sublayer: X' mixes X's active rows; a window's last
+        # write: X' copies X's rows outside I, the carried X_a replaced the rest), so dX is written once
+        ctx.owner = _claim(X, "write", (H, P)) if exit_ else None
+        # a window's carried X_a: the op that made P from it adds this write's dX_a (triton_ops._claim_carried)
+        ctx.xa_owner = triton_ops._claim_carried(Xa, P) if carried else None
         return out.view(*lead, N if exit_ else k, C)
 
     @staticmethod
@@ -386,7 +389,9 @@ class XHCPost(torch.autograd.Function):
         dev = y.device
         defer = ctx.owner is not None and ctx.needs_input_grad[0]
         need_dx = exit_ and ctx.needs_input_grad[0] and not defer
-        need_dxa = carried and ctx.needs_input_grad[1]
+        xa_defer = ctx.xa_owner is not None and ctx.needs_input_grad[1]
+        xa_as_dout = xa_defer and not exit_ and H is None  # dX_a = dX' itself: nothing to compute
+        need_dxa = carried and ctx.needs_input_grad[1] and not xa_as_dout
         dX = torch.empty(T, N, C, dtype=X.dtype, device=dev) if need_dx else None
         dXa = torch.empty(T, k, C, dtype=Xa.dtype, device=dev) if need_dxa else None
         dH = torch.empty(T, k, k, dtype=cdt, device=dev) if H is not None else None
@@ -406,7 +411,10 @@ class XHCPost(torch.autograd.Function):
                 HAS_POS=posc is not None, SP=SP, KMP=max(2, triton.next_power_of_2(kmax)), BT=16, BC=BCc,
                 CDT=_tl(cdt))
         if defer:
-            triton_ops._hand_over(ctx.owner, "write", (doutc, Hc, Ic, k, False))
+            triton_ops._hand_over(ctx.owner, "write", (doutc, None if carried else Hc, Ic, k, carried))
+        if xa_defer:
+            triton_ops._hand_over(ctx.xa_owner, "dxa", doutc if xa_as_dout else dXa)
+            dXa = None
         dwo = [dw.to(w.dtype) for dw, w in zip(dws, ws)] + [None] * (3 - R)
         return (None if dX is None else dX.view(X.shape), None if dXa is None else dXa.view(Xa.shape), None,
                 None if dH is None else dH.view(H.shape), dP.view(P.shape), dy.view(y.shape), *dwo, None, None, None)
