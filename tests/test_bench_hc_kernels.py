@@ -115,8 +115,9 @@ def test_slope_row_removes_per_call_bytes():
 # ------------------------------------------------------------------------------------------------
 # --launches, --perf, --autotune (the Triton kernels in the interpreter)
 # ------------------------------------------------------------------------------------------------
-LAUNCH_CEILING = {  # docs/kernels.md "Launch counts": the mHC and xHC targets; the others: no more than now
-    "mhc": (5, 6), "xhc-attn": (6, 8), "xhc-mlp": (7, 9), "flash": (5, 15), "flash4": (5, 12)}
+LAUNCH_CEILING = {  # docs/kernels.md "Launch counts": the mHC, xHC and xHC-Flash targets; Flash-4sub: its
+    # forward target, its backward no more than now (its target, 7, is not met)
+    "mhc": (5, 6), "xhc-attn": (6, 8), "xhc-mlp": (7, 9), "flash": (6, 8), "flash4": (5, 11)}
 
 
 def _interp(monkeypatch):

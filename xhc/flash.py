@@ -29,6 +29,7 @@ Equations (shape legend of :mod:`xhc.xhc`; per token):
 :meth:`XHCFlashLayer.begin`     (I, p), h^A, h^M from X^(0);  inp_A = Σ_i h^A_i X^(0)_i, inp_M likewise
                                 (base readouts: one :func:`~xhc.streams.read_streams` of T = 2 maps)
 :func:`flash_mlp_input`         inp_MLP = inp_M + Σ_t β_t·V^A_t,  β_t = Σ_j h^M[I_j]·p_j·H_post^A[j,t]
+                                (``triton``: made by the attention write's kernel, :mod:`xhc.kernels.flash_attn`)
 :func:`nonactive_weights`       base_t = Σ_{i∉I} h^t_i · X^(0)_i = read_streams(h·[i∉I], X^(0))  (4sub, once)
 :func:`flash4_read`             u_t = base_t + Σ_j h^t[I_j] · X_a[j]    (split read; read_streams on X_a)
 :func:`carried_write`           attention / M1: X_a ← X_a + diag(p)·H_post·V (no H_res);
@@ -219,6 +220,7 @@ class FlashState:
     stage: str = "entry"  # "entry" -> "attn_done"
     act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) at entry (fused backends; from the entry pass)
     inps: Optional[tuple] = None  # inp as two tensors (unbind_readouts)
+    u_M: Optional[torch.Tensor] = None  # [..., C] residual dtype: the MLP's input, made by the fused attention write
 
 
 class _WindowPart(nn.Module):
@@ -355,8 +357,17 @@ class XHCFlashLayer(_WindowPart):
 
         V_A is orthogonalised on every backend: :meth:`mlp_read`'s correction reads it."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
+        run = self._run(state.X0)
+        if run.backend == "triton":  # the write and the MLP read's correction
+            # in one kernel (xhc.kernels.flash_attn); a single component is y itself, in its own dtype
+            _, H_post, P = window_mappings(state.Xa, state.p, self.post_A, None, run, state.act_moments)
+            V = y.unsqueeze(-2) if self.temporal_A is None else write_components(
+                y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
+            Xa, u = kernels.flash_attn_write(state.Xa, P, V, readout(state.inp, state.inps, 1), state.I, state.h_pre,
+                                             1, state.X0.dtype)
+            return dataclasses.replace(state, Xa=Xa, H_post_A=H_post, u_M=u, stage="attn_done", act_moments=None)
         V = write_components(y, self.temporal_A, self.cfg.gram_schmidt, self.cfg.gs_eps, seq)
-        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, None, Components(V, None), self._run(state.X0),
+        Xa, _, H_post = carried_write(state.Xa, state.p, self.post_A, None, Components(V, None), run,
                                       moments=state.act_moments)
         return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), H_post_A=H_post, V_A=V, stage="attn_done",
                                    act_moments=None)
@@ -364,6 +375,8 @@ class XHCFlashLayer(_WindowPart):
     def mlp_read(self, state: FlashState) -> torch.Tensor:
         """u_M = inp_M + β·y_A, the exact correction (docs/math.md §4.1)  ->  ``[..., C]`` residual dtype."""
         _check_stage(state, "attn_done", "XHCFlashLayer.mlp_read")
+        if state.u_M is not None:  # made with the attention write (triton)
+            return state.u_M
         h_M_active = state.h_pre[..., 1, :].gather(-1, state.I)
         u = flash_mlp_input(readout(state.inp, state.inps, 1), h_M_active, state.p, state.H_post_A, state.V_A)
         return u.to(state.X0.dtype)

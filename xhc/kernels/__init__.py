@@ -479,6 +479,15 @@ def xhc_mappings(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, nor
     return xa.xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K, norm_eps, t_max, sk_eps, order)
 
 
+def flash_attn_write(Xa, P, V, inp, I, h, row: int, u_dtype):
+    """The xHC-Flash attention write and the MLP read's correction on the ``triton`` backend
+    (:mod:`xhc.kernels.flash_attn`) in one kernel -> (X_a' = X_a + P·V, u_M = inp + Σ_t β_t·V_t with
+    β_t = Σ_j h[row, I_j]·P[j, t])."""
+    from xhc.kernels import flash_attn
+
+    return flash_attn.flash_attn(Xa, P, V, inp, I, h, row, u_dtype)
+
+
 FUSED_WRITE_MAX_KERNELS = 3
 """The fused xHC MLP write (:mod:`xhc.kernels.xhc_post`) takes at most this many temporal kernels (K ≤ 4)."""
 
