@@ -13,7 +13,10 @@ float64 reference, on CPU under ``TRITON_INTERPRET=1`` (natively on a GPU: ids c
 * every autotuning candidate of the xHC kernels gives the eager result;
 * Flash and Flash-4sub windows: the fused window entry (2 or 4 pre-maps), every write's mappings
   (xhc_active.py) and every augmented write (xhc_post.py's carried modes) run and the window equals
-  eager in float64; a bf16 window within bf16-ulp bounds and bit-identical across runs.
+  eager in float64; a bf16 window within bf16-ulp bounds and bit-identical across runs;
+* the xHC-Flash attention write with the MLP read's correction (flash_attn.py) equals its formula in
+  float64 (outputs and every gradient, either output alone), and in a window each carried X_a's
+  gradient is written once, by the op that made the write's P from it.
 """
 
 import os
@@ -232,6 +235,8 @@ def _run_window(cfg, dtype=F64, pdtype=None):
 
 @pytest.mark.parametrize("kw, modes", [
     pytest.param(dict(variant="xhc_flash", n=8, k=4, m=2, kernel_sizes=(2, 3)), ["exit"], id="flash"),
+    pytest.param(dict(variant="xhc_flash", n=6, k=3, m=1, kernel_sizes=(2,), attn_temporal=True), ["exit"],
+                 id="flash-attn-temporal"),
     pytest.param(dict(variant="xhc_flash4", n=8, k=4, m=2, kernel_sizes=(2, 3)), ["carried", "exit"], id="flash4"),
     pytest.param(dict(variant="xhc_flash4", n=16, k=8, m=0, kernel_sizes=(3,), gram_schmidt=False,
                       attn_temporal=True), ["carried"] * 3 + ["exit"], id="flash4-attn-temporal-no-gs"),
@@ -322,3 +327,59 @@ def test_every_autotuning_candidate_of_the_window_mappings_equals_eager(monkeypa
         _close(out_f, out_r, f"{cand}: X'")
         for i, (a, b) in enumerate(zip(g_f, g_r)):
             _close(a, b, f"{cand}: grad {i}")
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_flash_attention_write_with_the_correction_equals_its_formula(K):
+    """X_a' = X_a + P·V and u_M = inp + Σ_t β_t·V_t, β_t = Σ_j h[1, I_j]·P[j, t] (docs/math.md §4.1) and every
+    gradient, float64, against autograd through the formula; with only one of the two outputs used too."""
+    _need_triton()
+    from xhc.kernels.flash_attn import flash_attn
+
+    g = torch.Generator().manual_seed(3)
+    T, N, k, Cw = 6, 8, 3, 40  # C not a multiple of the block: a ragged last block
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_()  # noqa: E731
+    Xa, P, V, inp, h = r(2, 3, k, Cw), r(2, 3, k, K), r(2, 3, K, Cw), r(2, 3, Cw), r(2, 3, 2, N)
+    I = torch.stack([torch.randperm(N, generator=g)[:k] for _ in range(6)]).view(2, 3, k)
+    Go, Gu = torch.randn(2, 3, k, Cw, generator=g, dtype=F64), torch.randn(2, 3, Cw, generator=g, dtype=F64)
+
+    def ref(Xa, P, V, inp, h):
+        beta = torch.einsum("...j,...jt->...t", h[..., 1, :].gather(-1, I), P)
+        return Xa + P @ V, inp + torch.einsum("...t,...tc->...c", beta, V)
+
+    ins = [Xa, P, V, inp, h]
+    for use in ("both", "out", "u"):
+        a_out, a_u = flash_attn(Xa, P, V, inp, I, h, 1, F64)
+        b_out, b_u = ref(*ins)
+        _close(a_out, b_out, "X_a'")
+        _close(a_u, b_u, "u_M")
+        la = (a_out * Go).sum() * (use != "u") + (a_u * Gu).sum() * (use != "out")
+        lb = (b_out * Go).sum() * (use != "u") + (b_u * Gu).sum() * (use != "out")
+        ga = torch.autograd.grad(la, ins, allow_unused=True)
+        gb = torch.autograd.grad(lb, ins, allow_unused=True)
+        for name, t, x, y in zip(["X_a", "P", "V", "inp", "h"], ins, ga, gb):
+            _close(torch.zeros_like(t) if x is None else x, torch.zeros_like(t) if y is None else y, f"{use}: d{name}")
+    assert (torch.autograd.grad((flash_attn(Xa, P, V, inp, I, h, 1, F64)[1] * Gu).sum(), h)[0][..., 0, :] == 0).all()
+
+
+def test_flash_window_carried_state_gradient_is_written_once(monkeypatch):
+    """In an xHC-Flash window on ``triton`` every carried X_a's gradient comes out of one kernel: each
+    write hands its dX_a to the active-mappings op that made its P (which adds it in the kernel that
+    writes dX_a), the window's last write hands its dX^(0) term to the window entry; the result still
+    equals eager (float64)."""
+    _need_triton()
+    from xhc.kernels import triton_ops, xhc_active
+
+    cfg = HCConfig(variant="xhc_flash", n=8, k=4, m=2, kernel_sizes=(2,))
+    out_r, g_r = _run_window(cfg.replace(kernels="eager"))
+    handed = []
+    hand = triton_ops._hand_over
+    monkeypatch.setattr(triton_ops, "_hand_over", lambda o, slot, t: (handed.append((type(o).__name__, slot)),
+                                                                       hand(o, slot, t))[1])
+    out_f, g_f = _run_window(cfg.replace(kernels="triton"))
+    active = xhc_active.XHCActive._backward_cls.__name__
+    assert handed.count((active, "dxa")) == 2, handed  # the attention write's and the MLP write's
+    assert [s for _, s in handed].count("write") == 1, handed  # the last write's dX^(0) term, to the entry
+    _close(out_f, out_r, "X'")
+    for i, (a, b) in enumerate(zip(g_f, g_r)):
+        _close(a, b, f"grad {i}")
