@@ -159,7 +159,8 @@ MHC_KERNELS = ("_mhc_pre_fwd_kernel", "_mhc_post_fwd_kernel", "_mhc_post_bwd_ker
 XHC_KERNELS = ("_xhc_entry_fwd_kernel", "_xhc_entry_bwd_kernel", "_xhc_dx_kernel", "_xhc_dw_kernel",
                "_xhc_dw_reduce_kernel", "_xhc_post_fwd_kernel", "_xhc_post_bwd_kernel",
                "_xhc_conv_bwd_kernel",  # the fused xHC entry and MLP write (xhc_entry.py, xhc_grad.py, xhc_post.py)
-               "_xhc_active_fwd_kernel", "_xhc_active_bwd_kernel")  # the Flash writes' mappings (xhc_active.py)
+               "_xhc_active_fwd_kernel", "_xhc_active_bwd_kernel",  # the Flash writes' mappings (xhc_active.py)
+               "_flash_attn_fwd_kernel", "_flash_attn_bwd_kernel")  # xHC-Flash's attention write (flash_attn.py)
 
 
 # the separate HC ops (xhc.kernels.triton_ops) the xHC sublayer and the Flash windows launch
@@ -169,14 +170,14 @@ HC_OP_KERNELS = ("_linear_stats_fwd_kernel", "_linear_stats_dx_kernel", "_linear
 # one preset per family: mHC (the fused kernels), xHC (N = 8), Flash and Flash-4sub at N = 16, C = 1024 (the
 # largest coefficient count d, where _linear_stats_dw_kernel and _state_grad_kernel spilled before their
 # block sizes were bounded)
-RESOURCE_PRESETS = "tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4"
+RESOURCE_PRESETS = "tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,moe-2p5b:xhc-flash4"
 # the separate ops (the ablations' path: sparse read, softmax router, ...; no preset launches the Sinkhorn op
 # or linear_stats' dX since the Flash writes run fused) at N = 16 and the Flash presets' C
 RESOURCE_OPS = "16:1024:bfloat16"
 
 
 def test_resources_lines_for_every_hc_kernel_without_spills():
-    """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc,tiny-moe:xhc,moe-2p5b:xhc-flash4
+    """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,moe-2p5b:xhc-flash4
     --extra 16:1024:bfloat16``: one line per compiled
     specialisation in the documented form, every fused mHC and xHC kernel and every HC op kernel present, no spills,
     registers within the sm_90 limit and shared memory within its 227 KB per block."""

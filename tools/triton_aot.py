@@ -237,7 +237,7 @@ def preset_configs(patterns: Optional[List[str]] = None) -> List[Tuple[str, Any,
         unmatched = [p for p in patterns if not fnmatch.filter(names, p)]
         if unmatched:
             raise ValueError(f"--presets {','.join(unmatched)}: no zoo preset matches; presets are e.g. "
-                             f"{', '.join(names[:4])} (python -m tools.zoo list)")
+                             f"{', '.join(names[:4])} (python -m tools.zoo --list)")
         names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
     seen: Dict[str, List] = {}
     for name in names:
