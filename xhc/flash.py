@@ -133,24 +133,33 @@ def nonactive_weights(h: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
     return h.scatter(-1, I.unsqueeze(-2).expand(*h.shape[:-1], I.shape[-1]), 0.0)
 
 
+def fused_mappings_run(run: WindowRun, k: int, K: int, ablate_post: bool) -> bool:
+    """Whether a window write's mappings run as one kernel (:func:`xhc.kernels.xhc_mappings`): ``triton``
+    with fused coefficients, k ≤ 16, K ≤ 8, no ablated post mapping."""
+    return run.backend == "triton" and run.fused and not ablate_post and k <= 16 and K <= 8
+
+
 def window_mappings(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping], run: WindowRun,
-                    moments=None):
+                    moments=None, read=None):
     """(H_res or None, H_post, P = diag(p)·H_post) of a window write from the *current* carried X_a
-    (docs/math.md §8 #24): :func:`~xhc.xhc.active_mappings`, or on ``triton`` with fused coefficients
-    one kernel (:func:`xhc.kernels.xhc_mappings`; k ≤ 16, K ≤ 8, no ablated post mapping)."""
+    (docs/math.md §8 #24): :func:`~xhc.xhc.active_mappings`, or one kernel where
+    :func:`fused_mappings_run`; ``read`` (base, I, h, row, u dtype; that kernel only): also the
+    sublayer's split read u from the same pass over X_a, returned fourth."""
     k, K = post.k, post.K
-    if run.backend == "triton" and run.fused and post.weight is not None and k <= 16 and K <= 8:
+    if fused_mappings_run(run, k, K, post.weight is None):
         c = res.cfg if res is not None else None
         return kernels.xhc_mappings(
             Xa, p, *((res.weight, res.bias, res.alpha) if res is not None else (None, None, None)), post.weight,
             post.bias, post.alpha, K, run.eps, c.sinkhorn_iters if c else 0, c.sinkhorn_eps if c else 0.0,
-            c.sinkhorn_order if c else "row_last")
+            c.sinkhorn_order if c else "row_last", read)
+    if read is not None:
+        raise ValueError("window_mappings: a fused read needs the fused mappings kernel (fused_mappings_run)")
     H_res, H_post = active_mappings(Xa, [res, post], run.eps, run.fused, moments, run.backend)
     return H_res, H_post, p.unsqueeze(-1) * H_post
 
 
 def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping],
-                  comps: Components, run: WindowRun, exit: Optional[WindowExit] = None, moments=None):
+                  comps: Components, run: WindowRun, exit: Optional[WindowExit] = None, moments=None, maps=None):
     """One window sublayer's write on the carried active streams (docs/math.md §4.1, §4.2 "Writes").
 
     H_post (and H_res when ``res`` is given) come from RMSNorm(vec X_a) of the *current* X_a
@@ -160,9 +169,10 @@ def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Opt
     Gram–Schmidt coefficients, if any, are folded into the branch weights)  ->  (new X_a
     ``[..., k, C]`` in X_a's dtype, H_res or None, H_post).  With ``exit`` the new X_a is scattered
     into ``exit.X0`` (the window exit) and the first element is X' ``[..., N, C]`` in X0's dtype.
-    ``moments``: (μ, ν) of vec(X_a) when already known.
+    ``moments``: (μ, ν) of vec(X_a) when already known; ``maps``: (H_res, H_post, P) when already made
+    from this X_a (a Flash-4sub sublayer's fused read).
     """
-    H_res, H_post, P = window_mappings(Xa, p, post, res, run, moments)
+    H_res, H_post, P = maps if maps is not None else window_mappings(Xa, p, post, res, run, moments)
     P = fold_components(P, comps.L)
     X0, I = (None, None) if exit is None else (exit.X0, exit.I)
     out_dtype = Xa.dtype if X0 is None else X0.dtype
@@ -171,11 +181,11 @@ def carried_write(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Opt
 
 def carried_write_fused(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping],
                         y: torch.Tensor, temporal: nn.Module, cfg: HCConfig, seq, run: WindowRun,
-                        exit: Optional[WindowExit] = None, moments=None):
+                        exit: Optional[WindowExit] = None, moments=None, maps=None):
     """:func:`carried_write` with the branch output ``y`` itself: its temporal components, their
     Gram–Schmidt coefficients and the write in one kernel (:func:`~xhc.xhc.fused_write`, where
     :func:`~xhc.xhc.fused_write_runs`); same results and return values."""
-    H_res, H_post, P = window_mappings(Xa, p, post, res, run, moments)
+    H_res, H_post, P = maps if maps is not None else window_mappings(Xa, p, post, res, run, moments)
     X0, I = (None, None) if exit is None else (exit.X0, exit.I)
     return fused_write(X0, I, Xa, H_res, P, y, temporal, cfg, seq), H_res, H_post
 
@@ -258,13 +268,13 @@ class _WindowPart(nn.Module):
         return kernels.xhc_window_read(X0, self.router.weight, [(pre.weight, pre.bias, pre.alpha) for pre in pres],
                                        self.k, self.cfg.m, run.eps, nonactive)
 
-    def _branch_write(self, Xa, p, post, res, y, temporal, seq, run: WindowRun, exit=None, moments=None):
+    def _branch_write(self, Xa, p, post, res, y, temporal, seq, run: WindowRun, exit=None, moments=None, maps=None):
         """A carried write from the branch output ``y``: the fused write kernel where it runs
         (:func:`carried_write_fused`), else the components then :func:`carried_write`."""
         if fused_write_runs(temporal, Xa, y, seq, run.backend):
-            return carried_write_fused(Xa, p, post, res, y, temporal, self.cfg, seq, run, exit, moments)
+            return carried_write_fused(Xa, p, post, res, y, temporal, self.cfg, seq, run, exit, moments, maps)
         comps = self._components(y, temporal, seq, run.backend)
-        return carried_write(Xa, p, post, res, comps, run, exit, moments)
+        return carried_write(Xa, p, post, res, comps, run, exit, moments, maps)
 
     def _two_sublayers(self, st, attn: Callable, mlp: Callable, seq=None):
         """attention then MLP on a window state: ``mlp_write(st', mlp(mlp_read(st')))``, st' = attn_write(…)."""
@@ -417,13 +427,16 @@ class Flash4State:
     p: torch.Tensor  # [..., k] fp32 route weights
     score: torch.Tensor  # [..., N] fp32 router scores (diagnostics)
     h_pre: torch.Tensor  # [..., 4, N] fp32: h^t for t = A1, M1, A2, M2, all from X^(0)
-    h_active: torch.Tensor  # [4, ..., k] fp32: h^t[I_j] (t first: each sublayer's read weights contiguous)
+    h_active: Optional[torch.Tensor]  # [4, ..., k] fp32: h^t[I_j] (t first); None where the reads run fused
     base: torch.Tensor  # [..., 4, C] fp32: base_t = Σ_{i∉I} h^t_i X^(0)_i
     Xa: torch.Tensor  # [..., k, C] residual dtype: carried active streams
     bases: Optional[tuple] = None  # base as four tensors (unbind_readouts)
     step: int = 0
     backend: str = "eager"  # resolved kernel backend (xhc.kernels.resolve_backend)
     act_moments: Optional[tuple] = None  # (μ, ν) of vec(X_a) while X_a = X^(0)[I] (fused backends)
+    # sublayer t -> (X_a, (H_res, H_post, P)): the write's mappings, made by t's fused read from the same X_a
+    # (filled by the read, taken by the write; a recomputed read overwrites its entry)
+    read_maps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def stage(self) -> str:
@@ -444,13 +457,28 @@ def flash4_read(state: Flash4State, t: int) -> torch.Tensor:
             f"Flash-4sub read of sublayer {FLASH4_SUBLAYERS[t]} on a state at stage {state.stage!r}: "
             "drive A1, M1 (layer 2g), A2, M2 (layer 2g+1) in order, read before write"
         )
-    h_a = state.h_active[t]
+    h_a = state.h_active[t] if state.h_active is not None else active_read_weights(state.h_pre, state.I)[t]
     u = readout(state.base, state.bases, t) + kernels.read(h_a, state.Xa, fp32(h_a).dtype, backend=state.backend)
     return u.to(state.X0.dtype)
 
 
 class _Flash4Part(_WindowPart):
-    """A Flash-4sub half: the in-order write of sublayer t (0..3) on the carried state."""
+    """A Flash-4sub half: the in-order read and write of sublayer t (0..3) on the carried state."""
+
+    def _fused_reads(self, run: WindowRun) -> bool:
+        """Whether every sublayer's read runs in its write's mappings kernel (:func:`fused_mappings_run`)."""
+        return fused_mappings_run(run, self.k, max(self.K_A, self.K_M), self.cfg.ablate_post)
+
+    def _read(self, state: Flash4State, t: int, post: PostMapping, res: Optional[ResMapping]) -> torch.Tensor:
+        """u_t (:func:`flash4_read`); where the reads run fused, together with sublayer t's write mappings
+        from the same pass over X_a (:func:`window_mappings` with ``read``), which the state keeps for the write."""
+        if state.h_active is not None or state.step != t:
+            return flash4_read(state, t)
+        run = self._run(state.X0)
+        H_res, H_post, P, u = window_mappings(state.Xa, state.p, post, res, run, read=(
+            readout(state.base, state.bases, t), state.I, state.h_pre, t, state.X0.dtype))
+        state.read_maps[t] = (state.Xa, (H_res, H_post, P))
+        return u
 
     def _write(self, state: Flash4State, t: int, y, post, temporal, res, seq, last: bool = False):
         """Sublayer ``t``'s write; ``last`` (M2): the window exit X' ``[..., N, C]`` instead of a state."""
@@ -461,12 +489,14 @@ class _Flash4Part(_WindowPart):
             )
         run = self._run(state.X0)
         mom = state.act_moments  # X_a is still X^(0)[I] only before the first write
+        made = state.read_maps.get(t)  # the mappings the fused read made from this X_a
+        maps = made[1] if made is not None and made[0] is state.Xa else None
         if last:
             X, _, _ = self._branch_write(state.Xa, state.p, post, res, y, temporal, seq, run,
-                                         WindowExit(state.X0, state.I), mom)
+                                         WindowExit(state.X0, state.I), mom, maps)
             return X
-        Xa, _, _ = self._branch_write(state.Xa, state.p, post, res, y, temporal, seq, run, moments=mom)
-        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None)
+        Xa, _, _ = self._branch_write(state.Xa, state.p, post, res, y, temporal, seq, run, moments=mom, maps=maps)
+        return dataclasses.replace(state, Xa=Xa.to(state.X0.dtype), step=t + 1, act_moments=None, read_maps={})
 
 
 class Flash4FirstLayer(_Flash4Part):
@@ -497,7 +527,7 @@ class Flash4FirstLayer(_Flash4Part):
         run = self._run(X0)
         if self._fused_entry(run, pres):
             base, I, p, score, h, Xa = self._entry_read(X0, run, pres, True)
-            h_active = active_read_weights(h, I)
+            h_active = None if self._fused_reads(run) else active_read_weights(h, I)
             return Flash4State(X0, I, p, score, h, h_active, base, Xa, bases=unbind_readouts(base),
                                backend=run.backend)
         stats, entry_mom = entry_statistics(X0, run.fused, run.backend)
@@ -513,14 +543,14 @@ class Flash4FirstLayer(_Flash4Part):
                            backend=run.backend, act_moments=act)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
-        return flash4_read(state, 0)
+        return self._read(state, 0, self.post_A1, None)
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A1: X_a ← X_a + diag(p)·H_post^{A1}·V."""
         return self._write(state, 0, y, self.post_A1, self.temporal_A1, None, seq)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
-        return flash4_read(state, 1)
+        return self._read(state, 1, self.post_M1, None)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """M1: X_a ← X_a + diag(p)·H_post^{M1}·V (no H_res); returns the state for layer 2g+1."""
@@ -552,14 +582,14 @@ class Flash4SecondLayer(_Flash4Part):
         self.temporal_M2 = make_temporal(cfg, C, True)
 
     def attn_read(self, state: Flash4State) -> torch.Tensor:
-        return flash4_read(state, 2)
+        return self._read(state, 2, self.post_A2, None)
 
     def attn_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> Flash4State:
         """A2: X_a ← X_a + diag(p)·H_post^{A2}·V."""
         return self._write(state, 2, y, self.post_A2, self.temporal_A2, None, seq)
 
     def mlp_read(self, state: Flash4State) -> torch.Tensor:
-        return flash4_read(state, 3)
+        return self._read(state, 3, self.post_M2, self.res_M2)
 
     def mlp_write(self, state: Flash4State, y: torch.Tensor, seq=None) -> torch.Tensor:
         """M2: X_a ← H_res^{M2}·X_a + diag(p)·H_post^{M2}·V, then the window's only scatter -> X ``[..., N, C]``."""

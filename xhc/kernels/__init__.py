@@ -471,12 +471,15 @@ def xhc_window_read(X, W_r, pres, k: int, m: int, norm_eps: float, nonactive: bo
 
 
 def xhc_mappings(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,
-               sk_eps: float, order: str):
+               sk_eps: float, order: str, read=None):
     """A Flash window write's mappings on the ``triton`` backend (:mod:`xhc.kernels.xhc_active`): H_res
-    (None without ``W_res``), H_post and P = diag(p)·H_post from the carried X_a in one kernel."""
+    (None without ``W_res``), H_post and P = diag(p)·H_post from the carried X_a in one kernel; with
+    ``read`` = (base, I, h, row, u dtype) also the sublayer's split read u = base + Σ_j h[row, I_j]·X_a[j]
+    from the same pass over X_a, returned fourth."""
     from xhc.kernels import xhc_active as xa
 
-    return xa.xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K, norm_eps, t_max, sk_eps, order)
+    return xa.xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K, norm_eps, t_max, sk_eps, order,
+                         read)
 
 
 def flash_attn_write(Xa, P, V, inp, I, h, row: int, u_dtype):

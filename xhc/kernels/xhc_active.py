@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
+from xhc.kernels import triton_ops
 from xhc.kernels.mhc_common import _cast, mm
 from xhc.kernels.mhc_pre import _sig
 from xhc.kernels.triton_ops import XA_OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
@@ -56,8 +57,9 @@ def _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT: tl.constexpr, KP: tl.cons
 
 @triton.jit
 def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, HPOST, PW, PAC, RAS,
-                           T, C, k, K, norm_eps, t_max, sk_eps,
-                           HAS_RES: tl.constexpr, ROW_LAST: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+                           BASE, IDX, HR, U, T, C, k, K, norm_eps, t_max, sk_eps, N, ROW, TMN, BSTRIDE,
+                           HAS_RES: tl.constexpr, HAS_READ: tl.constexpr, ROW_LAST: tl.constexpr, KP: tl.constexpr,
+                           SP: tl.constexpr,
                            RA: tl.constexpr, PA: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                            USE_DOT: tl.constexpr, PREC: tl.constexpr, CDT: tl.constexpr):
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
@@ -66,16 +68,27 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
     accr = tl.zeros([BT, RA], dtype=CDT)
     accp = tl.zeros([BT, PA], dtype=CDT)
     ss = tl.zeros([BT], dtype=CDT)
-    for j in range(0, k):  # the GEMM and Σx² in one pass over X_a
-        for c0 in range(0, C, BC):
-            c = c0 + tl.arange(0, BC)
-            cmk = c < C
-            xa = tl.load(XA + t[:, None] * KC + j * C + c[None, :], mask=tm[:, None] & cmk[None, :],
-                         other=0.0).to(CDT)
+    kq = tl.arange(0, KP)
+    if HAS_READ:  # the read weights at the active streams, h[ROW, I_j]
+        km2 = tm[:, None] & (kq[None, :] < k)
+        Iv = tl.load(IDX + t[:, None] * k + kq[None, :], mask=km2, other=0)
+        hr = tl.load(HR + t[:, None] * TMN + ROW * N + Iv, mask=km2, other=0.0).to(CDT)  # [BT, KP]
+    for c0 in range(0, C, BC):  # the GEMM, Σx² (and the read) in one pass over X_a
+        c = c0 + tl.arange(0, BC)
+        cmk = c < C
+        m2 = tm[:, None] & cmk[None, :]
+        if HAS_READ:  # u = base + Σ_j h[ROW, I_j]·X_a[j]
+            u = tl.load(BASE + t[:, None] * BSTRIDE + c[None, :], mask=m2, other=0.0).to(CDT)
+        for j in range(0, k):
+            xa = tl.load(XA + t[:, None] * KC + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
             ss += tl.sum(xa * xa, 1)
             if HAS_RES:
                 accr += mm(xa, tl.trans(w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT)), USE_DOT, PREC)
             accp += mm(xa, tl.trans(w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT)), USE_DOT, PREC)
+            if HAS_READ:
+                u += tl.sum(tl.where(kq[None, :] == j, hr, 0.0), 1)[:, None] * xa
+        if HAS_READ:
+            tl.store(U + t[:, None] * C + c[None, :], _cast(u, U), mask=m2)
     ra = 1.0 / tl.sqrt(ss / KC + norm_eps)
     AW = RA + PA
     tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
@@ -91,7 +104,6 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
         tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
     else:
         zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
-    kq = tl.arange(0, KP)
     p = tl.load(PR + t[:, None] * k + kq[None, :], mask=tm[:, None] & (kq[None, :] < k), other=0.0).to(CDT)
     hpost = 2.0 * _sig(zpost)
     tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
@@ -100,9 +112,13 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
 
 @triton.jit
 def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARES, WPOST, BPOST, APOST, S,
-                           DXIN, DXA, DPR, GA, DZA, DA, T, C, k, K, t_max, sk_eps,
+                           DXIN, DXA, DPR, GA, DZA, DA, DU, IDX, HR, DH, DBASE, T, C, k, K, t_max, sk_eps,
+                           N, ROW, TM, TMN,
                            HAS_RES: tl.constexpr, HAS_DHRES: tl.constexpr, HAS_DHPOST: tl.constexpr,
-                           HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, HAS_DXIN: tl.constexpr, ROW_LAST: tl.constexpr,
+                           HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, HAS_DXIN: tl.constexpr,
+                           HAS_DU: tl.constexpr, HAS_DBASE: tl.constexpr, DH_ALL: tl.constexpr, TP: tl.constexpr,
+                           NPR: tl.constexpr,
+                           ROW_LAST: tl.constexpr,
                            NS: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                            BT: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
                            CDT: tl.constexpr):
@@ -150,8 +166,12 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
     a4 = tl.arange(0, 4)[None, :]  # dα partials in the xhc_grad layout: (pre = 0, res, post)
     da = tl.where(a4 == 1, (gres * ra)[:, None], 0.0) + tl.where(a4 == 2, (gpost * ra)[:, None], 0.0)
     tl.store(DA + t[:, None] * 3 + a4, da, mask=tm[:, None] & (a4 < 3))
-    if NEED_DXA:  # dX_a = GA·W_a − (α_res·g_res + α_post·g_post)·r_a³/(kC)·X_a (the RMSNorm's term) [+ the write's]
-        a1a = -(ares * gres + apost * gpost) * ra * ra * ra / KC
+    if HAS_DU:  # the fused read: h[ROW, I_j]
+        Iv = tl.load(IDX + t[:, None] * k + kq[None, :], mask=km2, other=0)
+        hr = tl.load(HR + t[:, None] * TMN + ROW * N + Iv, mask=km2, other=0.0).to(CDT)  # [BT, KP]
+    dhr = tl.zeros([BT, KP], dtype=CDT)  # Σ_c du·X_a[j]
+    if NEED_DXA or HAS_DU:  # dX_a = GA·W_a − (α_res·g_res + α_post·g_post)·r_a³/(kC)·X_a (the RMSNorm's term)
+        a1a = -(ares * gres + apost * gpost) * ra * ra * ra / KC  # [+ the read's h·du] [+ the write's]
         for j in range(0, k):
             for c0 in range(0, C, BC):
                 c = c0 + tl.arange(0, BC)
@@ -162,9 +182,25 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                 if HAS_RES:
                     g += mm(gar, w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT), USE_DOT, PREC)
                 g += a1a[:, None] * xa
+                if HAS_DU:
+                    du = tl.load(DU + t[:, None] * C + c[None, :], mask=m2, other=0.0).to(CDT)
+                    g += tl.sum(tl.where(kq[None, :] == j, hr, 0.0), 1)[:, None] * du
+                    dhr += tl.where(kq[None, :] == j, tl.sum(du * xa, 1)[:, None], 0.0)
+                    if HAS_DBASE:
+                        if j == 0:  # the base readout's gradient, in its own dtype
+                            tl.store(DBASE + t[:, None] * C + c[None, :], _cast(du, DBASE), mask=m2)
                 if HAS_DXIN:  # the write's dX_a, handed over (triton_ops._claim_carried)
                     g += tl.load(DXIN + t[:, None] * KC + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
-                tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
+                if NEED_DXA:
+                    tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
+    if HAS_DU:  # dh[ROW, I_j] = Σ_c du·X_a[j]: row ROW of the read weights' gradient (DH_ALL: the other rows 0)
+        n3 = tl.arange(0, NPR)[None, None, :]
+        hit = (Iv[:, :, None] == n3) & (kq[None, :, None] < k)  # [BT, KP, NPR]
+        row = tl.sum(tl.where(hit, dhr[:, :, None], 0.0), 1)  # [BT, NPR]
+        r3 = tl.arange(0, TP)[None, :, None]
+        keep = (r3 == ROW) | DH_ALL
+        tl.store(DH + t[:, None, None] * TMN + r3 * N + n3, _cast(tl.where(r3 == ROW, row[:, None, :], 0.0), DH),
+                 mask=tm[:, None, None] & (r3 < TM) & (n3 < N) & keep)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,11 +214,12 @@ def _blocks(k: int, C: int, RA: int, PA: int):
 
 
 class XHCActive(torch.autograd.Function):
-    """(H_res or None, H_post, P) of a Flash window's write from the carried X_a; see :func:`xhc_active`."""
+    """(H_res or None, H_post, P, u or None) of a Flash window's write from the carried X_a, with the
+    sublayer's read when ``base`` is given; see :func:`xhc_active`."""
 
     @staticmethod
-    def forward(ctx, Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, cfg):
-        K, norm_eps, t_max, sk_eps, order = cfg
+    def forward(ctx, Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, base, I, h, cfg):
+        K, norm_eps, t_max, sk_eps, order, row, u_dtype = cfg
         k, C = Xa.shape[-2:]
         lead = Xa.shape[:-2]
         T = math.prod(lead)
@@ -191,30 +228,40 @@ class XHCActive(torch.autograd.Function):
         Xc, pc = Xa.reshape(T, k, C).contiguous(), p.reshape(T, k).contiguous()
         dev = Xa.device
         e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
-        has_res = W_res is not None
+        has_res, has_read = W_res is not None, base is not None
         H = e(T, k, k) if has_res else None
         Hpost, PW, PAC, RAS = e(T, k, K), e(T, k, K), e(T, RA + PA), e(T)
+        TM, N = h.shape[-2:] if has_read else (1, 1)
+        basec = Ic = hc = u = None
+        if has_read:
+            basec = base.reshape(T, C)  # a window's base readout is a slice of the entry's [T, TM, C]: read in place
+            if basec.stride(-1) != 1:
+                basec = basec.contiguous()
+            Ic, hc = I.reshape(T, k).contiguous(), h.reshape(T, TM, N).contiguous()
+            u = torch.empty(T, C, dtype=u_dtype, device=dev)
         BT, BC = _blocks(k, C, RA, PA)
         if T > 0:
             _xhc_active_fwd_kernel[(triton.cdiv(T, BT),)](
-                Xc, pc, W_res, b_res, a_res, W_post, b_post, a_post, H, Hpost, PW, PAC, RAS, T, C, k, K, norm_eps,
-                t_max, sk_eps, HAS_RES=has_res, ROW_LAST=order == "row_last", KP=KP, SP=SP, RA=RA, PA=PA, BT=BT,
+                Xc, pc, W_res, b_res, a_res, W_post, b_post, a_post, H, Hpost, PW, PAC, RAS, basec, Ic, hc, u, T, C, k,
+                K, norm_eps, t_max, sk_eps, N, row, TM * N, basec.stride(0) if has_read else 0, HAS_RES=has_res,
+                HAS_READ=has_read, ROW_LAST=order == "row_last", KP=KP, SP=SP, RA=RA, PA=PA, BT=BT,
                 BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS)
-        ctx.cfg = cfg
+        ctx.save_for_backward(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS, I, h)
+        ctx.cfg, ctx.base_dtype = cfg, None if base is None else base.dtype
         # the owner of X_a's gradient: the write that takes P hands its dX_a over (triton_ops._claim_carried),
-        # so dX_a is written once, here
+        # so dX_a is written once, here; the read weights' gradient goes to the window entry's buffer
         ctx._xa_key, ctx._claims, ctx._pending = _state_key(Xa), {}, {}
+        ctx.h_owner = _claim_read_rows(h, row) if has_read else None
         view = lambda x, *s: None if x is None else x.view(*lead, *s)  # noqa: E731
-        return view(H, k, k), view(Hpost, k, K), view(PW, k, K)
+        return view(H, k, k), view(Hpost, k, K), view(PW, k, K), view(u, C)
 
     @staticmethod
-    def backward(ctx, dH, dHpost, dPW):
+    def backward(ctx, dH, dHpost, dPW, du):
         from xhc.kernels import xhc_grad
 
-        Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS = ctx.saved_tensors
-        K, norm_eps, t_max, sk_eps, order = ctx.cfg
+        Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS, I, h = ctx.saved_tensors
+        K, norm_eps, t_max, sk_eps, order, row, _ = ctx.cfg
         k, C = Xa.shape[-2:]
         T = math.prod(Xa.shape[:-2])
         _, _, KP, SP, RA, PA = layout(k, k, K)
@@ -231,33 +278,71 @@ class XHCActive(torch.autograd.Function):
         S = e(grid * BT, NS, KP) if has_res and dHc is not None else None
         need_dxa = ctx.needs_input_grad[0]
         dXa = torch.empty_like(Xc) if need_dxa else None
+        task = torch._C._current_graph_task_id()
         pend = ctx._pending.pop("dxa", None)
         ctx._pending.clear()
-        dxin = pend[1] if pend is not None and pend[0] == torch._C._current_graph_task_id() else None
+        dxin = pend[1] if pend is not None and pend[0] == task else None
         dp, GA, DZA, DA = e(T, k), e(T, RA + PA), e(T, RA + PA), e(T, 3)
+        duc = c(du, T, C) if ctx.base_dtype is not None else None
+        TM, N = h.shape[-2:] if duc is not None else (1, 1)
+        dbase = dh = None
+        own_dh = True
+        if duc is not None:
+            # the base readout's gradient is du itself (written by the kernel only to change its dtype)
+            dbase = duc if duc.dtype == ctx.base_dtype else torch.empty(T, C, dtype=ctx.base_dtype, device=dev)
+            owner = ctx.h_owner if ctx.needs_input_grad[10] else None
+            own_dh = owner is None
+            dh = torch.empty(T, TM, N, dtype=h.dtype, device=dev) if own_dh else owner._dh_buf
         if T > 0:
             _xhc_active_bwd_kernel[(grid,)](
                 Xc, dHc, dHpostc, dPWc, pc, PAC, RAS, W_res, b_res, a_res, W_post, b_post, a_post, S,
-                dxin, dXa, dp, GA, DZA, DA, T, C, k, K, t_max, sk_eps, HAS_RES=has_res, HAS_DHRES=dHc is not None,
+                dxin, dXa, dp, GA, DZA, DA, duc, None if duc is None else I.reshape(T, k).contiguous(),
+                None if duc is None else h.reshape(T, TM, N).contiguous(), dh, dbase, T, C, k, K, t_max, sk_eps,
+                N, row, TM, TM * N, HAS_RES=has_res, HAS_DHRES=dHc is not None,
                 HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None, NEED_DXA=need_dxa,
-                HAS_DXIN=need_dxa and dxin is not None,
+                HAS_DXIN=need_dxa and dxin is not None, HAS_DU=duc is not None,
+                HAS_DBASE=duc is not None and dbase is not duc, DH_ALL=own_dh, TP=max(2, triton.next_power_of_2(TM)),
+                NPR=max(2, triton.next_power_of_2(N)),
                 ROW_LAST=order == "row_last", NS=NS, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=BC,
                 USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
+        if duc is not None and not own_dh:  # row `row` of the entry's read-weight gradient is in its buffer
+            triton_ops._hand_over(ctx.h_owner, f"dh{row}", True)
+            dh = None
         grads = [None] * 6
         if any(ctx.needs_input_grad[2:8]):
             grads = xhc_grad.active_param_grads(Xc, GA, DZA, DA, W_res, W_post, k, K)
-        return (None if dXa is None else dXa.view(Xa.shape), dp.view(p.shape).to(p.dtype), *grads, None)
+        return (None if dXa is None else dXa.view(Xa.shape), dp.view(p.shape).to(p.dtype), *grads,
+                None if dbase is None else dbase.view(du.shape), None, None if dh is None else dh.view(h.shape), None)
+
+
+def _claim_read_rows(h: torch.Tensor, row: int):
+    """The window entry's backward node that made the read weights ``h`` ``[..., TM, N]`` and keeps a
+    buffer for their gradient (:mod:`.xhc_entry`, ``_dh_buf``), with row ``row`` taken; None when there is
+    none (the read weights' gradient then goes back to autograd, every other row 0)."""
+    node = h.grad_fn
+    if node is None or getattr(node, "_dh_buf", None) is None or not h.requires_grad:
+        return None
+    if f"dh{row}" in node._claims or node._dh_buf.shape[1:] != h.shape[-2:]:
+        return None
+    node._claims[f"dh{row}"] = True
+    return node
 
 
 XA_OWNER_CLASSES.append(XHCActive._backward_cls)
 
 
 def xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,
-               sk_eps: float, order: str):
+               sk_eps: float, order: str, read=None):
     """(H_res ``[..., k, k]`` or None, H_post ``[..., k, K]``, P = diag(p)·H_post ``[..., k, K]``), fp32, from
     the carried ``Xa`` ``[..., k, C]`` and the route weights ``p`` ``[..., k]`` (module docstring).
     ``W_res`` ``[k², k·C]`` (None: no H_res, a write before the window's last), ``W_post`` ``[k·K, k·C]``,
-    their biases and gates; every weight fp32 (float64 for the reference tests)."""
+    their biases and gates; every weight fp32 (float64 for the reference tests).
+
+    ``read`` = (base ``[..., C]``, I ``[..., k]``, h ``[..., TM, N]``, row, u dtype): also the sublayer's
+    read u = base + Σ_j h[row, I_j]·X_a[j] in the same pass over X_a (a Flash-4sub window's split read,
+    docs/math.md §4.2), returned fourth; without it three values."""
     f = lambda t: None if t is None else t.contiguous()  # noqa: E731
-    return XHCActive.apply(Xa, p, f(W_res), f(b_res), f(a_res), f(W_post), f(b_post), f(a_post),
-                           (int(K), float(norm_eps), int(t_max), float(sk_eps), order))
+    base, I, h, row, u_dtype = read if read is not None else (None, None, None, 0, None)
+    out = XHCActive.apply(Xa, p, f(W_res), f(b_res), f(a_res), f(W_post), f(b_post), f(a_post), base, I, h,
+                          (int(K), float(norm_eps), int(t_max), float(sk_eps), order, int(row), u_dtype))
+    return out if read is not None else out[:3]

@@ -523,6 +523,8 @@ class XHCEntry(torch.autograd.Function):
         # the owner of the state's gradient: the write that reads X_a from this X hands its term over
         # (xhc.kernels.triton_ops._claim), so dX is written once, by xhc_grad.state_grad
         ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending, ctx._owner = _state_key(X), (N, C), {}, {}, None
+        # a window's read weights' gradient: each sublayer's fused read writes its row here (xhc_active.py)
+        ctx._dh_buf = None if has_act else torch.empty(T, TM, N, dtype=cdt, device=dev)
         if has_act:
             return (u.view(*lead, C), I.view(*lead, k), p.view(*lead, k), score.view(*lead, N), hpre.view(*lead, N),
                     H.view(*lead, k, k), Hpost.view(*lead, k, K), PW.view(*lead, k, K))
@@ -550,8 +552,16 @@ class XHCEntry(torch.autograd.Function):
         dHc, dHpostc, dPWc, dXac = c(dH, T, k, k), c(dHpost, T, k, K), c(dPW, T, k, K), c(dXa, T, k, C)
         task = torch._C._current_graph_task_id()
         pend = ctx._pending.pop("write", None)
+        rows = [ctx._pending.pop(f"dh{t}", None) for t in range(TM)]
         ctx._pending.clear()
         write = pend[1] if pend is not None and pend[0] == task else None
+        rows = [r is not None and r[0] == task for r in rows]
+        if any(rows):  # the fused reads wrote their rows of dh into the buffer: no autograd sum of TM copies
+            buf = ctx._dh_buf
+            for t in range(TM):
+                if not rows[t]:  # a read whose output took no gradient in this pass
+                    buf[:, t].zero_()
+            dhprec = buf if dhprec is None else dhprec + buf
         BT = cm.blocks("xhc_entry_bwd", N, C)["BT"]
         grid = triton.cdiv(T, BT)
         NS = 2 * t_max + (1 if order == "row_last" else 0) + 1
