@@ -31,7 +31,8 @@ Equations (shape legend of :mod:`xhc.xhc`; per token):
 :func:`flash_mlp_input`         inp_MLP = inp_M + Σ_t β_t·V^A_t,  β_t = Σ_j h^M[I_j]·p_j·H_post^A[j,t]
                                 (``triton``: made by the attention write's kernel, :mod:`xhc.kernels.flash_attn`)
 :func:`nonactive_weights`       base_t = Σ_{i∉I} h^t_i · X^(0)_i = read_streams(h·[i∉I], X^(0))  (4sub, once)
-:func:`flash4_read`             u_t = base_t + Σ_j h^t[I_j] · X_a[j]    (split read; read_streams on X_a)
+:func:`flash4_read`             u_t = base_t + Σ_j h^t[I_j] · X_a[j]    (split read; read_streams on X_a;
+                                ``triton``: in the pass of the write's mappings kernel, :mod:`xhc.kernels.xhc_active`)
 :func:`carried_write`           attention / M1: X_a ← X_a + diag(p)·H_post·V (no H_res);
                                 last MLP: X_a ← H_res·X_a + diag(p)·H_post·V;  then one scatter
                                 (:func:`~xhc.streams.write_streams`, :func:`~xhc.streams.scatter_active`)

@@ -1,28 +1,35 @@
 """Fused active mappings of a Flash window's write (``xhc_active``): H_res, H_post and P = diag(p)·H_post
-from the carried active streams X_a in one kernel (docs/math.md §3.4, §4.1, §4.2 "Writes").
+from the carried active streams X_a in one kernel, with a Flash-4sub sublayer's split read in the same
+pass (docs/math.md §3.4, §4.1, §4.2 "Writes").
 
 Every write inside an xHC-Flash or Flash-4sub window generates its mappings from the *current*
 carried X_a ``[T, k, C]`` (not from the window-entry state), so they cannot come from the window's
-entry kernel.
+entry kernel.  In Flash-4sub the sublayer's read u_t = base_t + Σ_j h_t[I_j]·X_a[j] (docs/math.md §4.2)
+reads the same X_a (nothing changes it before the write), so the kernel runs at the read and gives u_t
+too; the state keeps the mappings for the write.
 
 Forward (:func:`_xhc_active_fwd_kernel`, a program per BT tokens): one pass over X_a — the GEMM
-``vec(X_a)·[W_res; W_post]ᵀ`` (``tl.dot``, fp32 accumulation) with Σx² in the same loads — then in
-registers the RMSNorm applied after the GEMM (r_a = rsqrt(mean x² + ε)), H_res =
+``vec(X_a)·[W_res; W_post]ᵀ`` (``tl.dot``, fp32 accumulation) with Σx² (and the read) in the same loads —
+then in registers the RMSNorm applied after the GEMM (r_a = rsqrt(mean x² + ε)), H_res =
 clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.triton_ops.sinkhorn_tile`), H_post =
 2σ(α·r_a·proj + b) and P = diag(p)·H_post.
 
     byte budget, per token, state dtype s:  k·C·s (X_a, once)  + 4·(k² + 2·k·K) (H_res, H_post, P)
                                             + 4·(RA + PA + 1) saved for the backward
+                                            [read: + C·4 (base) + C·s (u)]
     (the weights, 4·(k² + k·K)·k·C bytes, are read once per BT tokens)
 
 Backward (:func:`_xhc_active_bwd_kernel`, a program per BT tokens): P's product rule (dp, dH_post),
 σ', the Sinkhorn adjoint (per-step sums in a per-token scratch) give the GEMM's output gradient GA,
 the logits' gradients (for db) and the α partials; then a pass over X_a writes
-dX_a = GA·W_a + a·X_a (a: the RMSNorm's term).  dW: :mod:`.xhc_grad`'s ``_xhc_dw_kernel`` and
-``_xhc_dw_reduce_kernel`` on the active columns only (X_a read directly): per-split partials summed in
-a fixed order, deterministic.
+dX_a = GA·W_a + a·X_a (a: the RMSNorm's term) [+ h_t[I_j]·du] [+ the write's dX_a, handed over by the
+write that took P (``triton_ops._claim_carried``): X_a's gradient is written once], and gives
+dh_t[I_j] = Σ_c du·X_a[j], written as row t of the window entry's read-weight gradient buffer
+(:mod:`.xhc_entry`).  dW: :mod:`.xhc_grad`'s ``_xhc_dw_kernel`` and ``_xhc_dw_reduce_kernel`` on the
+active columns only (X_a read directly): per-split partials summed in a fixed order, deterministic.
 
     byte budget:  2·k·C·s (X_a in, dX_a out) + 4·(k² + 2·k·K + RA + PA + 1)  (+ k·C·s per token for dW)
+                  [+ k·C·s (the write's dX_a)]  [read: + C·s (du) + 4·TM·N (dh)]
 
 Column layout: :func:`.xhc_entry.layout` (res ``RA = KP²`` columns, post ``PA = KP·SP``).
 """
