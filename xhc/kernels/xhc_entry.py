@@ -31,7 +31,8 @@ or 4 pre-maps (one per sublayer of the window) and no active mappings (every wri
 generates its own from the carried X_a, :mod:`.xhc_active`): step 1's GEMM has TM pre groups, step 3
 writes TM readouts R_t = Σ_i h_t[i]·X_i (Flash-4sub: over the streams outside I, its non-active bases)
 and the gathered X_a ``[T, k, C]`` (the carried state) instead of the active GEMM.  The backward takes
-dR (all TM in one pass over X) and dX_a (added to the active rows by :mod:`.xhc_grad`'s dX kernel).
+dR (all TM in one pass over X) and dX_a (added to the active rows by :mod:`.xhc_grad`'s dX kernel);
+Flash-4sub's fused split reads (:mod:`.xhc_active`) write their rows of dh into a buffer it keeps.
 
     byte budget (forward):  N·C·s (X) + TM·C·4 (R, fp32) + k·C·s (X_a)  (+ 4·(EW + 4 + (1 + TM)·N) saved)
     byte budget (backward): N·C·s (X) + TM·C·4 (dR)  (+ 4·(EW + TM·NP + 8) per token); dX: + k·C·s (dX_a)
