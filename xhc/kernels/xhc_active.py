@@ -123,8 +123,7 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                            N, ROW, TM, TMN,
                            HAS_RES: tl.constexpr, HAS_DHRES: tl.constexpr, HAS_DHPOST: tl.constexpr,
                            HAS_DPW: tl.constexpr, NEED_DXA: tl.constexpr, HAS_DXIN: tl.constexpr,
-                           HAS_DU: tl.constexpr, HAS_DBASE: tl.constexpr, DH_ALL: tl.constexpr, TP: tl.constexpr,
-                           NPR: tl.constexpr,
+                           HAS_DU: tl.constexpr, HAS_DBASE: tl.constexpr, DH_ALL: tl.constexpr, NPR: tl.constexpr,
                            ROW_LAST: tl.constexpr,
                            NS: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, RA: tl.constexpr, PA: tl.constexpr,
                            BT: tl.constexpr, BC: tl.constexpr, USE_DOT: tl.constexpr, PREC: tl.constexpr,
@@ -201,13 +200,18 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                 if NEED_DXA:
                     tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
     if HAS_DU:  # dh[ROW, I_j] = Σ_c du·X_a[j]: row ROW of the read weights' gradient (DH_ALL: the other rows 0)
-        n3 = tl.arange(0, NPR)[None, None, :]
-        hit = (Iv[:, :, None] == n3) & (kq[None, :, None] < k)  # [BT, KP, NPR]
-        row = tl.sum(tl.where(hit, dhr[:, :, None], 0.0), 1)  # [BT, NPR]
-        r3 = tl.arange(0, TP)[None, :, None]
-        keep = (r3 == ROW) | DH_ALL
-        tl.store(DH + t[:, None, None] * TMN + r3 * N + n3, _cast(tl.where(r3 == ROW, row[:, None, :], 0.0), DH),
-                 mask=tm[:, None, None] & (r3 < TM) & (n3 < N) & keep)
+        n = tl.arange(0, NPR)
+        row = tl.zeros([BT, NPR], dtype=CDT)  # [BT, NPR] tiles only (a [BT, KP, NPR] one spilled 8 bytes on sm_90)
+        for j in range(0, k):
+            Ij = tl.sum(tl.where(kq[None, :] == j, Iv, 0), 1)
+            dj = tl.sum(tl.where(kq[None, :] == j, dhr, 0.0), 1)
+            row += tl.where(Ij[:, None] == n[None, :], dj[:, None], 0.0)
+        nm = tm[:, None] & (n[None, :] < N)
+        tl.store(DH + t[:, None] * TMN + ROW * N + n[None, :], _cast(row, DH), mask=nm)
+        if DH_ALL:
+            for r in range(0, TM):
+                if r != ROW:
+                    tl.store(DH + t[:, None] * TMN + r * N + n[None, :], _cast(row * 0.0, DH), mask=nm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,6 +295,8 @@ class XHCActive(torch.autograd.Function):
         dxin = pend[1] if pend is not None and pend[0] == task else None
         dp, GA, DZA, DA = e(T, k), e(T, RA + PA), e(T, RA + PA), e(T, 3)
         duc = c(du, T, C) if ctx.base_dtype is not None else None
+        if duc is not None:  # the read's du and dh tiles beside X_a's: half the columns (sm_90: 8-16 bytes spilled)
+            BC = max(16, BC // 2)
         TM, N = h.shape[-2:] if duc is not None else (1, 1)
         dbase = dh = None
         own_dh = True
@@ -308,8 +314,7 @@ class XHCActive(torch.autograd.Function):
                 N, row, TM, TM * N, HAS_RES=has_res, HAS_DHRES=dHc is not None,
                 HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None, NEED_DXA=need_dxa,
                 HAS_DXIN=need_dxa and dxin is not None, HAS_DU=duc is not None,
-                HAS_DBASE=duc is not None and dbase is not duc, DH_ALL=own_dh, TP=max(2, triton.next_power_of_2(TM)),
-                NPR=max(2, triton.next_power_of_2(N)),
+                HAS_DBASE=duc is not None and dbase is not duc, DH_ALL=own_dh, NPR=max(2, triton.next_power_of_2(N)),
                 ROW_LAST=order == "row_last", NS=NS, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=BC,
                 USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
         if duc is not None and not own_dh:  # row `row` of the entry's read-weight gradient is in its buffer
