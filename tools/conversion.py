@@ -65,10 +65,24 @@ class Source:
     preset_name: str
     backbone_overrides: dict
     hc_overrides: dict
+    tokenizer_override: Optional[str] = None
+    """``--tokenizer PATH``: a copy of the recorded tokenizer (same hash), or the tokenizer of a run
+    made before run records."""
+    _tokenizer: Optional[Tuple[Optional[str]]] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def record(self):
+        """The run record (training.run_record) of the checkpoint, else of its run directory; None for
+        a run made before records existed."""
+        from training.run_record import read_run_record
+
+        return read_run_record(self.checkpoint)
 
 
-def resolve_source(run: Optional[str] = None, checkpoint: Optional[str] = None) -> Source:
-    """``--run runs/X`` (its newest checkpoint) or ``--checkpoint runs/X/checkpoints/step_N``."""
+def resolve_source(run: Optional[str] = None, checkpoint: Optional[str] = None,
+                   tokenizer: Optional[str] = None) -> Source:
+    """``--run runs/X`` (its newest checkpoint) or ``--checkpoint runs/X/checkpoints/step_N``;
+    ``tokenizer``: ``--tokenizer PATH``."""
     import yaml
 
     from training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
@@ -101,7 +115,7 @@ def resolve_source(run: Optional[str] = None, checkpoint: Optional[str] = None) 
         raise ConversionError(f"checkpoint {checkpoint}: no model preset (neither {cfg_path} nor manifest.json names one)")
     return Source(checkpoint=os.path.abspath(checkpoint), run_dir=run_dir if os.path.isfile(cfg_path) else None,
                   run_config=cfg, preset_name=preset, backbone_overrides=model.get("backbone") or {},
-                  hc_overrides=model.get("hc") or {})
+                  hc_overrides=model.get("hc") or {}, tokenizer_override=tokenizer)
 
 
 MTP_KEYS = ("mtp_num_layers", "mtp_loss_scaling_factor")
@@ -522,6 +536,7 @@ def to_hf(src: Source, out_dir: str, dtype: str = "bf16", max_shard_size="5GB", 
     if dtype not in ("bf16", "fp32"):
         raise ConversionError(f"--dtype {dtype!r}: use bf16 or fp32")
     preset = effective_preset(src)
+    source_tokenizer(src, log)  # a missing or changed tokenizer stops here, before any tensor is read
     vocab = vocab_size_of(src.checkpoint)
     batch = src.run_config.get("batch") or {}
     seq = int(batch.get("seq_length") or preset.seq_length)
@@ -643,7 +658,40 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
-def _tokenizer_path(src: Source) -> Optional[str]:
+def source_tokenizer(src: Source, log: Optional[Callable[[str], None]] = None, tool: str = "xhc-convert") -> Optional[str]:
+    """The tokenizer ``src`` trained with: the run record's (checked: missing or changed gives the
+    one-line :class:`ConversionError`), ``--tokenizer PATH`` (checked against the record), or for a
+    run made before records the lookup next to the run directory, with a one-line note.  None: the
+    run has no tokenizer (mock data / raw ids).  Resolved once per source."""
+    from training.run_record import RecordError
+
+    if src._tokenizer is not None:
+        return src._tokenizer[0]
+    log = log or print
+    try:
+        record = src.record
+        if record is not None:
+            path = record.tokenizer(src.tokenizer_override)
+        elif src.tokenizer_override is not None:
+            if not os.path.exists(src.tokenizer_override):
+                raise ConversionError(f"--tokenizer {src.tokenizer_override}: no such file or folder")
+            path = os.path.abspath(src.tokenizer_override)
+            log(f"[{tool}] note: {src.checkpoint} has no run record (made before run records): "
+                f"tokenizer {path} from --tokenizer")
+        else:
+            path = _lookup_tokenizer_path(src)
+            log(f"[{tool}] note: {src.checkpoint} has no run record (made before run records): tokenizer "
+                + (f"found by lookup at {path}" if path else "not found by lookup (mock data, raw ids, or elsewhere: "
+                   "pass --tokenizer PATH)"))
+    except RecordError as e:
+        raise ConversionError(str(e)) from None
+    src._tokenizer = (path,)
+    return path
+
+
+def _lookup_tokenizer_path(src: Source) -> Optional[str]:
+    """Runs made before run records: the tokenizer ``config.yaml`` names, or the default data's next
+    to the run directory (runs/<name> in the checkout that trained it), never the working directory's."""
     tok = (src.run_config.get("tokenizer") or {})
     if tok.get("type") == "none":
         return None
@@ -665,7 +713,7 @@ def _tokenizer_path(src: Source) -> Optional[str]:
 
 
 def _eos_id(src: Source) -> Optional[int]:
-    path = _tokenizer_path(src)
+    path = source_tokenizer(src)
     if path is None:
         return None
     from training.data import Tokenizer
@@ -681,7 +729,12 @@ def export_tokenizer(src: Source, out_dir: str, log, model_max_length: Optional[
     ``tokenizer_config.json`` names its class, so ``AutoTokenizer.from_pretrained`` never needs the
     model's remote code (no ``trust_remote_code`` question), and carries ``model_max_length``, the
     trained sequence length."""
-    path = _tokenizer_path(src)
+    path = source_tokenizer(src, log)
+    record = src.record
+    if record is not None:  # the export says what it was trained on, too (tools.evaluate reads it)
+        from training.run_record import RECORD_NAME, write_record_file
+
+        write_record_file(os.path.join(out_dir, RECORD_NAME), record.body)
     if path is None:
         log("[xhc-convert] note: the run has no tokenizer (mock data / raw ids): the folder has none")
         return []

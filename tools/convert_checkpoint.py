@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
     t.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--tokenizer", metavar="PATH", help="where the run's tokenizer is now, if not at the path its "
+                   "run record names (the same tokenizer: its hash is checked)")
 
     f = sub.add_parser("from-hf", help="Hugging Face folder -> dist_checkpointing checkpoint (optionally upcycled)")
     f.add_argument("--hf", required=True, help="Hugging Face folder (ours, or a GLM-4.5-MoE model)")
@@ -70,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--hc", nargs="*", default=[], metavar="key=value")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument("--tokenizer", metavar="PATH", help="as for to-hf")
     return p.parse_args(argv)
 
 
@@ -102,7 +105,7 @@ def _main(argv=None) -> int:
 
     def body() -> None:
         if args.command == "to-hf":
-            src = C.resolve_source(args.run, args.checkpoint)
+            src = C.resolve_source(args.run, args.checkpoint, args.tokenizer)
             rep = C.to_hf(src, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                           overwrite=args.overwrite, progress=not args.quiet)
             print(f"[xhc-convert] {src.checkpoint} -> {rep.output}: {rep.architecture}, {rep.parameters:,} parameters "
@@ -132,7 +135,7 @@ def _main(argv=None) -> int:
                             progress=not args.quiet)
             _print_resume(res)
         else:
-            src = C.resolve_source(args.run, args.checkpoint)
+            src = C.resolve_source(args.run, args.checkpoint, args.tokenizer)
             if os.path.exists(args.output) and not args.overwrite:
                 raise C.ConversionError(f"--output {args.output} already exists: choose another folder or pass --overwrite")
             with tempfile.TemporaryDirectory(prefix="xhc-convert-") as tmp:

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m tools.evaluate hf/X                       # the embedded corpus's held-out split
+    python -m tools.evaluate hf/X                       # the held-out split of the corpus the run trained on
     python -m tools.evaluate hf/X --limit 20 --corpus data/default/corpus.jsonl --json out.json
 
 Runs the local task ``configs/lm_eval/xhc_heldout.yaml`` (rolling log-likelihood: word and byte
@@ -10,8 +10,12 @@ perplexity, bits per byte) through ``lm_eval.simple_evaluate`` with the ``hf`` m
 (``pretrained=hf/X,trust_remote_code=True``), exactly what
 ``lm_eval --model hf --model_args pretrained=hf/X,trust_remote_code=True --tasks xhc_heldout
 --include_path <dir>`` does.  The held-out documents are the validation and test splits of
-``--corpus`` under ``--split`` (the pre-training default ``969,30,1``): the documents the run never
-trained on.  Needs ``pip install -e '.[eval]'``.
+``--corpus`` under ``--split``: the documents the run never trained on.  Both default to what the
+export's run record (``run_record.json``, training.run_record) says the run trained on: the embedded
+default corpus, wherever that run built it, and the run's ``data.split``; a recorded corpus that is
+missing or changed stops with one line naming it.  A folder exported before run records falls back
+to ``data/default/corpus.jsonl`` in the working directory, with a note.  Needs
+``pip install -e '.[eval]'``.
 """
 
 from __future__ import annotations
@@ -75,11 +79,36 @@ def evaluate(hf_dir: str, corpus: str, split: str = "969,30,1", limit=None, batc
     return res
 
 
+LEGACY_CORPUS = "data/default/corpus.jsonl"
+
+
+def corpus_and_split(hf_dir: str, corpus=None, split=None, log=print):
+    """(corpus, split) to evaluate ``hf_dir`` on: the flags where given, else the run record's."""
+    from training.run_record import RecordError, read_run_record
+
+    try:
+        record = read_run_record(hf_dir) if os.path.isdir(hf_dir) else None
+        if corpus is None and record is not None:
+            corpus = record.corpus()
+            if corpus is None:
+                raise EvalError(f"{hf_dir}: the run trained on {record.data.get('source')} data, not the embedded "
+                                "corpus (its run record names no JSONL corpus): pass --corpus FILE")
+    except RecordError as e:
+        raise EvalError(str(e)) from None
+    if corpus is None:
+        corpus = LEGACY_CORPUS
+        log(f"[xhc-eval] note: {hf_dir} has no run record (exported before run records): corpus by lookup at "
+            f"{os.path.abspath(corpus)}")
+    if split is None:
+        split = record.split if record is not None else "969,30,1"
+    return corpus, split
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("hf_dir", help="Hugging Face folder written by tools.convert_checkpoint to-hf")
-    p.add_argument("--corpus", default="data/default/corpus.jsonl", help="JSONL corpus (default: the embedded one)")
-    p.add_argument("--split", default="969,30,1", help="train,valid,test shares as in pre-training")
+    p.add_argument("--corpus", metavar="FILE", help="JSONL corpus (default: the one the export's run record names)")
+    p.add_argument("--split", help="train,valid,test shares (default: the run record's data.split, else 969,30,1)")
     p.add_argument("--limit", type=float, default=None, help="at most this many documents (lm-eval --limit)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="cpu")
@@ -88,7 +117,10 @@ def main(argv=None) -> int:
 
     def body() -> None:
         require("python -m tools.evaluate", "eval", "lm_eval", "transformers", "safetensors")
-        res = evaluate(args.hf_dir, args.corpus, args.split, args.limit, args.batch_size, args.device)
+        if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
+            raise EvalError(f"{args.hf_dir}: no config.json (export one with `python -m tools.convert_checkpoint to-hf`)")
+        corpus, split = corpus_and_split(args.hf_dir, args.corpus, args.split)
+        res = evaluate(args.hf_dir, corpus, split, args.limit, args.batch_size, args.device)
         print(f"[xhc-eval] {args.hf_dir}: {TASK} over {res['documents']} held-out documents: "
               f"word_perplexity {res.get('word_perplexity'):.3f}, byte_perplexity {res.get('byte_perplexity'):.4f}, "
               f"bits_per_byte {res.get('bits_per_byte'):.4f}")

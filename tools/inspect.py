@@ -67,6 +67,9 @@ class Target:
     run_dir: Optional[str] = None
     run_config: dict = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    tokenizer: Optional[str] = None  # --tokenizer PATH (a copy of the recorded one, or an old run's)
+    data: Optional[List[str]] = None  # --data PREFIX ... (copies of the recorded validation prefixes)
+    log: Callable[[str], None] = print
 
 
 def _read_yaml(path: str) -> dict:
@@ -165,7 +168,7 @@ class ModelInfo:
     seq_length: int
     preset: str
     step: Optional[int]
-    tokenizer: Optional[str]  # SentencePiece .model or HF folder
+    tokenizer: object  # SentencePiece .model or HF folder, or a function giving it (a checkpoint's: when needed)
 
 
 def _hc_eager(hc_dict: dict):
@@ -193,7 +196,8 @@ def _checkpoint_source(target: Target, ck: str):
     if not preset:
         raise InspectError(f"{ck}: no model preset (neither the run's config.yaml nor manifest.json names one)")
     return C.Source(checkpoint=os.path.abspath(ck), run_dir=target.run_dir, run_config=cfg, preset_name=preset,
-                    backbone_overrides=model.get("backbone") or {}, hc_overrides=model.get("hc") or {})
+                    backbone_overrides=model.get("backbone") or {}, hc_overrides=model.get("hc") or {},
+                    tokenizer_override=target.tokenizer)
 
 
 def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo, object, object]:
@@ -215,8 +219,13 @@ def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo
         except C.ConversionError as e:
             raise InspectError(f"{ck}: {e}") from None
         hf_config = _remote_config_class()(hc=hc.to_dict(), **kwargs)
-    info = ModelInfo(hc, hf_config, int(preset.backbone["num_layers"]), vocab, seq, preset.name, step,
-                     C._tokenizer_path(src))
+    def tokenizer():  # resolved (and checked against the run record) only when --text needs it
+        try:
+            return C.source_tokenizer(src, lambda m: target.log(m.replace("[xhc-inspect] ", "", 1)), tool="xhc-inspect")
+        except C.ConversionError as e:
+            raise InspectError(str(e)) from None
+
+    info = ModelInfo(hc, hf_config, int(preset.backbone["num_layers"]), vocab, seq, preset.name, step, tokenizer)
     return info, src, preset
 
 
@@ -323,8 +332,65 @@ def build_layer(info: ModelInfo, i: int, tensors: Dict):
 # ================================================================================================
 # Tokens
 # ================================================================================================
-def _validation_tokens(target: Target, count: int) -> Optional[Tuple[List[int], str]]:
+def _validation_prefix(target: Target, ck: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(prefix, split) of the run's validation documents, from its run record (training.run_record:
+    checked, one-line error where a recorded file is missing or changed), or for a run made before
+    records by the lookup next to the run directory (with a one-line note)."""
+    from training.run_record import RecordError, read_run_record
+
+    try:
+        record = read_run_record(ck) if ck else None
+        if record is None and target.run_dir:
+            record = read_run_record(target.run_dir)
+        if record is not None:
+            d = record.data
+            if d.get("source") == "mock":
+                return None
+            if d.get("source") == "per_split":
+                if not (d.get("per_split") or {}).get("valid"):
+                    return None
+                return record.prefixes("valid", target.data)[0], "0,1,0"
+            return record.prefixes("train", target.data)[0], record.split
+    except RecordError as e:
+        raise InspectError(str(e)) from None
+    if target.data:
+        split = (target.run_config.get("data") or {}).get("split") or "969,30,1"
+        target.log(f"note: {ck or target.path} has no run record (made before run records): validation data "
+                   f"{target.data[0]} from --data")
+        return target.data[0], split
+    found = _lookup_validation_prefix(target)
+    if target.run_dir and not (target.run_config.get("data") or {}).get("mock"):
+        target.log(f"note: {ck or target.path} has no run record (made before run records): validation data "
+                   + (f"found by lookup at {found[0]}" if found else "not found by lookup (pass --data PREFIX)"))
+    return found
+
+
+def _validation_tokens(target: Target, count: int, ck: Optional[str] = None) -> Optional[Tuple[List[int], str]]:
     """The first ``count`` tokens of the run's validation documents (default data or data.prefixes)."""
+    got = _validation_prefix(target, ck)
+    if got is None:
+        return None
+    prefix, split = got
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from training.data.gpt import _split_ranges
+
+    ds = IndexedDataset(prefix, mmap=True)
+    n_docs = len(ds.document_indices) - 1
+    rng = _split_ranges(n_docs, split)[1]
+    if rng is None or rng[1] <= rng[0]:
+        return None
+    out: List[int] = []
+    for doc in range(rng[0], rng[1]):
+        for s in range(int(ds.document_indices[doc]), int(ds.document_indices[doc + 1])):
+            out.extend(int(t) for t in ds[s])
+            if len(out) >= count:
+                return out[:count], f"validation documents of {prefix} (split {split})"
+    return (out, f"validation documents of {prefix} (split {split})") if out else None
+
+
+def _lookup_validation_prefix(target: Target) -> Optional[Tuple[str, str]]:
+    """Runs made before run records: (prefix, split) of the validation documents by lookup."""
     cfg = target.run_config
     d = cfg.get("data") or {}
     if not target.run_dir or d.get("mock") or d.get("per_split") and not (d.get("per_split") or {}).get("valid"):
@@ -347,35 +413,19 @@ def _validation_tokens(target: Target, count: int) -> Optional[Tuple[List[int], 
     candidates = [prefix] if os.path.isabs(prefix) else (
         ([prefix] if named else []) + [os.path.join(run_parent, prefix), os.path.join(os.path.dirname(run_parent), prefix)])
     prefix = next((p for p in candidates if os.path.isfile(p + ".idx") and os.path.isfile(p + ".bin")), None)
-    if prefix is None:
-        return None
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    from training.data.gpt import _split_ranges
-
-    ds = IndexedDataset(prefix, mmap=True)
-    n_docs = len(ds.document_indices) - 1
-    rng = _split_ranges(n_docs, split)[1]
-    if rng is None or rng[1] <= rng[0]:
-        return None
-    out: List[int] = []
-    for doc in range(rng[0], rng[1]):
-        for s in range(int(ds.document_indices[doc]), int(ds.document_indices[doc + 1])):
-            out.extend(int(t) for t in ds[s])
-            if len(out) >= count:
-                return out[:count], f"validation documents of {prefix} (split {split})"
-    return (out, f"validation documents of {prefix} (split {split})") if out else None
+    return None if prefix is None else (prefix, split)
 
 
 def _text_tokens(path: str, info: ModelInfo, count: int) -> Tuple[List[int], str]:
     if not os.path.isfile(path):
         raise InspectError(f"--text {path}: no such file")
-    if info.tokenizer is None:
+    tokenizer = info.tokenizer() if callable(info.tokenizer) else info.tokenizer
+    if tokenizer is None:
         raise InspectError(f"--text {path}: the source has no tokenizer to encode it with (mock data or raw ids)")
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    if os.path.isdir(info.tokenizer):  # an exported folder: the tokenizer training used, else tokenizer.json
-        spm = os.path.join(info.tokenizer, "tokenizer.model")
+    if os.path.isdir(tokenizer):  # an exported folder: the tokenizer training used, else tokenizer.json
+        spm = os.path.join(tokenizer, "tokenizer.model")
         if os.path.isfile(spm):
             from training.data import Tokenizer
 
@@ -383,25 +433,25 @@ def _text_tokens(path: str, info: ModelInfo, count: int) -> Tuple[List[int], str
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
-            ids = HFTokenizer.from_file(os.path.join(info.tokenizer, "tokenizer.json")).encode(
+            ids = HFTokenizer.from_file(os.path.join(tokenizer, "tokenizer.json")).encode(
                 text, add_special_tokens=False).ids
     else:
         from training.data import Tokenizer
 
-        ids = Tokenizer.from_file(info.tokenizer).tokenize(text)
+        ids = Tokenizer.from_file(tokenizer).tokenize(text)
     if not ids:
         raise InspectError(f"--text {path}: encodes to no tokens")
     return [int(t) for t in ids[:count]], f"--text {path}"
 
 
-def sample_tokens(target: Target, info: ModelInfo, count: int, text: Optional[str]):
+def sample_tokens(target: Target, info: ModelInfo, count: int, text: Optional[str], ck: Optional[str] = None):
     """``[b, s]`` token ids (rows of at most the model's sequence length) and a description."""
     import torch
 
     if text is not None:
         ids, where = _text_tokens(text, info, count)
     else:
-        got = _validation_tokens(target, count) if target.kind != "hf" else None
+        got = _validation_tokens(target, count, ck) if target.kind != "hf" else None
         if got is None:
             g = torch.Generator().manual_seed(RANDOM_SEED)
             ids = torch.randint(0, info.vocab_size, (count,), generator=g).tolist()
@@ -956,7 +1006,7 @@ def inspect_target(target: Target, tokens_count: int, text: Optional[str], log: 
                               "no residual mixing, stream or router to inspect")
             log(run["message"])
             break
-        tokens, where_tokens = sample_tokens(target, info, tokens_count, text)
+        tokens, where_tokens = sample_tokens(target, info, tokens_count, text, where if target.kind != "hf" else None)
         log(f"{target.path}{'' if step is None else f' step {step}'}: {info.preset} ({hc.variant}, N={hc.n}), "
             f"{tokens.numel()} tokens from {where_tokens}")
         groups = (stream_hf_layers(target.path, info) if target.kind == "hf"
@@ -1398,6 +1448,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", help="'all' or a list N,M,...: every named kept checkpoint of a run (small multiples)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens for the dynamic measures (default {DEFAULT_TOKENS})")
     p.add_argument("--text", help="a text file to take the tokens from (default: the run's validation data)")
+    p.add_argument("--tokenizer", metavar="PATH", help="SOURCE's tokenizer (for --text), if not at the path its run "
+                   "record names (the same tokenizer: its hash is checked)")
+    p.add_argument("--data", nargs="+", metavar="PREFIX", help="SOURCE's validation dataset prefix(es), if not where "
+                   "its run record names them (the same data: sizes and hash are checked)")
     p.add_argument("--device", default="cpu", help="where the layers run: cpu (default) or cuda")
     p.add_argument("--no-figures", action="store_true", help="write inspect.json and report.md only")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -1421,6 +1475,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise InspectError(f"--output {args.output}: exists and is not a directory")
     targets = [resolve(args.source, args.step, steps)] + [resolve(c) for c in args.compare]
+    targets[0].tokenizer, targets[0].data = getattr(args, "tokenizer", None), getattr(args, "data", None)
+    for t in targets:
+        t.log = log
     labels = [t.label for t in targets]
     for i, t in enumerate(targets):  # unique labels (file name prefixes)
         if labels.count(t.label) > 1:

@@ -50,6 +50,7 @@ from training.hc_health import HCHealth
 from training.metrics import MetricsLogger, model_flops_per_token, peak_tflops
 from training.optim import build_optimizer, hc_defaults_for_optimizer
 from training.reliability import check_free_space, exit_with_launcher, human_mb
+from training.run_record import write_run_record
 from training.schedule import build_scheduler
 from training.step_runner import make_step_runner, unwrap
 from xhc.kernels import backend_reason, liger
@@ -344,13 +345,16 @@ class Builder:
         run.data_seconds += time.perf_counter() - t0
 
     def write_config(self) -> None:
-        """``<run.dir>/config.yaml``, once the set-up has succeeded (a refused start changes nothing)."""
+        """``<run.dir>/config.yaml`` and ``run_record.json`` (what the run trains on, resolved:
+        training.run_record; every checkpoint carries it), once the set-up has succeeded (a refused
+        start changes nothing)."""
         run = self.run
         if run.is_main:
             tmp = run.paths["config"] + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 yaml.safe_dump(config_to_dict(run.cfg), f, sort_keys=False)
             os.replace(tmp, run.paths["config"])
+        run.run_record = write_run_record(run)
 
     def logging(self) -> None:
         """The metrics logger (JSONL, TensorBoard, wandb), the FLOP count and the set-up banner."""

@@ -313,7 +313,7 @@ class Trainer:
         info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
                 "optimizer_sharding": sharding,
                 "optimizer_format": "megatron" if is_megatron_optimizer(self.optimizer) else "torch-sharded",
-                **self._compat_info()}
+                **self._compat_info(), "run_record": getattr(self, "run_record", None)}  # training.run_record
         asynchronous = self.async_save and reason == "interval"  # a stop or the end would wait for it at once
         with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
             self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree (before a snapshot)
