@@ -555,9 +555,9 @@ def test_an_unnamed_default_corpus_is_never_taken_from_the_working_directory(tmp
     run = Target(str(elsewhere), "run", "run", [], str(elsewhere), {"model": {"preset": "tiny-moe:xhc"}})
     assert _validation_tokens(run, 16) is None  # random ids, as for the HF export of the same model
     src = C.Source(str(elsewhere / "checkpoints" / "step_00000001"), str(elsewhere), {}, "tiny-moe:xhc", {}, {})
-    assert C._tokenizer_path(src) is None
+    assert C._lookup_tokenizer_path(src) is None
     # the run that was trained in this checkout (runs/<name>) still finds the corpus it used
     inside = checkout / "runs" / "x"
     inside.mkdir(parents=True)
     src = C.Source(str(inside / "checkpoints" / "step_00000001"), str(inside), {}, "tiny-moe:xhc", {}, {})
-    assert C._tokenizer_path(src) == str(checkout / "data" / "default" / TOKENIZER_NAME)
+    assert C._lookup_tokenizer_path(src) == str(checkout / "data" / "default" / TOKENIZER_NAME)
