@@ -114,15 +114,37 @@ class Workspace:
             argv[0] = str(exe)
         return [argv[0]] + [self.resolve(a) for a in argv[1:]]
 
+    def elsewhere(self, root: Path, links: Sequence[str] = ("runs", "hf")) -> "Workspace":
+        """Another working directory for the later commands of a journey: neither the checkout nor
+        the parent of the runs (``runs/X`` resolves to ``<root>/runs/X`` through a symbolic link, so
+        nothing next to the run directory holds the ``data/`` training used: only the run record
+        finds it).  ``links``: the folders of this workspace it reaches (created if missing)."""
+        other = Workspace(root)
+        for name in links:
+            (self.root / name).mkdir(exist_ok=True)
+            (other.root / name).symlink_to(self.root / name, target_is_directory=True)
+        return other
+
     def run(self, argv: Sequence[str], extra: Sequence[str] = (), timeout: float = 600.0,
-            check: bool = True) -> subprocess.CompletedProcess:
+            check: bool = True, tty: bool = False) -> subprocess.CompletedProcess:
+        """``tty``: standard input is a pseudo-terminal, as in a user's shell (a question such as
+        ``[y/N]`` would wait there; it shows in the output)."""
         cmd = self.argv(argv) + list(extra)
         t0 = time.perf_counter()
+        stdin = subprocess.DEVNULL
+        if tty:
+            import pty
+
+            master, stdin = pty.openpty()
         try:
-            proc = subprocess.run(cmd, cwd=self.root, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            proc = subprocess.run(cmd, cwd=self.root, env=self.env, stdin=stdin, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"{shlex.join(cmd)}: timed out after {timeout:.0f} s\n{(e.stdout or '')[-3000:]}")
+        finally:
+            if tty:
+                os.close(master)
+                os.close(stdin)
         self.log.append(f"{time.perf_counter() - t0:7.1f} s  exit {proc.returncode}  $ {shlex.join(cmd)}")
         with open(self.root / "journey-commands.log", "a", encoding="utf-8") as f:  # wall time per command
             f.write(self.log[-1] + "\n")
@@ -130,11 +152,12 @@ class Workspace:
             raise AssertionError(f"{shlex.join(cmd)} (in {self.root}) exited {proc.returncode}:\n{proc.stdout[-5000:]}")
         return proc
 
-    def python(self, script: str, timeout: float = 600.0, check: bool = True) -> subprocess.CompletedProcess:
+    def python(self, script: str, timeout: float = 600.0, check: bool = True,
+               tty: bool = False) -> subprocess.CompletedProcess:
         """Run ``script`` as a file of the workspace (a documented ``python`` block, or a check)."""
         path = self.root / f"_script_{len(self.log)}.py"
         path.write_text(script, encoding="utf-8")
-        return self.run(["python", str(path)], timeout=timeout, check=check)
+        return self.run(["python", str(path)], timeout=timeout, check=check, tty=tty)
 
 
 def is_pretrain(argv: Sequence[str]) -> bool:
