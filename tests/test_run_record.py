@@ -80,6 +80,22 @@ def test_a_moved_run_directory_still_finds_its_data(run, tmp_path):
     assert rec.prefixes() == [str(root / "data" / "a"), str(root / "data" / "b")]
 
 
+def test_the_fingerprint_names_the_content_not_the_place(run, tmp_path):
+    """The sweep's ``data`` column: arms on the same data share it wherever the data lie."""
+    import copy
+
+    from training.run_record import RunRecord
+
+    _, _, record = run
+    moved = copy.deepcopy(record)
+    moved["tokenizer"]["path"] = "/elsewhere/tok.model"
+    moved["data"]["prefixes"][0]["prefix"] = "/elsewhere/a"
+    other = copy.deepcopy(record)
+    other["tokenizer"]["sha256"] = "0" * 64
+    fp = RunRecord(record, "r").fingerprint
+    assert len(fp) == 12 and RunRecord(moved, "m").fingerprint == fp and RunRecord(other, "o").fingerprint != fp
+
+
 def test_a_checkpoint_carries_the_record_in_its_manifest(run, tmp_path):
     from training.checkpoint import write_manifest
 

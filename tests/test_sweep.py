@@ -305,7 +305,7 @@ def test_fit_report_marks_no_true_difference_within_noise(tmp_path):
                              "variant": variant, "size": "base", "N": 1, "k": None, "steps": steps, "seed": seed,
                              "state": "finished", "compute": float(c), "tokens": steps * 1024,
                              "params_activated": 1000, "valid_loss": float(loss), "train_loss": float(loss),
-                             "wall_s": 1.0, "cpu_s": 1.0, "commit": "abc123", "reason": ""})
+                             "wall_s": 1.0, "cpu_s": 1.0, "commit": "abc123", "data": "d474d474d474", "reason": ""})
     cells = aggregate(rows)
     assert len(cells) == 12 and all(c["n_seeds"] == 3 and c["seeds"] == "3/3" for c in cells)
     c0 = [r["valid_loss"] for r in rows[:3]]
@@ -320,6 +320,7 @@ def test_fit_report_marks_no_true_difference_within_noise(tmp_path):
     assert dl == {"base": None, "same": "within noise", "better": "significant"}
     saved = json.loads((tmp_path / "summary" / "fit.json").read_text())
     assert "commit" in saved and saved["arm_commits"] == ["abc123"] and saved["warnings"] == []
+    assert saved["arm_data"] == ["d474d474d474"]  # one data set (training.run_record): no warning
     md = (tmp_path / "summary" / "fit.md").read_text()
     assert "| base | same |" in md and "within noise" in md.split("| base | same |")[1].splitlines()[0]
     assert "± " in md  # the arms over seeds table

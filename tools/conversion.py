@@ -680,9 +680,12 @@ def source_tokenizer(src: Source, log: Optional[Callable[[str], None]] = None, t
                 f"tokenizer {path} from --tokenizer")
         else:
             path = _lookup_tokenizer_path(src)
+            cfg = src.run_config
+            none = ((cfg.get("tokenizer") or {}).get("type") == "none"
+                    or (cfg.get("data") or {}).get("mock") and not (cfg.get("tokenizer") or {}).get("path"))
             log(f"[{tool}] note: {src.checkpoint} has no run record (made before run records): tokenizer "
-                + (f"found by lookup at {path}" if path else "not found by lookup (mock data, raw ids, or elsewhere: "
-                   "pass --tokenizer PATH)"))
+                + (f"found by lookup at {path}" if path else "none by its config.yaml (mock data / raw ids)" if none
+                   else "not found by lookup (pass --tokenizer PATH)"))
     except RecordError as e:
         raise ConversionError(str(e)) from None
     src._tokenizer = (path,)
@@ -1074,6 +1077,12 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
     arch = M.arch_of(preset.backbone)
     training = (cfg.get("xhc") or {}).get("training") or {}
     step = 0 if to_variant else int(training.get("step") or 0)
+    from training.run_record import RECORD_NAME, RecordError, read_run_record, write_record_file
+
+    try:  # what the exported run trained on travels on (its tokenizer for the next to-hf, its data)
+        record = read_run_record(hf_dir)
+    except RecordError as e:
+        raise ConversionError(str(e)) from None
     with staged_output(out_dir, overwrite) as tmp:
         with single_rank():
             torch.manual_seed(seed)
@@ -1104,7 +1113,8 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
                                 rng=False)
             resume_preset = f"{os.path.abspath(out_dir)}/preset.yaml:{preset.hc.variant}"  # what the run will name
             ck.save(step, state, {"world_size": 1, "reason": "from-hf", "preset": resume_preset,
-                                  "parallel": {"tp": 1, "pp": 1, "ep": 1}, "consumed_samples": consumed})
+                                  "parallel": {"tp": 1, "pp": 1, "ep": 1}, "consumed_samples": consumed,
+                                  "run_record": record.body if record else None})
         variant_key = preset.hc.variant
         with open(os.path.join(tmp, "preset.yaml"), "w", encoding="utf-8") as f:
             yaml.safe_dump({"description": preset.description, "backbone": preset.backbone,
@@ -1112,5 +1122,7 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
         final_preset = f"{os.path.abspath(out_dir)}/preset.yaml:{variant_key}"
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             yaml.safe_dump({"model": {"preset": final_preset}}, f, sort_keys=False)
+        if record is not None:
+            write_record_file(os.path.join(tmp, RECORD_NAME), record.body)
     return {"checkpoint": os.path.join(out_dir, "checkpoints", f"step_{step:08d}"), "preset": final_preset,
             "step": step}

@@ -196,6 +196,22 @@ class RunRecord:
     def split(self) -> str:
         return self.data.get("split") or "969,30,1"
 
+    @property
+    def fingerprint(self) -> str:
+        """12 hex digits naming what was trained on by content, not place: the tokenizer's and the
+        data's hashes, sizes, split and weights (the same data moved elsewhere keeps its fingerprint)."""
+        import hashlib
+
+        def strip(obj):
+            if isinstance(obj, dict):
+                return {k: strip(v) for k, v in obj.items() if k not in ("path", "prefix")}
+            if isinstance(obj, list):
+                return [strip(v) for v in obj]
+            return obj
+
+        text = json.dumps(strip({"tokenizer": self.body.get("tokenizer"), "data": self.data}), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
 
 def read_run_record(path: str) -> Optional[RunRecord]:
     """The record of ``path``: a checkpoint (its ``manifest.json``), a run directory or an exported

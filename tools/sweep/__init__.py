@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             return 1 if any(s == "failed" for s in states.values()) else 0
         rows = collect(sweep)
         if args.cmd == "collect":
-            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "steps", "reason", "commit", "cpu_s")]))
+            print(format_table(rows, [c for c in COLUMNS if c not in ("size", "steps", "reason", "commit", "data", "cpu_s")]))
             if any(r.get("cell") != r["arm"] for r in rows):
                 print("\nper arm over seeds (mean ± sample standard deviation):")
                 print(format_table(aggregate(rows), CELL_COLUMNS))

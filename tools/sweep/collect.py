@@ -16,7 +16,7 @@ __all__ = ["COLUMNS", "CELL_COLUMNS", "read_metrics", "collect_arm", "collect", 
 
 COLUMNS = ("arm", "variant", "size", "N", "k", "steps", "seed", "state", "params_total", "params_activated",
            "params_hc", "flops_per_token", "tokens", "compute", "train_loss", "valid_loss", "wall_s", "cpu_s",
-           "tokens_per_s", "commit", "reason")
+           "tokens_per_s", "commit", "data", "reason")
 CELL_COLUMNS = ("arm", "N", "k", "steps", "params_activated", "compute", "seeds", "train_loss", "valid_loss",
                 "wall_s", "cpu_s")
 """The per-arm table over seeds (:func:`aggregate`): losses as mean ± standard deviation."""
@@ -59,7 +59,7 @@ def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
            "params_total": arm.params_total, "params_activated": arm.params_activated, "params_hc": arm.params_hc,
            "flops_per_token": arm.flops_per_token, "tokens": arm.tokens, "compute": arm.compute,
            "train_loss": None, "valid_loss": None, "wall_s": None, "cpu_s": None, "tokens_per_s": None, "commit": None,
-           "reason": ""}
+           "data": _data_fingerprint(arm.run_dir), "reason": ""}
     status = _read_json(os.path.join(arm.run_dir, "status.json"))
     record = _read_json(os.path.join(arm.run_dir, ARM_STATE)) or {}
     row["cpu_s"] = record.get("cpu_s")
@@ -102,6 +102,18 @@ def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
         row["state"] = "not started"
         row["reason"] = "not started"
     return row
+
+
+def _data_fingerprint(run_dir: str):
+    """What the arm trained on, by content (training.run_record: tokenizer and data hashes); None for
+    an arm not started, or run before run records."""
+    from training.run_record import RecordError, read_run_record
+
+    try:
+        record = read_run_record(run_dir) if os.path.isdir(run_dir) else None
+    except RecordError:
+        return None
+    return record.fingerprint if record is not None else None
 
 
 def _finite(x) -> bool:

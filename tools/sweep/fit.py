@@ -605,7 +605,15 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True) -> 
     for w in warnings:
         log(f"[fit] warning: {w['message']}; remedy: {w['remedy']}")
     arm_commits = sorted({r["commit"] for r in used if r.get("commit")})
+    arm_data = sorted({r["data"] for r in used if r.get("data")})  # training.run_record fingerprints
+    if len(arm_data) > 1:
+        warnings.append({"variant": None, "kind": "data", "param": None,
+                         "message": f"the fitted arms trained on {len(arm_data)} different data/tokenizers "
+                                    f"({', '.join(arm_data)}: the `data` column of the table)",
+                         "remedy": "rerun the odd arms on the sweep's data, or fit each data set on its own"})
+        log(f"[fit] warning: {warnings[-1]['message']}; remedy: {warnings[-1]['remedy']}")
     result: Dict[str, Any] = {"sweep": sweep.name, "commit": git_commit(), "arm_commits": arm_commits,
+                              "arm_data": arm_data,
                               "loss": col, "E_mode": fits[next(iter(fits))].E_mode,
                               "flops_convention": sweep.flops_convention, "level": level, "bootstrap": boot,
                               "bootstrap_unit": "arms, and seeds within each drawn arm",
