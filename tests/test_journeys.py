@@ -28,14 +28,15 @@ def block(name):
     return BLOCKS[name]
 
 
-def run_block(ws: Workspace, name: str, steps=STEPS):
-    """Run every command of a bash block in order; ``steps``: an int, or one per pre-training line."""
+def run_block(ws: Workspace, name: str, steps=STEPS, later: Workspace = None):
+    """Run every command of a bash block in order; ``steps``: an int, or one per pre-training line;
+    ``later``: where the commands after the first one start (another working directory)."""
     outs, k = [], 0
-    for argv in block(name).commands():
+    for i, argv in enumerate(block(name).commands()):
         n = steps
         if is_pretrain(argv) and isinstance(steps, (list, tuple)):
             n, k = steps[k], k + 1
-        outs.append(ws.run(argv, shorten(argv, n)).stdout)
+        outs.append((later if later is not None and i > 0 else ws).run(argv, shorten(argv, n)).stdout)
     return outs
 
 

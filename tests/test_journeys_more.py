@@ -23,9 +23,18 @@ def ws(tmp_path_factory):
     return Workspace(tmp_path_factory.mktemp("journey-more"))
 
 
-def test_resume(ws):
-    """README "To resume": the same run.dir continues from its newest checkpoint."""
-    first, second = run_block(ws, "resume", steps=[8, 12])
+@pytest.fixture(scope="module")
+def later(ws, tmp_path_factory):
+    """Where the commands after a journey's first one start: another working directory, which reaches
+    the first one's ``runs/`` and ``hf/`` (and ``data/``, which a training resolves against its own
+    working directory, as documented) through links."""
+    return ws.elsewhere(tmp_path_factory.mktemp("journey-more-later"), links=("runs", "hf", "data"))
+
+
+def test_resume(ws, later):
+    """README "To resume": the same run.dir continues from its newest checkpoint (started from
+    another working directory)."""
+    first, second = run_block(ws, "resume", steps=[8, 12], later=later)
     assert "done: step 8/8" in first and "done: step 12/12" in second
     assert "resum" in second.lower()
     rows = _metrics(ws.root / "runs" / "my-run")
@@ -36,9 +45,10 @@ def test_resume(ws):
 
 
 
-def test_upcycle(ws):
-    """docs/conversion.md "Upcycling": vanilla -> to-hf -> from-hf --to-variant xhc -> train on."""
-    outs = run_block(ws, "upcycle", steps=[STEPS, STEPS + 4])
+def test_upcycle(ws, later):
+    """docs/conversion.md "Upcycling": vanilla -> to-hf -> from-hf --to-variant xhc -> train on (the
+    commands after the first from another working directory)."""
+    outs = run_block(ws, "upcycle", steps=[STEPS, STEPS + 4], later=later)
     assert "Glm4MoeForCausalLM" in outs[1]
     assert f"done: step {STEPS + 4}/{STEPS + 4}" in outs[3]
 
@@ -65,7 +75,7 @@ def test_peft_snippet_and_generate(ws):
 
 
 
-def test_finetune_and_diagnose(ws):
+def test_finetune_and_diagnose(ws, later):
     """README "Finetuning": the CPU smoke run on a chat file written here, and the diagnostics tool."""
     rows = []
     for i in range(200):
@@ -73,7 +83,7 @@ def test_finetune_and_diagnose(ws):
                                   {"role": "assistant", "content": f"{i} plus {i % 7} is {i + i % 7}."}],
                      "source": ["math", "chat", "code"][i % 3]})
     (ws.root / "my_chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    ft, diag = run_block(ws, "finetune")
+    ft, diag = run_block(ws, "finetune", later=later)
     assert re.search(r"validation loss\s*[:=]?\s*\d", ft, re.I), ft[-3000:]
     assert "Traceback" not in diag and re.search(r"pass|ok", diag, re.I), diag[-2000:]
     # the finetuned adapter on its backbone, in a fresh process: no_grad first, generate == argmax loop
@@ -89,9 +99,10 @@ def test_finetune_and_diagnose(ws):
 
 
 
-def test_sweep_print_run_fit(ws):
-    """docs/sweeps.md: print the tiny sweep, run the smoke sweep's arms, fit them."""
-    printed, ran, fit = run_block(ws, "sweep")
+def test_sweep_print_run_fit(ws, later):
+    """docs/sweeps.md: print the tiny sweep, run the smoke sweep's arms, fit them (run and fit from
+    another working directory than print's)."""
+    printed, ran, fit = run_block(ws, "sweep", later=later)
     assert "36 arms" in printed  # configs/sweeps/tiny-cpu.yaml: 4 variants x 3 budgets x 3 seeds
     assert "4/4 arms finished, 0 failed" in ran
     fj = json.loads((ws.root / "runs" / "sweeps" / "smoke-cpu" / "summary" / "fit.json").read_text())

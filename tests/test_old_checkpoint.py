@@ -2,7 +2,8 @@
 ``e30daa9``, pinned: before the Trainer split, the config base and the moves of the conversion
 code) resumes under today's code bit-identically, and a Hugging Face folder that code exported
 still loads: in ``transformers`` with the same logits as today's export, and back into a
-checkpoint with today's ``from-hf``.
+checkpoint with today's ``from-hf``.  That checkpoint has no run record (training.run_record):
+today's to-hf and inspect read it through the earlier lookup and say so in one note.
 
 The old code is extracted from the git history (``git archive``) and run in a subprocess with
 ``PYTHONPATH`` on the extracted tree: it trains to step 3 and stops (``run.exit_at_step``), writing
@@ -97,11 +98,25 @@ def test_checkpoint_of_the_pre_split_code_resumes_bit_identically(runs):
     assert eval_ref and eval_new == eval_ref
 
 
-def _convert(code_root: str, *args: str) -> None:
+def _convert(code_root: str, *args: str) -> str:
     env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-m", "tools.convert_checkpoint", *args, "--quiet"], cwd=code_root, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+def test_checkpoint_of_the_old_code_inspects_with_a_note(runs):
+    root, _, ref, _ = runs
+    checkpoint = os.path.join(ref, "checkpoints", "step_00000006")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "tools.inspect", checkpoint, "--output", str(root / "inspected"),
+                        "--no-figures", "--tokens", "16"], cwd=str(root), env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (f"note: {checkpoint} has no run record (made before run records): validation data none by its "
+            f"config.yaml (mock data)") in r.stderr
+    assert os.path.isfile(root / "inspected" / "inspect.json")
 
 
 def test_hugging_face_folder_of_the_old_code_still_loads(runs):
@@ -112,7 +127,9 @@ def test_hugging_face_folder_of_the_old_code_still_loads(runs):
     checkpoint = os.path.join(ref, "checkpoints", "step_00000006")
     old_hf, new_hf, back = str(root / "old-hf"), str(root / "new-hf"), str(root / "back")
     _convert(old, "to-hf", "--checkpoint", checkpoint, "--output", old_hf, "--dtype", "fp32")
-    _convert(REPO, "to-hf", "--checkpoint", checkpoint, "--output", new_hf, "--dtype", "fp32")
+    out = _convert(REPO, "to-hf", "--checkpoint", checkpoint, "--output", new_hf, "--dtype", "fp32")
+    # made before run records: today's lookup, and one note saying so (training.run_record)
+    assert f"note: {checkpoint} has no run record (made before run records): tokenizer none by its config.yaml" in out
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = []
     for folder in (old_hf, new_hf):

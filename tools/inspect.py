@@ -359,9 +359,10 @@ def _validation_prefix(target: Target, ck: Optional[str]) -> Optional[Tuple[str,
                    f"{target.data[0]} from --data")
         return target.data[0], split
     found = _lookup_validation_prefix(target)
-    if target.run_dir and not (target.run_config.get("data") or {}).get("mock"):
-        target.log(f"note: {ck or target.path} has no run record (made before run records): validation data "
-                   + (f"found by lookup at {found[0]}" if found else "not found by lookup (pass --data PREFIX)"))
+    mock = (target.run_config.get("data") or {}).get("mock")
+    target.log(f"note: {ck or target.path} has no run record (made before run records): validation data "
+               + (f"found by lookup at {found[0]}" if found else "none by its config.yaml (mock data)" if mock
+                  else "not found by lookup (pass --data PREFIX)"))
     return found
 
 
