@@ -658,7 +658,8 @@ def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
-def source_tokenizer(src: Source, log: Optional[Callable[[str], None]] = None, tool: str = "xhc-convert") -> Optional[str]:
+def source_tokenizer(src: Source, log: Optional[Callable[[str], None]] = None,
+                     tool: str = "xhc-convert") -> Optional[str]:
     """The tokenizer ``src`` trained with: the run record's (checked: missing or changed gives the
     one-line :class:`ConversionError`), ``--tokenizer PATH`` (checked against the record), or for a
     run made before records the lookup next to the run directory, with a one-line note.  None: the
@@ -729,9 +730,10 @@ def export_tokenizer(src: Source, out_dir: str, log, model_max_length: Optional[
     """Our SentencePiece model (``tokenizer.model``) and the same tokenizer for ``transformers``
     (``tokenizer.json`` + ``tokenizer_config.json``), encoding exactly as training did.
 
-    ``tokenizer_config.json`` names its class, so ``AutoTokenizer.from_pretrained`` never needs the
-    model's remote code (no ``trust_remote_code`` question), and carries ``model_max_length``, the
-    trained sequence length."""
+    ``tokenizer_config.json`` names its class, so the tokenizer never needs the model's remote code
+    (``AutoTokenizer.from_pretrained(path, trust_remote_code=False)``: docs/conversion.md), and carries
+    ``model_max_length``, the trained sequence length.  The tokenizer is the one the run record names
+    (:func:`source_tokenizer`); the record itself goes into the folder as ``run_record.json``."""
     path = source_tokenizer(src, log)
     record = src.record
     if record is not None:  # the export says what it was trained on, too (tools.evaluate reads it)
@@ -754,8 +756,9 @@ def export_tokenizer(src: Source, out_dir: str, log, model_max_length: Optional[
 
 
 def _name_tokenizer_class(out_dir: str, cls: str) -> None:
-    """Write ``tokenizer_class`` into ``tokenizer_config.json`` (AutoTokenizer then does not read
-    config.json, whose ``auto_map`` would ask for ``trust_remote_code``)."""
+    """Write ``tokenizer_class`` into ``tokenizer_config.json``: AutoTokenizer builds that class, not
+    one of the model's remote code (it still reads config.json first, whose ``auto_map`` makes
+    transformers ask about remote code unless ``trust_remote_code`` is given: docs/conversion.md)."""
     path = os.path.join(out_dir, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
         conf = json.load(f)
