@@ -108,8 +108,11 @@ else
   plan multi 495 "\$PY -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.gpu_checks --workdir $WORK/checks --json \$STEP_JSON multi"
 fi
 if [ -n "$ONLY" ]; then
+  # a membership test in bash itself: `printf … | grep -qx` under pipefail fails at random when grep
+  # exits at its match and printf then dies of SIGPIPE (a valid step refused)
+  known() { local n; for n in "${NAMES[@]}"; do [ "$n" = "$1" ] && return 0; done; return 1; }
   for s in ${ONLY//,/ }; do
-    printf '%s\n' "${NAMES[@]}" | grep -qx "$s" || { echo "error: --steps: unknown step '$s'; steps are: ${NAMES[*]}" >&2; exit 2; }
+    known "$s" || { echo "error: --steps: unknown step '$s'; steps are: ${NAMES[*]}" >&2; exit 2; }
   done
 fi
 selected() { [ -z "$ONLY" ] || [ "$1" = env ] || [[ ",$ONLY," == *",$1,"* ]]; }

@@ -6,8 +6,10 @@
 
 Commands: ``python -m training.pretrain``, ``python -m tools.preprocess_data``, ``python -m
 training.finetune``.  The inputs (a tiny SentencePiece model, a good ``.bin``/``.idx`` pair, a good
-pre-training run with a checkpoint, a tiny GPT-2 folder) are built once per module.  Each case
-starts a fresh Python process (a few seconds each: torch and Megatron are imported).
+pre-training run with a checkpoint, a tiny GPT-2 folder) are built once per module.  The cases run
+one after another in one Python process (``tests/batch_cli.py``: each command's ``main`` as ``python
+-m`` runs it, file descriptors 1 and 2 its own), which saves the interpreter start and the torch and
+Megatron imports per case (seconds each); each case's result is then checked by its own test.
 """
 
 from __future__ import annotations
@@ -43,9 +45,6 @@ def _digest(root: str) -> dict:
     return out
 
 
-def _run(module: str, args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -294,21 +293,41 @@ def test_the_battery_has_at_least_25_cases():
     assert len(CASES) >= 25
 
 
+@pytest.fixture(scope="module")
+def battery(assets, tmp_path_factory):
+    """Every case's command, run in one process (tests/batch_cli.py); each case's directory hashed
+    before and after, and the shared assets too."""
+    root = tmp_path_factory.mktemp("battery")
+    cases, jobs = {}, []
+    for name in sorted(CASES):
+        case = root / name
+        case.mkdir()
+        module, args, words = CASES[name](assets, str(case))
+        cases[name] = {"dir": str(case), "words": words, "before": _digest(str(case))}
+        jobs.append({"name": name, "module": module, "args": [str(a) for a in args]})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    before_assets = _digest(str(assets))
+    r = subprocess.run([sys.executable, os.path.join("tests", "batch_cli.py"), str(root / "jobs.json"),
+                        str(root / "results.json")], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    results = json.loads((root / "results.json").read_text())
+    for name, case in cases.items():
+        case.update(results[name], after=_digest(case["dir"]))
+    return cases, before_assets == _digest(str(assets))
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.slow
-def test_bad_input_is_one_line_and_changes_nothing(assets, tmp_path, name):
-    case = tmp_path / "case"
-    case.mkdir()
-    module, args, words = CASES[name](assets, str(case))
-    before, before_assets = _digest(str(case)), _digest(str(assets))
-    r = _run(module, args)
-    err = r.stderr.strip()
-    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], err[-3000:])
+def test_bad_input_is_one_line_and_changes_nothing(battery, name):
+    cases, assets_unchanged = battery
+    r = cases[name]
+    err = r["stderr"].strip()
+    assert r["code"] == 2, (r["code"], r["stdout"][-2000:], err[-3000:])
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
-    for w in words:
+    for w in r["words"]:
         assert w in err, (w, err)
-    assert _digest(str(case)) == before
-    assert _digest(str(assets)) == before_assets
+    assert r["after"] == r["before"]
+    assert assets_unchanged, "a case of the battery changed the shared assets (the run, the data, the GPT-2 folder)"
 
 
 @pytest.mark.slow

@@ -318,6 +318,20 @@ def _cli(*argv):
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
+def _cli_batch(tmp_path, **commands):
+    """Several ``python -m tools.convert_checkpoint`` command lines in one process (tests/batch_cli.py:
+    one interpreter start and one import of torch, Megatron and transformers): ``{name: (exit code,
+    stderr lines)}``."""
+    jobs = [{"name": k, "module": "tools.convert_checkpoint", "args": list(map(str, v))} for k, v in commands.items()]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, os.path.join("tests", "batch_cli.py"), str(tmp_path / "jobs.json"),
+                           str(tmp_path / "results.json")], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    return {k: (r["code"], r["stderr"].strip().splitlines()) for k, r in results.items()}
+
+
 @pytest.mark.slow
 def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     import shutil
@@ -334,21 +348,24 @@ def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     shard = next(os.path.join(ck, f) for f in os.listdir(ck) if f.endswith(".distcp"))
     with open(shard, "r+b") as f:
         f.truncate(10)
-    code, err = _cli("to-hf", "--run", str(bad), "--output", str(tmp_path / "out"))
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: checkpoint") and ".distcp" in err[0], err
-    assert not (tmp_path / "out").exists()
     # existing output folder: refused, untouched
     out = tmp_path / "exists"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, err = _cli("to-hf", "--run", exported["mhc"]["run"], "--output", str(out))
-    assert code == 2 and len(err) == 1 and "--overwrite" in err[0], err
-    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     # an HF folder of another architecture
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
-    code, err = _cli("from-hf", "--hf", str(llama), "--output", str(tmp_path / "x"))
+    got = _cli_batch(tmp_path, corrupt=["to-hf", "--run", bad, "--output", tmp_path / "out"],
+                     exists=["to-hf", "--run", exported["mhc"]["run"], "--output", out],
+                     llama=["from-hf", "--hf", llama, "--output", tmp_path / "x"])
+    code, err = got["corrupt"]
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: checkpoint") and ".distcp" in err[0], err
+    assert not (tmp_path / "out").exists()
+    code, err = got["exists"]
+    assert code == 2 and len(err) == 1 and "--overwrite" in err[0], err
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    code, err = got["llama"]
     assert code == 2 and len(err) == 1 and "LlamaForCausalLM" in err[0] and "not supported" in err[0], err
     assert not (tmp_path / "x").exists()
     # upcycling an HC model is refused

@@ -214,7 +214,8 @@ def test_megatron_step_computes_the_grad_norm_once(parallel, bf16_megatron_on_cp
 # Finding 3: checkpoint.load_optimizer=false
 # ------------------------------------------------------------------------------------------------
 @cpu_only
-def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_on_cpu, tmp_path):  # noqa: F811
+def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
+                                                        monkeypatch):
     """Trainer.load_checkpoint with load_optimizer=false, then one step == a fresh optimiser built
     on the loaded weights taking that step.  Loading the weights without the refresh does not."""
     from training.checkpoint import Checkpointer, build_state
@@ -234,11 +235,13 @@ def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_
 
     resumed = bf16_ddp_model()
     opt_r = build_optimizer(resumed, cfg, use_megatron=True)
+    import training.run_checkpoints as rc
+
+    monkeypatch.setattr(rc, "trainer_state", lambda run: {"step": 0, "consumed_samples": 0, "skipped_steps": 0})
+    monkeypatch.setattr(rc, "compat_info", lambda run: {})  # nothing to compare: tested in test_reliability
     fake = types.SimpleNamespace(
         cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(load_optimizer=False, load_rng=False)),
-        chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap,
-        _trainer_state=lambda: {"step": 0, "consumed_samples": 0, "skipped_steps": 0}, log=lambda *_: None,
-        _compat_info=lambda: {})  # nothing to compare: the compatibility check is tested in test_reliability
+        chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap, log=lambda *_: None)
     Trainer.load_checkpoint(fake, path)
     assert fake.step == 1
     train_step(resumed, opt_r, 1)
@@ -392,7 +395,11 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
         def enable_forward_pre_hook(self):
             events.append("hooks back")
 
+    import training.run_checkpoints as rc
+
     monkeypatch.setattr(tc, "build_state", lambda *a, **k: events.append("build_state") or {})
+    monkeypatch.setattr(rc, "trainer_state", lambda run: {})
+    monkeypatch.setattr(rc, "compat_info", lambda run: {})
 
     class Ckpt:
         def save(self, step, state, info):
@@ -406,8 +413,8 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
         ckpt=Ckpt(),
         cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig(),
                                   checkpoint=CheckpointConfig()),
-        metrics=types.SimpleNamespace(event=lambda *a, **k: None), _trainer_state=lambda: {},
-        _compat_info=lambda: {}, check_parameters=lambda why: events.append("finite check"),
+        metrics=types.SimpleNamespace(event=lambda *a, **k: None),
+        check_parameters=lambda why: events.append("finite check"),
         async_save=False, wait_for_checkpoint=lambda: events.append("wait for the save in flight"))
     Trainer.save_checkpoint(fake, "interval")
     # the finite-parameter check reads the synced parameters too, so it runs inside the sync; a save

@@ -156,3 +156,13 @@ def test_vanilla_preset_trains_without_hc_metrics(tmp_path):
                  "checkpoint.save_final=false", f"run.dir={run}"]) == 0
     rec = _by_step(_records(run))
     assert "hc" not in rec[2] and math.isfinite(rec[2]["loss"])
+
+
+def test_the_trainer_keeps_the_recipe_in_at_most_450_lines():
+    """Trainer is the recipe; the build, the step's engine, the lifecycle and the checkpoints live in
+    their own modules (docs/architecture.md, "Pre-training: the Trainer and its parts")."""
+    import inspect
+
+    lines = len(inspect.getsourcelines(Trainer)[0])
+    assert 100 < lines <= 450, (f"Trainer is {lines} lines (at most 450): move a concern to the module that "
+                                "owns it (training.builder, step_runner, lifecycle, run_checkpoints, metrics)")

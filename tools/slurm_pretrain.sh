@@ -75,7 +75,7 @@ mkdir -p logs
 
 nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 gpus="${XHC_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
-head="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+head="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"  # sed reads it all: no SIGPIPE under pipefail
 port="${XHC_MASTER_PORT:-29500}"
 export MASTER_ADDR="$head" MASTER_PORT="$port"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"

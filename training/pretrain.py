@@ -24,6 +24,8 @@ Where the rest lives:
   with the HC parameters in fp32) or ``CpuStepRunner`` (gloo, fp32, GPipe for PP > 1).
 - :mod:`training.lifecycle`: signals and stop flags, non-finite handling and the rollback policy,
   ``status.json``, the run-directory lock.
+- :mod:`training.run_checkpoints`: the run's checkpoints: save (now, or in the background), the
+  save in flight, load and resume.
 
 Reliability (``docs/reliability.md``): a lock on ``run.dir``, writable / free-space checks at
 start-up, a signal sets a flag that all ranks agree on with the step's loss all-reduce, then one
@@ -305,132 +307,27 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     # Checkpoints
     # ----------------------------------------------------------------------------------------
-    def save_checkpoint(self, reason: str) -> str:
-        from training.checkpoint import build_state, is_megatron_optimizer
+    def save_checkpoint(self, reason: str) -> Optional[str]:
+        """Save this step: the path, or None when it writes in the background (:mod:`training.run_checkpoints`)."""
+        from training import run_checkpoints
 
-        t0 = time.perf_counter()
-        sharding = self.cfg.checkpoint.optimizer_sharding
-        info = {"world_size": self.world, "reason": reason, "consumed_samples": self.consumed_samples,
-                "optimizer_sharding": sharding,
-                "optimizer_format": "megatron" if is_megatron_optimizer(self.optimizer) else "torch-sharded",
-                **self._compat_info(), "run_record": getattr(self, "run_record", None)}  # training.run_record
-        asynchronous = self.async_save and reason == "interval"  # a stop or the end would wait for it at once
-        with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
-            self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree (before a snapshot)
-            self.wait_for_checkpoint()  # at most one save in flight
-            state = build_state(self.chunks, self.optimizer, self.scheduler, self._trainer_state(),
-                                optimizer_sharding=sharding)
-            if asynchronous:
-                self.ckpt.save_async(self.step, state, info)
-                self.pending_save = (self.step, reason)
-                self.last_saved_step = self.step
-                return None
-            path = self.ckpt.save(self.step, state, info)
-        self.last_saved_step = self.step
-        self.last_good_checkpoint = path
-        self.metrics.event(self.step, f"[xhc] checkpoint step {self.step} ({reason}) -> {path} "
-                           f"in {time.perf_counter() - t0:.1f}s", checkpoint=path)
-        return path
+        return run_checkpoints.save(self, reason)
 
     def poll_checkpoint(self, blocking: bool = False) -> None:
-        """The asynchronous save in flight: finalized when every rank's write is done (``blocking``:
-        wait for it); a failed write raises its one-line CheckpointError here, at a step boundary."""
-        if self.ckpt is None or not self.ckpt.in_flight:
-            return
-        path = self.ckpt.poll(blocking=blocking)
-        if path is None:
-            return
-        step, reason = self.pending_save
-        self.pending_save = None
-        self.last_good_checkpoint = path
-        self.metrics.event(self.step, f"[xhc] checkpoint step {step} ({reason}, written in the background) -> "
-                           f"{path} in {self.ckpt.last_save_seconds:.1f}s (training paused "
-                           f"{self.ckpt.snapshot_seconds:.2f}s for the snapshot)", checkpoint=path)
+        """Finalize the asynchronous save in flight once every rank's write is done (``blocking``: wait)."""
+        from training import run_checkpoints
+
+        run_checkpoints.poll(self, blocking)
 
     def wait_for_checkpoint(self) -> None:
         """Finish the asynchronous save in flight, if any."""
         self.poll_checkpoint(blocking=True)
 
     def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
-        from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
+        """Resume from the checkpoint at ``path`` (:func:`training.run_checkpoints.load`)."""
+        from training import run_checkpoints
 
-        ck = self.cfg.checkpoint
-        if body is None:
-            body = self.ckpt.verify(path)
-        megatron_opt = is_megatron_optimizer(self.optimizer)
-        resharding = check_compatible(path, body, self._compat_info(), load_optimizer=ck.load_optimizer,
-                                      sharded_optimizer=megatron_opt, reshard=ck.reshard)
-        load_rng = ck.load_rng and not resharding  # per-rank states: reseeded on another layout (below)
-        t0 = time.perf_counter()
-        template = build_state(self.chunks, self.optimizer if ck.load_optimizer else None,
-                               self.scheduler if ck.load_optimizer else None, self._trainer_state(),
-                               rng=load_rng, is_loading=True,
-                               optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding),
-                               optimizer_format=body.get("optimizer_format", "megatron" if megatron_opt else "rank"))
-        loaded = self.ckpt.load(path, template, body)
-        keys = ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
-        for key, chunk in zip(keys, self.chunks):
-            missing, unexpected = self._unwrap(chunk).load_state_dict(loaded[key], strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                from training.checkpoint import CheckpointError
-
-                raise CheckpointError(f"checkpoint {path}: model keys do not match this model (missing "
-                                      f"{missing[:3]}, unexpected {list(unexpected)[:3]}): is it the same preset?")
-        if not ck.load_optimizer:
-            self.optimizer.reload_model_params()  # fp32 main copies := the loaded weights
-        if ck.load_optimizer:
-            if "optimizer" in loaded:
-                self.optimizer.load_state_dict(loaded["optimizer"])
-            elif "optimizer_torch" in loaded:
-                self.optimizer.load_torch_sharded_state_dict(loaded["optimizer_torch"])
-            else:
-                self.optimizer.load_state_dict(loaded["optimizer_rank"])
-            self.scheduler.load_state_dict(loaded["scheduler"])
-        t = loaded["trainer"]
-        self.step, self.consumed_samples, self.skipped_steps = (int(t["step"]), int(t["consumed_samples"]),
-                                                                int(t["skipped_steps"]))
-        self.skipped_samples = int(t.get("skipped_samples", 0))
-        if load_rng:
-            restore_rng_state(loaded["rng"])
-        elif resharding and ck.load_rng:
-            from models.parallel import seed_rng
-
-            seed_rng(self.cfg.run.seed + self.step)  # docs/parallelism-and-checkpoints.md, "Resuming on another layout"
-        self.resumed_from = path
-        self.load_seconds = time.perf_counter() - t0
-        self.resume_layouts = None
-        if resharding:
-            from training.checkpoint import _LAYOUT_KEYS
-            from training.config import config_to_dict
-
-            now = config_to_dict(self.cfg.parallel)
-            self.resume_layouts = {
-                "saved": {"world_size": body.get("world_size"),
-                          **{k: v for k, v in (body.get("parallel") or {}).items() if k in _LAYOUT_KEYS}},
-                "now": {"world_size": self.world, **{k: v for k, v in now.items() if k in _LAYOUT_KEYS}}}
-            self.log(f"[xhc] {resharding} (checkpoint.reshard=auto): weights"
-                     f"{', optimizer state, scheduler' if ck.load_optimizer else ''} and data position carried "
-                     f"over, RNG reseeded; {self.num_micro} micro-batch(es) per step now")
-        self.log(f"[xhc] resumed from {path}: step {self.step}, {self.consumed_samples} samples consumed "
-                 f"({self.load_seconds:.1f} s)")
-
-    def _trainer_state(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped_steps": self.skipped_steps,
-                "skipped_samples": self.skipped_samples}
-
-    def _compat_info(self) -> dict:
-        """What a checkpoint must share with the run that loads it (see checkpoint.check_compatible)."""
-        import dataclasses
-
-        from training.config import config_to_dict
-
-        import json
-
-        hc = json.loads(json.dumps(dataclasses.asdict(self.hc), default=str))  # as the manifest stores it
-        return {"preset": self.cfg.model.preset, "hc": hc, "vocab_size": self.vocab_size,
-                "world_size": self.world, "parallel": config_to_dict(self.cfg.parallel),
-                "global_batch_size": self.cfg.batch.global_batch_size}
+        run_checkpoints.load(self, path, body)
 
     # ----------------------------------------------------------------------------------------
     # Non-finite state: never saved; abort, or roll back (the policy: training.lifecycle)
