@@ -22,7 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from xhc.kernels.triton_ops import _cast, _cdt, _tl  # noqa: F401  (re-exported for the kernels)
+from xhc.kernels.runtime import interpreting
+
+
+def covers(cfg, training: bool, groups: bool) -> bool:
+    """Whether the fused mHC read and write (:mod:`.mhc_pre`, :mod:`.mhc_post`) cover ``cfg``: dynamic
+    ``mhc`` with every mapping group (``groups``), without the option they leave out (residual-logit
+    dropout while ``training``)."""
+    return (cfg.variant == "mhc" and cfg.dynamic and groups
+            and not (training and cfg.res_logit_dropout > 0))
 
 
 def np_of(n: int) -> int:
@@ -33,10 +41,6 @@ def groups(n: int):
     """(NP, RP, PP) for N = n."""
     NP = np_of(n)
     return NP, NP * NP, max(16, 2 * NP)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_ok(cdt: torch.dtype) -> bool:
@@ -160,6 +164,12 @@ def w_pp_tile(WPRE, WPOST, G, k, kmask, N, D, NP: tl.constexpr, PP: tl.constexpr
     if HAS_G:
         w = w * tl.load(G + k, mask=kmask, other=0.0).to(CDT)[None, :]
     return w
+
+
+@triton.jit
+def sig(z):
+    """σ(z) = 1 / (1 + e^−z)."""
+    return 1.0 / (1.0 + tl.exp(-z))
 
 
 @triton.jit

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm, w_pp_tile, w_res_tile
+from xhc.kernels.common import cast, tl_dtype
+from xhc.kernels.mhc_common import mm, w_pp_tile, w_res_tile
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _mhc_dx_kernel(X, DU, DXP, HPRE, HRES, DP, COEF, WPRE, WPOST, WRES, G, DX, T
             hc = tl.load(HRES + t[:, None] * N * N + i[None, :] * N + j, mask=tm[:, None] & im[None, :],
                          other=0.0).to(CDT)
             acc += tl.sum(hc[:, :, None] * d3, 1)
-        tl.store(DX + t[:, None] * D + k[None, :], _cast(acc, DX), mask=m2)
+        tl.store(DX + t[:, None] * D + k[None, :], cast(acc, DX), mask=m2)
 
 
 @triton.jit
@@ -158,7 +159,7 @@ def state_grad(Xc, du, dXp, hpre, H, DP, COEF, W_pre, W_post, W_res, gain):
         _mhc_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
             Xc, du, dXp, hpre, H, DP, COEF, W_pre, W_post, W_res, gain, dX, T, N, C, HAS_DU=du is not None,
             HAS_DXP=dXp is not None, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BT=BT, BC=BC,
-            USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+            USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     return dX
 
 
@@ -179,9 +180,9 @@ def param_grads(Xc, DP, DZ, DA, W_pre, W_post, W_res, gain):
     out = [e(N, D), e(N, D), e(N * N, D), e(N), e(N), e(N * N), e(1), e(1), e(1), None if gain is None else e(D)]
     use_dot = cm.dot_ok(cdt)
     _mhc_dw_kernel[(triton.cdiv(D, BK), S)](Xc, DP, part, T, D, TS, RP=RP, PP=PP, BT=BT, BK=BK, USE_DOT=use_dot,
-                                            PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+                                            PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     BKR = cm.blocks("mhc_dw_reduce", N, C)["BK"]
     _mhc_dw_reduce_kernel[(triton.cdiv(D, BKR),)](
         part, W_pre, W_post, W_res, gain, out[0], out[1], out[2], out[9], DZ, DA, out[3], out[4], out[5], out[6],
-        out[7], out[8], S, T, N, D, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BK=BKR, BT=64, CDT=cm._tl(cdt))
+        out[7], out[8], S, T, N, D, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BK=BKR, BT=64, CDT=tl_dtype(cdt))
     return out
