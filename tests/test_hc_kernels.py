@@ -37,9 +37,9 @@ def _triton_ops():
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
     from types import SimpleNamespace
 
-    from xhc.kernels import linear_stats, read, sinkhorn, write
+    from xhc.kernels import linear_stats, read_ops, sinkhorn_ops, write_ops
 
-    return SimpleNamespace(sinkhorn=sinkhorn.sinkhorn, read=read.read, write=write.write,
+    return SimpleNamespace(sinkhorn=sinkhorn_ops.sinkhorn, read=read_ops.read, write=write_ops.write,
                            linear_stats=linear_stats.linear_stats)
 
 

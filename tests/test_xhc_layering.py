@@ -255,3 +255,16 @@ def test_the_kernels_room_has_no_circles():
     borrows another's private helper (shared helpers are public in a common module)."""
     problems = room_problems(KERNELS)
     assert not problems, "the kernels room (docs/kernels.md, 'The room'):\n" + "\n".join(problems)
+
+
+def test_no_room_module_shadows_a_dispatcher_op():
+    """A module of the room named like one of the dispatcher's ops (``xhc/kernels/read.py`` beside
+    ``kernels.read``) would replace that op by the module on its first import: the package attribute
+    of a submodule is set when it is imported."""
+    tree = ast.parse((KERNELS / "__init__.py").read_text())
+    ops = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    ops |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert {"read", "write", "sinkhorn", "mhc_fused"} <= ops, ops  # the scan sees the dispatcher's names
+    modules = {p.stem for p in KERNELS.glob("*.py")} | {p.name for p in KERNELS.iterdir() if (p / "__init__.py").exists()}
+    clash = sorted(modules & ops)
+    assert not clash, f"xhc/kernels modules named like a dispatcher op of xhc/kernels/__init__.py: {clash}; rename the module"

@@ -259,10 +259,10 @@ def _op_shapes(rec: Recorder, spec: str) -> None:
 
     from types import SimpleNamespace
 
-    from xhc.kernels import linear_stats, read, sinkhorn, write
+    from xhc.kernels import linear_stats, read_ops, sinkhorn_ops, write_ops
 
-    T = SimpleNamespace(sinkhorn=sinkhorn.sinkhorn, sinkhorn_deepseek=sinkhorn.sinkhorn_deepseek, read=read.read,
-                        gather=read.gather, write=write.write, linear_stats=linear_stats.linear_stats)
+    T = SimpleNamespace(sinkhorn=sinkhorn_ops.sinkhorn, sinkhorn_deepseek=sinkhorn_ops.sinkhorn_deepseek,
+                        read=read_ops.read, gather=read_ops.gather, write=write_ops.write, linear_stats=linear_stats.linear_stats)
 
     n, C, dt = spec.split(":")
     n, C, dtype = int(n), int(C), getattr(torch, dt)

@@ -440,7 +440,7 @@ class HyperConnection(nn.Module):
         """Whether the read and write run as the fused mHC kernels (:mod:`xhc.kernels.mhc_pre`,
         :mod:`xhc.kernels.mhc_post`): the kernels room answers (:func:`xhc.kernels.mhc_fused`) for the
         configuration, tensors like ``X``, the training mode and whether every group has its parameters."""
-        groups = self.b_pre is not None and self.b_post is not None and self.b_res is not None
+        groups = all(getattr(self, b, None) is not None for b in ("b_pre", "b_post", "b_res"))  # static maps: none
         return kernels.mhc_fused(self.cfg, X, self.training, groups)
 
     def read(self, X: torch.Tensor):

@@ -214,7 +214,7 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
     if backend == "eager":
         return ds.sinkhorn(Z, t_max, eps, order, recompute=recompute)
     if backend == "triton":
-        from xhc.kernels import sinkhorn as triton_sinkhorn
+        from xhc.kernels import sinkhorn_ops as triton_sinkhorn
 
         return triton_sinkhorn.sinkhorn(Z, t_max, eps, order)
     return ds.sinkhorn(Z, t_max, eps, order, recompute=True)
@@ -226,14 +226,14 @@ def sinkhorn_deepseek(Z: torch.Tensor, iters: int = 20, eps: float = 1e-6, backe
 
     ``eager``: the reference :func:`xhc.doubly_stochastic.sinkhorn_deepseek` (unrolled autograd, or its
     recompute op when ``recompute``); ``compile``: the recompute op (saves only Z); ``triton``: the
-    same op as two kernels (:func:`xhc.kernels.sinkhorn.sinkhorn_deepseek`).
+    same op as two kernels (:func:`xhc.kernels.sinkhorn_ops.sinkhorn_deepseek`).
     """
     from xhc import doubly_stochastic as ds
 
     if backend == "eager":
         return ds.sinkhorn_deepseek(Z, iters, eps, recompute=recompute)
     if backend == "triton":
-        from xhc.kernels import sinkhorn as triton_sinkhorn
+        from xhc.kernels import sinkhorn_ops as triton_sinkhorn
 
         return triton_sinkhorn.sinkhorn_deepseek(Z, iters, eps)
     return ds.sinkhorn_deepseek(Z, iters, eps, recompute=True)
@@ -251,7 +251,7 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     if backend == "eager":
         return streams.read_streams(h, X, out_dtype)
     if backend == "triton":
-        from xhc.kernels import read as triton_read
+        from xhc.kernels import read_ops as triton_read
 
         return triton_read.read(h, X, out_dtype)
     return torch_ops.read(h, X, out_dtype)
@@ -303,7 +303,7 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     if backend == "eager":
         return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
     if backend == "triton":
-        from xhc.kernels import write as triton_write
+        from xhc.kernels import write_ops as triton_write
 
         return triton_write.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
@@ -322,7 +322,7 @@ def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile",
     if backend == "eager":
         return streams.gather_active(X, I)
     if backend == "triton" and after is not None:
-        from xhc.kernels import read as triton_read
+        from xhc.kernels import read_ops as triton_read
 
         return triton_read.gather(X, I, after)
     from xhc.kernels import torch_ops

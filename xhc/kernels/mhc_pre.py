@@ -35,7 +35,7 @@ from xhc.kernels import mhc_common as cm
 from xhc.kernels import state_grad as sg
 from xhc.kernels.common import cast, compute_dtype, tl_dtype
 from xhc.kernels.mhc_common import mm, pick, place, sig, w_pp_tile, w_res_tile
-from xhc.kernels.sinkhorn import sinkhorn_tile, sinkhorn_tile_bwd, sk_start
+from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd, sk_start
 
 
 @triton.jit

@@ -11,7 +11,7 @@ too; the state keeps the mappings for the write.
 Forward (:func:`_xhc_active_fwd_kernel`, a program per BT tokens): one pass over X_a — the GEMM
 ``vec(X_a)·[W_res; W_post]ᵀ`` (``tl.dot``, fp32 accumulation) with Σx² (and the read) in the same loads —
 then in registers the RMSNorm applied after the GEMM (r_a = rsqrt(mean x² + ε)), H_res =
-clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.sinkhorn.sinkhorn_tile`), H_post =
+clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.sinkhorn_ops.sinkhorn_tile`), H_post =
 2σ(α·r_a·proj + b) and P = diag(p)·H_post.
 
     byte budget, per token, state dtype s:  k·C·s (X_a, once)  + 4·(k² + 2·k·K) (H_res, H_post, P)
@@ -46,7 +46,7 @@ from xhc.kernels import mhc_common as cm
 from xhc.kernels import state_grad as sg
 from xhc.kernels.common import cast, compute_dtype, tl_dtype
 from xhc.kernels.mhc_common import mm, sig
-from xhc.kernels.sinkhorn import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd
 from xhc.kernels.xhc_common import active_logits, layout, post_adjoint, w_post_act_tile, w_res_act_tile, warps
 
 

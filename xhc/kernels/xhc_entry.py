@@ -22,7 +22,7 @@ and du), then every epilogue's adjoint in registers — σ', the Sinkhorn adjoin
 small per-token scratch), the route weights' path into the router scores, both norms — giving the two
 GEMMs' gradients ``GE`` ``[T, EW]`` and ``GA`` ``[T, RA + PA]``, the logits' gradients (for db), the α
 partials and the norms' coefficients of X in dX.  :mod:`.xhc_grad` writes dX in one pass (with the
-write's term handed over by :mod:`.write`) and dW, db, dα by deterministic reductions.
+write's term handed over by :mod:`.write_ops`) and dW, db, dα by deterministic reductions.
 
     byte budget:  N·C·s + C·s  (+ 4·(EW + 2·(RA + PA) + NP + 8) per token)
 
@@ -55,7 +55,7 @@ import triton.language as tl
 from xhc.kernels import mhc_common as cm
 from xhc.kernels import state_grad as sg
 from xhc.kernels.common import cast, compute_dtype, tl_dtype
-from xhc.kernels.sinkhorn import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd
 from xhc.kernels.mhc_common import mm, pick, pick_group, place, place_group, sig
 from xhc.kernels.xhc_common import active_logits, layout, post_adjoint, w_entry_tile, w_post_act_tile, w_res_act_tile, warps
 

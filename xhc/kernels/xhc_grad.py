@@ -7,7 +7,7 @@
          + dX'_i                                                           (i outside I)
 
 (the entry GEMM's and both norms' terms, the read's, the active GEMM's and the write's; dX' is the
-write's output gradient that :mod:`.write` handed over).  byte budget, per token:
+write's output gradient that :mod:`.write_ops` handed over).  byte budget, per token:
 N·C·s (X) + N·C·s (dX') + C·s (du) + N·C·s (dX written once) (+ the weights, read once per BT tokens).
 
 :func:`_xhc_dw_kernel` (a program per BK columns of vec X or of vec X_a × S token splits): partial
