@@ -268,3 +268,12 @@ def test_no_room_module_shadows_a_dispatcher_op():
     modules = {p.stem for p in KERNELS.glob("*.py")} | {p.name for p in KERNELS.iterdir() if (p / "__init__.py").exists()}
     clash = sorted(modules & ops)
     assert not clash, f"xhc/kernels modules named like a dispatcher op of xhc/kernels/__init__.py: {clash}; rename the module"
+
+
+def test_the_docs_show_the_room():
+    """docs/kernels.md's tree of the room names every module of xhc/kernels/, one line each, and no other."""
+    text = (XHC.parent / "docs" / "kernels.md").read_text()
+    tree = text.split("```\nxhc/kernels/\n", 1)[1].split("```", 1)[0]
+    listed = sorted(line.split()[0] for line in tree.splitlines() if line.strip())
+    files = sorted(p.name for p in KERNELS.iterdir() if p.suffix in (".py", ".json"))
+    assert listed == files, f"docs/kernels.md 'The room' lists {listed}; xhc/kernels/ holds {files}"
