@@ -210,3 +210,43 @@ def place(a, col, NP: tl.constexpr, OFF: tl.constexpr):
     jj = tl.arange(0, NP)
     sel = col[None, None, :] == (OFF + jj)[None, :, None]
     return tl.sum(tl.where(sel, a[:, :, None], 0.0), 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Split dW of two column groups (the mHC backward's res | pre-post, the xHC entry's res | post): token
+# splits accumulate partials, one reduction sums them in a fixed order (deterministic, no atomics)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def dw_pair_add(G, W, t, tm, x, acc_a, acc_b, A: tl.constexpr, B: tl.constexpr, USE_DOT: tl.constexpr,
+                PREC: tl.constexpr, CDT: tl.constexpr):
+    """One token block: acc_a += G[t, :A]ᵀ·x, acc_b += G[t, A:A + B]ᵀ·x (``G`` ``[T, W]``, ``x`` ``[BT, BK]``)."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    ga = tl.load(G + t[:, None] * W + ca[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    gb = tl.load(G + t[:, None] * W + A + cb[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    acc_a += mm(tl.trans(ga), x, USE_DOT, PREC)
+    acc_b += mm(tl.trans(gb), x, USE_DOT, PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def dw_pair_store(base, acc_a, acc_b, kk, km, L, A: tl.constexpr, B: tl.constexpr):
+    """A split's partial ``[A + B, L]`` at ``base``, columns ``kk``."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    tl.store(base + ca[:, None] * L + kk[None, :], acc_a, mask=km[None, :])
+    tl.store(base + (A + cb[:, None]) * L + kk[None, :], acc_b, mask=km[None, :])
+
+
+@triton.jit
+def dw_pair_sum(PART, S, kk, km, L, A: tl.constexpr, B: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr):
+    """(dW_a ``[A, BK]``, dW_b ``[B, BK]``): the S splits' partials summed in a fixed order."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    acc_a = tl.zeros([A, BK], dtype=CDT)
+    acc_b = tl.zeros([B, BK], dtype=CDT)
+    for s in range(0, S):
+        base = PART + s * (A + B) * L
+        acc_a += tl.load(base + ca[:, None] * L + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+        acc_b += tl.load(base + (A + cb[:, None]) * L + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    return acc_a, acc_b

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.common import cast, tl_dtype
-from xhc.kernels.mhc_common import mm, w_pp_tile, w_res_tile
+from xhc.kernels.mhc_common import dw_pair_add, dw_pair_store, dw_pair_sum, mm, w_pp_tile, w_res_tile
 
 
 @triton.jit
@@ -75,8 +75,6 @@ def _mhc_dw_kernel(X, DP, PART, T, D, TS, RP: tl.constexpr, PP: tl.constexpr, BT
     s = tl.program_id(1)
     km = k < D
     W = RP + PP
-    cr = tl.arange(0, RP)
-    cp = tl.arange(0, PP)
     acc_r = tl.zeros([RP, BK], dtype=CDT)
     acc_p = tl.zeros([PP, BK], dtype=CDT)
     t_lo = s * TS
@@ -85,13 +83,8 @@ def _mhc_dw_kernel(X, DP, PART, T, D, TS, RP: tl.constexpr, PP: tl.constexpr, BT
         t = (t0 + tl.arange(0, BT)).to(tl.int64)
         tm = t < t_hi
         x = tl.load(X + t[:, None] * D + k[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)
-        dpr = tl.load(DP + t[:, None] * W + cr[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        dpp = tl.load(DP + t[:, None] * W + RP + cp[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        acc_r += mm(tl.trans(dpr), x, USE_DOT, PREC)
-        acc_p += mm(tl.trans(dpp), x, USE_DOT, PREC)
-    base = PART + s.to(tl.int64) * W * D
-    tl.store(base + cr[:, None] * D + k[None, :], acc_r, mask=km[None, :])
-    tl.store(base + (RP + cp[:, None]) * D + k[None, :], acc_p, mask=km[None, :])
+        acc_r, acc_p = dw_pair_add(DP, W, t, tm, x, acc_r, acc_p, RP, PP, USE_DOT, PREC, CDT)
+    dw_pair_store(PART + s.to(tl.int64) * W * D, acc_r, acc_p, k, km, D, RP, PP)
 
 
 @triton.jit
@@ -104,12 +97,7 @@ def _mhc_dw_reduce_kernel(PART, WPRE, WPOST, WRES, G, DWPRE, DWPOST, DWRES, DG, 
     W = RP + PP
     cr = tl.arange(0, RP)
     cp = tl.arange(0, PP)
-    dwr = tl.zeros([RP, BK], dtype=CDT)
-    dwp = tl.zeros([PP, BK], dtype=CDT)
-    for s in range(0, S):  # a fixed order over the splits
-        base = PART + s * W * D
-        dwr += tl.load(base + cr[:, None] * D + k[None, :], mask=km[None, :], other=0.0).to(CDT)
-        dwp += tl.load(base + (RP + cp[:, None]) * D + k[None, :], mask=km[None, :], other=0.0).to(CDT)
+    dwr, dwp = dw_pair_sum(PART, S, k, km, D, RP, PP, BK, CDT)  # a fixed order over the splits
     if HAS_G:
         wr = w_res_tile(WRES, G, k, km, N, D, NP, RP, False, CDT)
         wp = w_pp_tile(WPRE, WPOST, G, k, km, N, D, NP, PP, False, CDT)

@@ -35,7 +35,7 @@ from xhc.kernels import mhc_common as cm
 from xhc.kernels import state_grad as sg
 from xhc.kernels.common import cast, compute_dtype, tl_dtype
 from xhc.kernels.mhc_common import mm, pick, place, sig, w_pp_tile, w_res_tile
-from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd, sk_start
+from xhc.kernels.sinkhorn_ops import ds_start, ds_step, ds_step_bwd, sinkhorn_tile, sinkhorn_tile_bwd
 
 
 @triton.jit
@@ -69,40 +69,6 @@ def _epilogue(pr, pp, r, BPRE, BPOST, BRES, APRE, APOST, ARES, tm, N, NP: tl.con
     bres = tl.load(BRES + i3 * N + j3, mask=(i3 < N) & (j3 < N), other=0.0).to(CDT)
     zres = ares * r[:, None, None] * tl.reshape(pr, [BT, NP, NP]) + bres
     return zpre, zpost, zres, mask3
-
-
-@triton.jit
-def _ds_start(zres, mask3, sk_eps):
-    """DeepSeek-V4: p = softmax(z, −1) on the valid entries and M_0 = p + ε (zero on padding)."""
-    zmax, E = sk_start(zres, mask3)
-    rs = tl.sum(E, 2)
-    rs = tl.where(rs == 0.0, 1.0, rs)
-    p = tl.where(mask3, E / rs[:, :, None], 0.0)
-    return p, tl.where(mask3, p + sk_eps, 0.0)
-
-
-@triton.jit
-def _ds_fwd(M, S, base, k, sk_eps, AXIS: tl.constexpr, STORE: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr):
-    """One DeepSeek-V4 normalisation M / (Σ_axis M + ε) (AXIS 2: rows, 1: columns), the sums kept in S."""
-    s = tl.sum(M, AXIS)
-    if STORE:
-        tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
-    if AXIS == 2:
-        return M / (s + sk_eps)[:, :, None]
-    else:
-        return M / (s + sk_eps)[:, None, :]
-
-
-@triton.jit
-def _ds_bwd(G, M, S, base, k, sk_eps, AXIS: tl.constexpr, NP: tl.constexpr):
-    """The adjoint of :func:`_ds_fwd`: G ← (G − Σ_axis G⊙M) / d, M ← M·d (d = s + ε: every step passes)."""
-    if AXIS == 2:
-        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, :, None] + sk_eps
-        G = (G - tl.sum(G * M, 2)[:, :, None]) / d
-    else:
-        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, None, :] + sk_eps
-        G = (G - tl.sum(G * M, 1)[:, None, :]) / d
-    return G, M * d
 
 
 @triton.jit
@@ -145,11 +111,11 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
     i3 = tl.arange(0, NP)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
     if DS:  # DeepSeek-V4 (docs/math.md §2.h): comb = softmax + ε, a column step, (t_max − 1) × (row, column); H = combᵀ
-        p, M = _ds_start(zres, mask3, sk_eps)
-        M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+        p, M = ds_start(zres, mask3, sk_eps)
+        M = ds_step(M, P, 0, 0, sk_eps, 1, False, 1, NP)
         for _ in range(t_max - 1):
-            M = _ds_fwd(M, P, 0, 0, sk_eps, 2, False, 1, NP)
-            M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+            M = ds_step(M, P, 0, 0, sk_eps, 2, False, 1, NP)
+            M = ds_step(M, P, 0, 0, sk_eps, 1, False, 1, NP)
         tl.store(HRES + t[:, None, None] * N * N + j3 * N + i3, M, mask=mask3)
     else:
         M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, CLAMP)
@@ -202,22 +168,22 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
     j3 = tl.arange(0, NP)[None, None, :]
     if HAS_DHRES and DS:  # xhc.doubly_stochastic.sinkhorn_deepseek_backward; dcomb = dHᵀ
         base = t[:, None] * NS * NP
-        p, M = _ds_start(zres, mask3, sk_eps)
+        p, M = ds_start(zres, mask3, sk_eps)
         k = 0
-        M = _ds_fwd(M, S, base, k, sk_eps, 1, True, NS, NP)
+        M = ds_step(M, S, base, k, sk_eps, 1, True, NS, NP)
         k += 1
         for _ in range(t_max - 1):
-            M = _ds_fwd(M, S, base, k, sk_eps, 2, True, NS, NP)
-            M = _ds_fwd(M, S, base, k + 1, sk_eps, 1, True, NS, NP)
+            M = ds_step(M, S, base, k, sk_eps, 2, True, NS, NP)
+            M = ds_step(M, S, base, k + 1, sk_eps, 1, True, NS, NP)
             k += 2
         Gd = tl.load(DHRES + t[:, None, None] * N * N + j3 * N + i3, mask=mask3, other=0.0).to(CDT)
         for _ in range(t_max - 1):
-            Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+            Gd, M = ds_step_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
             Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-            Gd, M = _ds_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
+            Gd, M = ds_step_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
             Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
             k -= 2
-        Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+        Gd, M = ds_step_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
         Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         dzres = tl.where(mask3, p * (Gd - tl.sum(Gd * p, 2)[:, :, None]), 0.0)
     if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), sums in S

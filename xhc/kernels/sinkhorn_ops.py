@@ -11,7 +11,9 @@ iterations in registers.
 =========================  ==============================================================================
 
 :func:`sinkhorn_tile` / :func:`sinkhorn_tile_bwd` are the paper map on a ``[BT, NP, NP]`` tile in
-registers, which the fused mHC and xHC kernels call in their epilogues (with :func:`sk_start`).
+registers, which the fused mHC and xHC kernels call in their epilogues; :func:`ds_start`, :func:`ds_step`
+and :func:`ds_step_bwd` are DeepSeek-V4's steps, shared by the standalone kernels and the fused mHC
+epilogue (:mod:`.mhc_pre`).  Both maps start from :func:`sk_start` (the row-max shifted exponentials).
 """
 
 from __future__ import annotations
@@ -215,52 +217,56 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
 # DeepSeek-V4's Sinkhorn (docs/math.md §2.h): softmax + ε start, column first, + ε denominators
 # ================================================================================================
 @triton.jit
+def ds_start(zres, mask3, sk_eps):
+    """DeepSeek-V4: p = softmax(z, −1) on the valid entries and M_0 = p + ε (zero on padding); the standalone
+    kernels and the fused mHC epilogue (:mod:`.mhc_pre`) share these tiles."""
+    zmax, E = sk_start(zres, mask3)
+    rs = tl.sum(E, 2)
+    rs = tl.where(rs == 0.0, 1.0, rs)
+    p = tl.where(mask3, E / rs[:, :, None], 0.0)
+    return p, tl.where(mask3, p + sk_eps, 0.0)
+
+
+@triton.jit
+def ds_step(M, S, base, k, sk_eps, AXIS: tl.constexpr, STORE: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr):
+    """One DeepSeek-V4 normalisation M / (Σ_axis M + ε) (AXIS 2: rows, 1: columns), the sums kept in S."""
+    s = tl.sum(M, AXIS)
+    if STORE:
+        tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
+    if AXIS == 2:
+        return M / (s + sk_eps)[:, :, None]
+    else:
+        return M / (s + sk_eps)[:, None, :]
+
+
+@triton.jit
+def ds_step_bwd(G, M, S, base, k, sk_eps, AXIS: tl.constexpr, NP: tl.constexpr):
+    """The adjoint of :func:`ds_step`: G ← (G − Σ_axis G⊙M) / d, M ← M·d (d = s + ε: every step passes)."""
+    if AXIS == 2:
+        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, :, None] + sk_eps
+        G = (G - tl.sum(G * M, 2)[:, :, None]) / d
+    else:
+        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, None, :] + sk_eps
+        G = (G - tl.sum(G * M, 1)[:, None, :]) / d
+    return G, M * d
+
+
+@triton.jit
 def _skd_start(Z, T, n, eps, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
     """p = softmax(Z, −1) and M_0 = p + ε on the real entries (0 on the padding)."""
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)[:, None, None]
-    i = tl.arange(0, NP)[None, :, None]
-    j = tl.arange(0, NP)[None, None, :]
-    mask = (t < T) & (i < n) & (j < n)
-    offs = t * n * n + i * n + j
-    z = tl.load(Z + offs, mask=mask, other=0.0).to(CDT)
-    zm = tl.where(mask, z, float("-inf"))
-    zmax = tl.max(zm, 2)[:, :, None]
-    zmax = tl.where(zmax == float("-inf"), 0.0, zmax)
-    e = tl.where(mask, tl.exp(z - zmax), 0.0)
-    p = e / tl.maximum(tl.sum(e, 2), 1e-30)[:, :, None]
-    return p, tl.where(mask, p + eps, 0.0), mask, offs
+    z, mask, offs = _sk_load(Z, T, n, BT, NP, CDT)
+    p, M = ds_start(z, mask, eps)
+    return p, M, mask, offs
 
 
 @triton.jit
 def _sinkhorn_ds_fwd_kernel(Z, OUT, T, n, iters, eps, BT: tl.constexpr, NP: tl.constexpr, CDT: tl.constexpr):
     p, M, mask, offs = _skd_start(Z, T, n, eps, BT, NP, CDT)
-    M = M / (tl.sum(M, 1) + eps)[:, None, :]
+    M = ds_step(M, OUT, 0, 0, eps, 1, False, 1, NP)
     for _ in range(iters - 1):
-        M = M / (tl.sum(M, 2) + eps)[:, :, None]
-        M = M / (tl.sum(M, 1) + eps)[:, None, :]
+        M = ds_step(M, OUT, 0, 0, eps, 2, False, 1, NP)
+        M = ds_step(M, OUT, 0, 0, eps, 1, False, 1, NP)
     tl.store(OUT + offs, cast(M, OUT), mask=mask)
-
-
-@triton.jit
-def _skd_step_fwd(M, S, base, k, eps, AXIS: tl.constexpr, NP: tl.constexpr):
-    s = tl.sum(M, AXIS)  # [BT, NP]
-    tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
-    if AXIS == 2:
-        return M / (s + eps)[:, :, None]
-    return M / (s + eps)[:, None, :]
-
-
-@triton.jit
-def _skd_step_bwd(G, M, S, base, k, eps, mask, AXIS: tl.constexpr, NP: tl.constexpr):
-    s = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])
-    if AXIS == 2:
-        d = (s + eps)[:, :, None]
-        dot = tl.sum(G * M, 2)[:, :, None]
-    else:
-        d = (s + eps)[:, None, :]
-        dot = tl.sum(G * M, 1)[:, None, :]
-    return tl.where(mask, (G - dot) / d, 0.0), M * d  # padding kept at 0 (its d is ε)
 
 
 @triton.jit
@@ -270,18 +276,21 @@ def _sinkhorn_ds_bwd_kernel(Z, DH, DZ, S, T, n, iters, eps, NS: tl.constexpr, BT
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)[:, None]
     base = t * NS * NP  # [BT, 1]
-    M = _skd_step_fwd(M, S, base, 0, eps, 1, NP)
+    M = ds_step(M, S, base, 0, eps, 1, True, NS, NP)
     k = 1
     for _ in range(iters - 1):
-        M = _skd_step_fwd(M, S, base, k, eps, 2, NP)
-        M = _skd_step_fwd(M, S, base, k + 1, eps, 1, NP)
+        M = ds_step(M, S, base, k, eps, 2, True, NS, NP)
+        M = ds_step(M, S, base, k + 1, eps, 1, True, NS, NP)
         k += 2
     G = tl.load(DH + offs, mask=mask, other=0.0).to(CDT)
     for _ in range(iters - 1):
-        G, M = _skd_step_bwd(G, M, S, base, k - 1, eps, mask, 1, NP)
-        G, M = _skd_step_bwd(G, M, S, base, k - 2, eps, mask, 2, NP)
+        G, M = ds_step_bwd(G, M, S, base, k - 1, eps, 1, NP)
+        G = tl.where(mask, G, 0.0)  # padding kept at 0 (its d is ε)
+        G, M = ds_step_bwd(G, M, S, base, k - 2, eps, 2, NP)
+        G = tl.where(mask, G, 0.0)
         k -= 2
-    G, M = _skd_step_bwd(G, M, S, base, 0, eps, mask, 1, NP)
+    G, M = ds_step_bwd(G, M, S, base, 0, eps, 1, NP)
+    G = tl.where(mask, G, 0.0)
     dZ = p * (G - tl.sum(G * p, 2)[:, :, None])
     tl.store(DZ + offs, cast(dZ, DZ), mask=mask)
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
 from xhc.kernels.common import cast, tl_dtype
-from xhc.kernels.mhc_common import mm
+from xhc.kernels.mhc_common import dw_pair_add, dw_pair_store, dw_pair_sum, mm
 from xhc.kernels.xhc_common import layout, w_entry_tile, w_post_act_tile, w_res_act_tile
 
 
@@ -138,8 +138,6 @@ def _dw_active_part(X, IDX, GA, PARTA, pa, s, t_lo, t_hi, D, C, k, RA: tl.conste
     km = kk < KC
     j = kk // C
     cc = kk % C
-    cra = tl.arange(0, RA)
-    cpa = tl.arange(0, PA)
     accr = tl.zeros([RA, BK], dtype=CDT)
     accp = tl.zeros([PA, BK], dtype=CDT)
     for t0 in range(t_lo, t_hi, BT):
@@ -151,13 +149,8 @@ def _dw_active_part(X, IDX, GA, PARTA, pa, s, t_lo, t_hi, D, C, k, RA: tl.conste
             xa = tl.load(X + t[:, None] * D + Ij * C + cc[None, :], mask=m2, other=0.0).to(CDT)
         else:  # X is X_a itself, [T, k, C] (a Flash window's carried streams, .xhc_active)
             xa = tl.load(X + t[:, None] * KC + kk[None, :], mask=m2, other=0.0).to(CDT)
-        gar = tl.load(GA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        gap = tl.load(GA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        accr += mm(tl.trans(gar), xa, USE_DOT, PREC)
-        accp += mm(tl.trans(gap), xa, USE_DOT, PREC)
-    base = PARTA + s.to(tl.int64) * AW * KC
-    tl.store(base + cra[:, None] * KC + kk[None, :], accr, mask=km[None, :])
-    tl.store(base + (RA + cpa[:, None]) * KC + kk[None, :], accp, mask=km[None, :])
+        accr, accp = dw_pair_add(GA, AW, t, tm, xa, accr, accp, RA, PA, USE_DOT, PREC, CDT)
+    dw_pair_store(PARTA + s.to(tl.int64) * AW * KC, accr, accp, kk, km, KC, RA, PA)
 
 
 @triton.jit
@@ -221,12 +214,7 @@ def _reduce_active_part(PARTA, DWRES, DWPOST, pa, S, C, k, K, HAS_RES: tl.conste
     km = kk < KC
     cra = tl.arange(0, RA)
     cpa = tl.arange(0, PA)
-    accr = tl.zeros([RA, BK], dtype=CDT)
-    accp = tl.zeros([PA, BK], dtype=CDT)
-    for s in range(0, S):
-        base = PARTA + s * AW * KC
-        accr += tl.load(base + cra[:, None] * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
-        accp += tl.load(base + (RA + cpa[:, None]) * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    accr, accp = dw_pair_sum(PARTA, S, kk, km, KC, RA, PA, BK, CDT)
     ri = cra[:, None] // KP
     rq = cra[:, None] % KP
     if HAS_RES:
