@@ -428,7 +428,7 @@ def test_triton_sinkhorn_deepseek_with_padding(n):
     """n not a power of two (the kernels pad to the next one): values and gradients of the float64
     reference (the padding must stay out of every sum, in both passes)."""
     pytest.importorskip("triton")
-    from xhc.kernels import triton_ops
+    from xhc.kernels import sinkhorn_ops as triton_ops
 
     dev = "cuda" if HAS_CUDA else "cpu"
     g = torch.Generator().manual_seed(7)

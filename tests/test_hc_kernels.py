@@ -35,9 +35,12 @@ def _triton_ops():
     pytest.importorskip("triton")
     if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET is not 1")
-    from xhc.kernels import triton_ops
+    from types import SimpleNamespace
 
-    return triton_ops
+    from xhc.kernels import linear_stats, read_ops, sinkhorn_ops, write_ops
+
+    return SimpleNamespace(sinkhorn=sinkhorn_ops.sinkhorn, read=read_ops.read, write=write_ops.write,
+                           linear_stats=linear_stats.linear_stats)
 
 
 def _close(a, b, rtol=1e-9, atol=1e-11, what=""):
@@ -483,14 +486,16 @@ def test_module_triton_backend_equals_eager(device, kind, kw, n):
 
 
 # ================================================================================================
-# triton: one write of the state's gradient per sublayer (xhc/kernels/triton_ops.py, docstring)
+# triton: one write of the state's gradient per sublayer (xhc/kernels/state_grad.py, docstring)
 # ================================================================================================
 def _spy_state_grad(monkeypatch, ops):
     """Record the terms the read and the write hand over, and each one-pass dX launch."""
     log = []
-    hand_over, state_grad = ops._hand_over, ops._state_grad
-    monkeypatch.setattr(ops, "_hand_over", lambda owner, slot, terms: (log.append(slot), hand_over(owner, slot, terms)))
-    monkeypatch.setattr(ops, "_state_grad", lambda *a: (log.append("dX"), state_grad(*a))[1])
+    from xhc.kernels import state_grad as sg  # the owner protocol the read, the write and linear_stats share
+
+    hand_over, state_grad = sg.hand_over, sg.state_grad
+    monkeypatch.setattr(sg, "hand_over", lambda owner, slot, terms: (log.append(slot), hand_over(owner, slot, terms)))
+    monkeypatch.setattr(sg, "state_grad", lambda *a: (log.append("dX"), state_grad(*a))[1])
     from xhc.kernels import xhc_grad  # the fused xHC entry writes its sublayer's dX itself
 
     fused_grad = xhc_grad.state_grad

@@ -137,7 +137,7 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
     assert [n for n, why in judged.items() if why] == ["training.checkpoint", "tools.zoo", "bench"]
     assert "not training (a layer above)" in judged["training.checkpoint"]
     assert violation("xhc/norms.py", "scipy.optimize") and violation("xhc/norms.py", "triton")
-    assert violation("xhc/kernels/triton_ops.py", "triton") is None
+    assert violation("xhc/kernels/read.py", "triton") is None
     assert violation("xhc/norms.py", "megatron.core") and violation("configs/__init__.py", "xhc.config")
     assert violation("bench/x.py", "tools.zoo") is None and violation("tools/x.py", "bench.throughput")
 

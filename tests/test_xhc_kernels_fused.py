@@ -368,13 +368,13 @@ def test_flash_window_carried_state_gradient_is_written_once(monkeypatch):
     writes dX_a), the window's last write hands its dX^(0) term to the window entry; the result still
     equals eager (float64)."""
     _need_triton()
-    from xhc.kernels import triton_ops, xhc_active
+    from xhc.kernels import state_grad as triton_ops, xhc_active
 
     cfg = HCConfig(variant="xhc_flash", n=8, k=4, m=2, kernel_sizes=(2,))
     out_r, g_r = _run_window(cfg.replace(kernels="eager"))
     handed = []
-    hand = triton_ops._hand_over
-    monkeypatch.setattr(triton_ops, "_hand_over", lambda o, slot, t: (handed.append((type(o).__name__, slot)),
+    hand = triton_ops.hand_over
+    monkeypatch.setattr(triton_ops, "hand_over", lambda o, slot, t: (handed.append((type(o).__name__, slot)),
                                                                        hand(o, slot, t))[1])
     out_f, g_f = _run_window(cfg.replace(kernels="triton"))
     active = xhc_active.XHCActive._backward_cls.__name__

@@ -311,11 +311,12 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
 # modules are not shipped.  An import of one of them in the shipped code becomes a placeholder that
 # raises (with the reason) if it is ever used; it never is with ``hc.kernels: eager``.
 EXPORT_KERNELS = "eager"
-# every module of xhc/kernels/ but the package itself and torch_ops (the eager and compile ops): a
-# kernel module added later is left out without being listed here
+# every module of xhc/kernels/ but the package itself, torch_ops (the eager and compile ops) and runtime
+# (whether Triton imports; the package imports it): a kernel module added later is left out without
+# being listed here
 NOT_SHIPPED = tuple(sorted(f"xhc.kernels.{f[:-3]}" for f in os.listdir(os.path.join(os.path.dirname(_xhc.__file__),
                                                                                       "kernels"))
-                           if f.endswith(".py") and f not in ("__init__.py", "torch_ops.py")))
+                           if f.endswith(".py") and f not in ("__init__.py", "torch_ops.py", "runtime.py")))
 NOT_SHIPPED_FILE = "xhc_not_shipped.py"
 _NOT_SHIPPED_SRC = '''"""Placeholder for the xhc modules an exported folder does not ship (it runs the eager HC path)."""
 

@@ -1,6 +1,6 @@
 """Compile the HC Triton kernels for NVIDIA GPUs ahead of time, on a machine without a GPU.
 
-The ``triton`` backend (:mod:`xhc.kernels.triton_ops`, and Liger-Kernel's mHC op where installed)
+The ``triton`` backend (the kernel modules of :mod:`xhc.kernels`, and Liger-Kernel's mHC op where installed)
 is tested on CPU under the Triton interpreter, which never runs Triton's compiler.  A compiler-only
 error (a construct the interpreter accepts and the MLIR lowering rejects, a register or shared-memory
 overflow, a ptxas failure) would only show on the first GPU run, in every training check at once.
@@ -257,7 +257,12 @@ def _op_shapes(rec: Recorder, spec: str) -> None:
     dtype; the coefficients are fp32 (float64 with a float64 state), as in the models."""
     import torch
 
-    from xhc.kernels import triton_ops as T
+    from types import SimpleNamespace
+
+    from xhc.kernels import linear_stats, read_ops, sinkhorn_ops, write_ops
+
+    T = SimpleNamespace(sinkhorn=sinkhorn_ops.sinkhorn, sinkhorn_deepseek=sinkhorn_ops.sinkhorn_deepseek,
+                        read=read_ops.read, gather=read_ops.gather, write=write_ops.write, linear_stats=linear_stats.linear_stats)
 
     n, C, dt = spec.split(":")
     n, C, dtype = int(n), int(C), getattr(torch, dt)

@@ -81,7 +81,6 @@ from xhc.xhc import (
     entry_mappings,
     entry_statistics,
     fold_components,
-    fused_entry_runs,
     fused_write,
     fused_write_runs,
     make_temporal,
@@ -135,9 +134,10 @@ def nonactive_weights(h: torch.Tensor, I: torch.Tensor) -> torch.Tensor:
 
 
 def fused_mappings_run(run: WindowRun, k: int, K: int, ablate_post: bool) -> bool:
-    """Whether a window write's mappings run as one kernel (:func:`xhc.kernels.xhc_mappings`): ``triton``
-    with fused coefficients, k ≤ 16, K ≤ 8, no ablated post mapping."""
-    return run.backend == "triton" and run.fused and not ablate_post and k <= 16 and K <= 8
+    """Whether a window write's mappings run as one kernel (:func:`xhc.kernels.xhc_mappings`): the kernels
+    room answers for the run's backend and fused choice, k, K and an ablated post mapping
+    (:func:`xhc.kernels.xhc_mappings_fused`)."""
+    return kernels.xhc_mappings_fused(run.backend, run.fused, k, K, ablate_post)
 
 
 def window_mappings(Xa: torch.Tensor, p: torch.Tensor, post: PostMapping, res: Optional[ResMapping], run: WindowRun,
@@ -260,9 +260,9 @@ class _WindowPart(nn.Module):
         return branch_components(y, temporal, self.cfg, seq, backend)
 
     def _fused_entry(self, run: WindowRun, pres) -> bool:
-        """Whether the window entry runs as one kernel (:func:`xhc.kernels.xhc_window_read`): ``triton``
-        with fused coefficients, the sigmoid router, no ablated pre-mapping, N ≤ 16, k ≤ 16."""
-        return fused_entry_runs(self.cfg, run.backend, run.fused, [pre.weight for pre in pres])
+        """Whether the window entry runs as one kernel (:func:`xhc.kernels.xhc_window_read`; the kernels room
+        answers, :func:`xhc.kernels.window_entry_fused`)."""
+        return kernels.window_entry_fused(self.cfg, run.backend, run.fused, [pre.weight for pre in pres])
 
     def _entry_read(self, X0: torch.Tensor, run: WindowRun, pres, nonactive: bool):
         """(R ``[..., T, C]``, I, p, score, h ``[..., T, N]``, X_a) of the fused window entry."""
@@ -369,7 +369,7 @@ class XHCFlashLayer(_WindowPart):
         V_A is orthogonalised on every backend: :meth:`mlp_read`'s correction reads it."""
         _check_stage(state, "entry", "XHCFlashLayer.attn_write")
         run = self._run(state.X0)
-        if run.backend == "triton":  # the write and the MLP read's correction
+        if kernels.flash_attn_fused(run.backend):  # the write and the MLP read's correction
             # in one kernel (xhc.kernels.flash_attn); a single component is y itself, in its own dtype
             _, H_post, P = window_mappings(state.Xa, state.p, self.post_A, None, run, state.act_moments)
             V = y.unsqueeze(-2) if self.temporal_A is None else write_components(

@@ -438,13 +438,10 @@ class HyperConnection(nn.Module):
     # --------------------------------------------------------------------------------------------
     def _fused_mhc(self, X: torch.Tensor) -> bool:
         """Whether the read and write run as the fused mHC kernels (:mod:`xhc.kernels.mhc_pre`,
-        :mod:`xhc.kernels.mhc_post`): dynamic ``mhc`` with every group, on the ``triton`` backend, without
-        the option those kernels leave out (residual-logit dropout while training)."""
-        cfg = self.cfg
-        return (cfg.variant == "mhc" and cfg.dynamic and self.b_pre is not None and self.b_post is not None
-                and self.b_res is not None
-                and not (self.training and cfg.res_logit_dropout > 0)
-                and not kernels.liger_runs(cfg.kernels, X.device) and self.backend(X) == "triton")
+        :mod:`xhc.kernels.mhc_post`): the kernels room answers (:func:`xhc.kernels.mhc_fused`) for the
+        configuration, tensors like ``X``, the training mode and whether every group has its parameters."""
+        groups = all(getattr(self, b, None) is not None for b in ("b_pre", "b_post", "b_res"))  # static maps: none
+        return kernels.mhc_fused(self.cfg, X, self.training, groups)
 
     def read(self, X: torch.Tensor):
         """``X``: ``[..., N, C]`` -> (u ``[..., C]`` in X's dtype, :class:`HCContext`)."""

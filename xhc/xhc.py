@@ -432,23 +432,12 @@ def branch_components(y: torch.Tensor, temporal: Optional[nn.Module], cfg: HCCon
     return Components(write_components(y, temporal, cfg.gram_schmidt, cfg.gs_eps, seq), None)
 
 
-def fused_entry_runs(cfg: HCConfig, backend: str, fused: bool, weights: Sequence[Optional[torch.Tensor]]) -> bool:
-    """Whether an entry (the routing and the read mappings with the given ``weights``) can run as the fused
-    xHC entry kernel (:mod:`xhc.kernels.xhc_entry`; an xHC sublayer or a Flash window): ``triton`` with
-    fused coefficients, the sigmoid router, N ≤ 16, k ≤ 16, no ablated mapping among ``weights``."""
-    return (backend == "triton" and fused and cfg.router == "sigmoid" and cfg.n <= 16 and cfg.k <= 16
-            and all(w is not None for w in weights))
-
-
 def fused_write_runs(temporal: Optional[nn.Module], X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
     """Whether a write with the temporal components of ``temporal`` runs as the fused xHC write kernel
-    (:mod:`xhc.kernels.xhc_post`; the xHC MLP sublayer and the Flash windows' writes): ``triton``, an
-    augmented write with at most 3 kernels, ``[s, b, ·]`` tensors (``X`` the state or the carried
-    X_a) and a sequence held whole by this rank (no halo exchange, segments or decode cache: those
-    keep the separate ops)."""
-    whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
-    return (backend == "triton" and temporal is not None and 0 < len(temporal.conv) <= kernels.FUSED_WRITE_MAX_KERNELS
-            and whole and X.dim() == 4 and y.dim() == 3)
+    (the xHC MLP sublayer and the Flash windows' writes): the kernels room answers
+    (:func:`xhc.kernels.xhc_write_fused`: the backend, the number of kernels, the tensors' ranks and
+    whether this rank holds the whole sequence)."""
+    return kernels.xhc_write_fused(backend, temporal, X, y, seq)
 
 
 def fused_write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: Optional[torch.Tensor],
@@ -555,11 +544,9 @@ class XHCSublayer(nn.Module):
     # --------------------------------------------------------------------------------------------
     def _fused_entry(self, X: torch.Tensor, backend: str) -> bool:
         """Whether routing, every mapping and the read run as the fused xHC entry kernel
-        (:func:`fused_entry_runs`, plus the dense read, every mapping group and K ≤ 8; the ablations keep
-        the separate ops)."""
-        c = self.cfg
-        return (fused_entry_runs(c, backend, resolve_fused(self.fused, backend), [self.pre.weight, self.post.weight])
-                and c.dense_read and self.res is not None and self.K <= 8)
+        (:func:`xhc.kernels.xhc_entry_fused`; the ablations keep the separate ops)."""
+        return kernels.xhc_entry_fused(self.cfg, backend, resolve_fused(self.fused, backend),
+                                       [self.pre.weight, self.post.weight, self.res], self.K)
 
     def _fused_post(self, X: torch.Tensor, y: torch.Tensor, seq, backend: str) -> bool:
         """Whether the temporal components, their Gram–Schmidt coefficients and the write run as the

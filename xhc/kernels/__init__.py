@@ -7,7 +7,7 @@ Backends (``HCConfig.kernels``):
 ``compile``  the fused torch implementations of :mod:`xhc.kernels.torch_ops`: custom autograd
            functions with hand-written backwards, traceable by ``torch.compile(fullgraph=True)``
            (zero graph breaks); eager-callable too
-``triton`` the Triton kernels of :mod:`xhc.kernels.triton_ops` (CUDA tensors; the interpreter,
+``triton`` the Triton kernels of modules of :mod:`xhc.kernels` (CUDA tensors; the interpreter,
            ``TRITON_INTERPRET=1``, runs them on CPU tensors for tests)
 ``auto``   on CUDA the measured faster backend per variant (:data:`AUTO_CUDA`, today ``compile``
            for every variant); ``compile`` everywhere else (CPU tensors, and under
@@ -55,6 +55,7 @@ import torch
 from xhc import streams
 from xhc.config import KERNEL_BACKENDS as KERNEL_CHOICES  # the one definition of the backend names
 from xhc.config import OP_BACKENDS as BACKENDS
+from xhc.kernels.runtime import interpreting, triton_available  # noqa: F401  (re-exported)
 
 # Inductor settings for graphs of HC code (``torch.compile(..., options=INDUCTOR_OPTIONS)``;
 # :func:`compile_options` merges them with a ``mode``).  The xHC write is one loop over the state
@@ -85,22 +86,6 @@ def compile_options(mode: Optional[str] = None) -> dict:
                              'write e.g. XHC_INDUCTOR_OPTIONS=\'{"realize_reads_threshold": 8}\'')
         opts.update(more)
     return opts
-
-_TRITON_OK: Optional[bool] = None
-
-
-def triton_available() -> bool:
-    """True when ``import triton`` works (checked once; never raises)."""
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON_OK = True
-        except Exception:  # ImportError, or a broken install
-            _TRITON_OK = False
-    return _TRITON_OK
-
 
 _RETIRED_ENV_CHECKED = False
 
@@ -191,7 +176,7 @@ def resolve_backend(cfg_or_kernels: Union[str, "object"], device: Union[torch.de
         return _auto_cuda(variant, capability)
     if dev.type == "cuda" and triton_available():
         return "triton"
-    if _interpreting() and triton_available():
+    if interpreting() and triton_available():
         return "triton"
     return "compile"
 
@@ -212,13 +197,6 @@ def backend_reason(cfg, device) -> str:
     return f"HC kernels: auto -> {got} for variant {variant} ({why})"
 
 
-def _interpreting() -> bool:
-    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors (read at call time)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # ------------------------------------------------------------------------------------------------
 # Ops
 # ------------------------------------------------------------------------------------------------
@@ -236,9 +214,9 @@ def sinkhorn(Z: torch.Tensor, t_max: int = 20, eps: float = 1e-6, order: str = "
     if backend == "eager":
         return ds.sinkhorn(Z, t_max, eps, order, recompute=recompute)
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import sinkhorn_ops as triton_sinkhorn
 
-        return triton_ops.sinkhorn(Z, t_max, eps, order)
+        return triton_sinkhorn.sinkhorn(Z, t_max, eps, order)
     return ds.sinkhorn(Z, t_max, eps, order, recompute=True)
 
 
@@ -248,16 +226,16 @@ def sinkhorn_deepseek(Z: torch.Tensor, iters: int = 20, eps: float = 1e-6, backe
 
     ``eager``: the reference :func:`xhc.doubly_stochastic.sinkhorn_deepseek` (unrolled autograd, or its
     recompute op when ``recompute``); ``compile``: the recompute op (saves only Z); ``triton``: the
-    same op as two kernels (:func:`xhc.kernels.triton_ops.sinkhorn_deepseek`).
+    same op as two kernels (:func:`xhc.kernels.sinkhorn_ops.sinkhorn_deepseek`).
     """
     from xhc import doubly_stochastic as ds
 
     if backend == "eager":
         return ds.sinkhorn_deepseek(Z, iters, eps, recompute=recompute)
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import sinkhorn_ops as triton_sinkhorn
 
-        return triton_ops.sinkhorn_deepseek(Z, iters, eps)
+        return triton_sinkhorn.sinkhorn_deepseek(Z, iters, eps)
     return ds.sinkhorn_deepseek(Z, iters, eps, recompute=True)
 
 
@@ -273,9 +251,9 @@ def read(h: torch.Tensor, X: torch.Tensor, out_dtype: Optional[torch.dtype] = No
     if backend == "eager":
         return streams.read_streams(h, X, out_dtype)
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import read_ops as triton_read
 
-        return triton_ops.read(h, X, out_dtype)
+        return triton_read.read(h, X, out_dtype)
     return torch_ops.read(h, X, out_dtype)
 
 
@@ -325,9 +303,9 @@ def write(X: Optional[torch.Tensor], I: Optional[torch.Tensor], Xa: torch.Tensor
     if backend == "eager":
         return torch_ops.write_reference(X, I, Xa, H, P, V, out_dtype)
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import write_ops as triton_write
 
-        return triton_ops.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
+        return triton_write.write(X, I, Xa, H, P, V, out_dtype, inplace=inplace)
     return torch_ops.write(X, I, Xa, H, P, V, out_dtype)
 
 
@@ -339,14 +317,14 @@ def gather(X: torch.Tensor, I: torch.Tensor, backend: str = "compile",
     ``scatter_add``); otherwise one op whose backward writes dX row by row (dX[i] = dX_a[slot(i)] on
     active rows, 0 elsewhere), which ``torch.compile`` fuses with X's other gradient terms.
     ``triton``: with ``after`` (a tensor computed from the state's coefficient GEMM, e.g. the routing
-    weights) dX_a joins the one-pass state gradient of :mod:`xhc.kernels.triton_ops`.
+    weights) dX_a joins the one-pass state gradient of :mod:`xhc.kernels.state_grad`.
     """
     if backend == "eager":
         return streams.gather_active(X, I)
     if backend == "triton" and after is not None:
-        from xhc.kernels import triton_ops
+        from xhc.kernels import read_ops as triton_read
 
-        return triton_ops.gather(X, I, after)
+        return triton_read.gather(X, I, after)
     from xhc.kernels import torch_ops
 
     return torch_ops.gather(X, I)
@@ -382,11 +360,11 @@ def norm_linear(x: torch.Tensor, W: torch.Tensor, eps: float = 1e-6, kind: str =
     if backend == "eager":
         return torch_ops.norm_linear_reference(x, W, eps, kind, gain)
     if backend == "triton":  # the GEMM and x's statistics in one pass, x read in its own dtype
-        from xhc.kernels import triton_ops
+        from xhc.kernels import linear_stats as triton_stats
         from xhc.norms import fp32
 
         Wf = fp32(W) if gain is None else fp32(W) * fp32(gain)
-        proj, s1, s2 = triton_ops.linear_stats(x.unsqueeze(-2), Wf)
+        proj, s1, s2 = triton_stats.linear_stats(x.unsqueeze(-2), Wf)
         if moments is None:
             moments = (s1 / x.shape[-1], s2 / x.shape[-1])
         return torch_ops.norm_after(proj, Wf, *moments, eps, kind)
@@ -398,10 +376,10 @@ def stream_moments(X: torch.Tensor, backend: str = "compile"):
     one pass over ``X`` ``[..., n, C]`` (:func:`xhc.norms.stream_moments`; the ``triton``
     backend reads X once in its own dtype)."""
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import linear_stats as triton_stats
         from xhc.norms import fp32
 
-        _, s1, s2 = triton_ops.linear_stats(X, fp32(X.new_empty(0, X.shape[-2] * X.shape[-1])))
+        _, s1, s2 = triton_stats.linear_stats(X, fp32(X.new_empty(0, X.shape[-2] * X.shape[-1])))
         return s1, s2
     from xhc.norms import stream_moments as reference
 
@@ -421,7 +399,7 @@ def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", se
                   after: Optional[torch.Tensor] = None):
     """(x·Wᵀ ``[..., d]`` fp32, ν = mean(x²) ``[..., 1]`` or None) from one pass over ``x`` ``[..., D]``.
 
-    ``W`` is fp32 ``[d, D]``.  ``triton``: :func:`xhc.kernels.triton_ops.linear_stats` (x read once in
+    ``W`` is fp32 ``[d, D]``.  ``triton``: :func:`xhc.kernels.linear_stats.linear_stats` (x read once in
     its own dtype, no fp32 copy of a bf16 state; ν always comes with it); otherwise the GEMM on fp32(x)
     and, when ``second_moment``, ν from the same fp32 x.  ``after`` (``triton``): the statistics of an
     earlier one-pass op on the same state (:func:`stream_moments`); x's gradient term then joins that
@@ -430,13 +408,80 @@ def linear_moment(x: torch.Tensor, W: torch.Tensor, backend: str = "compile", se
     from xhc.norms import fp32
 
     if backend == "triton":
-        from xhc.kernels import triton_ops
+        from xhc.kernels import linear_stats as triton_stats
 
-        proj, _, s2 = triton_ops.linear_stats(x.unsqueeze(-2), W, after)
+        proj, _, s2 = triton_stats.linear_stats(x.unsqueeze(-2), W, after)
         return proj, s2 / x.shape[-1]
     x = fp32(x)
     proj = torch.nn.functional.linear(x, W)
     return proj, (x.pow(2).mean(-1, keepdim=True) if second_moment else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Which path runs: one predicate per fused op (docs/kernels.md, "Which path runs")
+# ------------------------------------------------------------------------------------------------
+# The maths asks these and never compares a backend name; each kernel's limits live beside it
+# (``covers`` of its module), read only when the backend is ``triton`` (so Triton imports).
+def mhc_fused(cfg, X: torch.Tensor, training: bool, groups: bool = True) -> bool:
+    """Whether an mHC sublayer's read and write run as the fused kernels :func:`mhc_read` and
+    :func:`mhc_write` for tensors like ``X``: the ``triton`` backend (not Liger's coefficient op) and a
+    configuration the kernels cover (:func:`xhc.kernels.mhc_common.covers`); ``groups``: every mapping
+    group has its parameters (no ablation)."""
+    if resolve_backend(cfg, X.device) != "triton" or liger_runs(cfg.kernels, X.device):
+        return False
+    from xhc.kernels import mhc_common
+
+    return mhc_common.covers(cfg, training, groups)
+
+
+def xhc_entry_fused(cfg, backend: str, fused: bool, mappings, K: int) -> bool:
+    """Whether an xHC sublayer's routing, every mapping and its read run as the fused entry
+    :func:`xhc_read`: ``triton`` with fused coefficients, and the entry kernel covers ``cfg`` with the
+    ``mappings`` (their weights, None where ablated) and K components
+    (:func:`xhc.kernels.xhc_common.entry_covers`)."""
+    if backend != "triton" or not fused:
+        return False
+    from xhc.kernels import xhc_common
+
+    return xhc_common.entry_covers(cfg, mappings, K)
+
+
+def window_entry_fused(cfg, backend: str, fused: bool, pres) -> bool:
+    """Whether a Flash window's entry runs as one kernel (:func:`xhc_window_read`): ``triton`` with fused
+    coefficients, and the entry kernel covers ``cfg`` with the pre-maps' weights ``pres``
+    (:func:`xhc.kernels.xhc_common.entry_covers` without active mappings)."""
+    if backend != "triton" or not fused:
+        return False
+    from xhc.kernels import xhc_common
+
+    return xhc_common.entry_covers(cfg, pres)
+
+
+def xhc_mappings_fused(backend: str, fused: bool, k: int, K: int, post_ablated: bool) -> bool:
+    """Whether a Flash window write's mappings run as one kernel (:func:`xhc_mappings`): ``triton`` with
+    fused coefficients, a post mapping, and k, K within :func:`xhc.kernels.xhc_common.mappings_cover`."""
+    if backend != "triton" or not fused or post_ablated:
+        return False
+    from xhc.kernels import xhc_common
+
+    return xhc_common.mappings_cover(k, K)
+
+
+def xhc_write_fused(backend: str, temporal, X: torch.Tensor, y: torch.Tensor, seq) -> bool:
+    """Whether a write with the temporal components of ``temporal`` runs as the fused xHC write
+    :func:`xhc_write` (the xHC MLP sublayer, a Flash window's writes): ``triton``, and the write kernel
+    covers the temporal module, the tensors and the sequence (:func:`xhc.kernels.xhc_post.covers`)."""
+    if backend != "triton":
+        return False
+    from xhc.kernels import xhc_post
+
+    return xhc_post.covers(temporal, X, y, seq)
+
+
+def flash_attn_fused(backend: str) -> bool:
+    """Whether a Flash window's attention write and the MLP read's correction run as one kernel
+    (:func:`flash_attn_write`): on ``triton``, every window configuration (:mod:`xhc.kernels.flash_attn`)."""
+    return backend == "triton"
 
 
 def mhc_read(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, norm_eps: float,
@@ -489,10 +534,6 @@ def flash_attn_write(Xa, P, V, inp, I, h, row: int, u_dtype):
     from xhc.kernels import flash_attn
 
     return flash_attn.flash_attn(Xa, P, V, inp, I, h, row, u_dtype)
-
-
-FUSED_WRITE_MAX_KERNELS = 3
-"""The fused xHC MLP write (:mod:`xhc.kernels.xhc_post`) takes at most this many temporal kernels (K ≤ 4)."""
 
 
 def xhc_write(X, I, H, P, y, weights, pos, gram_schmidt: bool, gs_eps: float, Xa=None):

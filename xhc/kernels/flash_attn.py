@@ -18,7 +18,7 @@ Forward (:func:`_flash_attn_fwd_kernel`, a program per token, a loop over C):
 Backward (:func:`_flash_attn_bwd_kernel`, a program per token): dP = dX_a'·Vᵀ + h^M_a ⊗ (du·Vᵀ),
 dV = Pᵀ·dX_a' + β ⊗ du, d inp_M = du, dh^M at the active streams (the other read weights' rows 0),
 in one pass over dX_a', du and V.  dX_a = dX_a' needs no kernel: it is handed, as it is, to the op
-that made P from the same X_a (:mod:`.xhc_active`, ``triton_ops._claim_carried``), which writes dX_a
+that made P from the same X_a (:mod:`.xhc_active`, :func:`.state_grad.claim_carried`), which writes dX_a
 once; without that op it goes back to autograd.
 
     byte budget:  k·C·s (dX_a') + C·s (du) + 2·K·C·v (V in, dV out) + C·4 (d inp_M)  (+ 4·TM·N dh)
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from xhc.kernels import triton_ops
-from xhc.kernels.triton_ops import _cast, _cdt, _np2, _tl
+from xhc.kernels import state_grad as sg
+from xhc.kernels.common import cast, compute_dtype, np2, tl_dtype
 
 
 @triton.jit
@@ -64,9 +64,9 @@ def _flash_attn_fwd_kernel(XA, P, V, INP, I, HPRE, OUT, U, k, K, C, N, ROW, TMN,
         xm = (kq < k) & cm[None, :]
         xa = tl.load(XA + t * k * C + kq * C + c[None, :], mask=xm, other=0.0).to(CDT)  # [KP, BC]
         new = xa + tl.sum(Pm[:, :, None] * v[None, :, :], 1)
-        tl.store(OUT + t * k * C + kq * C + c[None, :], _cast(new, OUT), mask=xm)
+        tl.store(OUT + t * k * C + kq * C + c[None, :], cast(new, OUT), mask=xm)
         u = tl.load(INP + t * INP_STRIDE + c, mask=cm, other=0.0).to(CDT) + tl.sum(beta[:, None] * v, 0)
-        tl.store(U + t * C + c, _cast(u, U), mask=cm)
+        tl.store(U + t * C + c, cast(u, U), mask=cm)
 
 
 @triton.jit
@@ -93,20 +93,20 @@ def _flash_attn_bwd_kernel(DOUT, DU, P, V, I, HPRE, DP, DV, DINP, DH, k, K, C, N
             du = tl.load(DU + t * C + c, mask=cm, other=0.0).to(CDT)
             g += tl.sum(du[None, :] * v, 1)
             dv += beta[:, None] * du[None, :]
-            tl.store(DINP + t * C + c, _cast(du, DINP), mask=cm)
-        tl.store(DV + t * K * C + sq * C + c[None, :], _cast(dv, DV), mask=vm)
+            tl.store(DINP + t * C + c, cast(du, DINP), mask=cm)
+        tl.store(DV + t * K * C + sq * C + c[None, :], cast(dv, DV), mask=vm)
     pm = (kq < k) & (tl.arange(0, SP)[None, :] < K)
-    tl.store(DP + t * k * K + kq * K + tl.arange(0, SP)[None, :], _cast(dpa + hm[:, None] * g[None, :], DP), mask=pm)
+    tl.store(DP + t * k * K + kq * K + tl.arange(0, SP)[None, :], cast(dpa + hm[:, None] * g[None, :], DP), mask=pm)
     dhm = tl.sum(Pm * g[None, :], 1)  # [KP]: dh^M at I_j
     n = tl.arange(0, NP)
     row = tl.sum(tl.where((Iv[:, None] == n[None, :]) & (tl.arange(0, KP)[:, None] < k), dhm[:, None], 0.0), 0)
     r = tl.arange(0, TP)[:, None]
     dh = tl.where(r == ROW, row[None, :], 0.0)  # the other read weights' rows: 0
-    tl.store(DH + t * TMN + r * N + n[None, :], _cast(dh, DH), mask=(r < TM) & (n[None, :] < N))
+    tl.store(DH + t * TMN + r * N + n[None, :], cast(dh, DH), mask=(r < TM) & (n[None, :] < N))
 
 
 def _meta(k: int, K: int, C: int):
-    KP, SP = _np2(k), _np2(K)
+    KP, SP = np2(k), np2(K)
     return KP, SP, max(16, min(triton.next_power_of_2(int(C)), 2048 // (KP * SP)))
 
 
@@ -131,12 +131,12 @@ class FlashAttn(torch.autograd.Function):
         if T > 0:
             _flash_attn_fwd_kernel[(T,)](Xac, Pc, Vc, inpc, Ic, hc, out, u, k, K, C, N, row, TM * N, inpc.stride(0),
                                          KP=KP, SP=SP,
-                                         BC=BC, CDT=_tl(_cdt(Xa, P, V, inp, h)))
+                                         BC=BC, CDT=tl_dtype(compute_dtype(Xa, P, V, inp, h)))
         ctx.save_for_backward(P, V, I, h)
-        ctx.meta = (row, inp.dtype, Xa.dtype, _tl(_cdt(Xa, P, V, inp, h)))
+        ctx.meta = (row, inp.dtype, Xa.dtype, tl_dtype(compute_dtype(Xa, P, V, inp, h)))
         ctx.set_materialize_grads(False)
-        # X_a's gradient is dX_a' itself: the op that made P from this X_a adds it (triton_ops._claim_carried)
-        ctx.xa_owner = triton_ops._claim_carried(Xa, P)
+        # X_a's gradient is dX_a' itself: the op that made P from this X_a adds it (state_grad.claim_carried)
+        ctx.xa_owner = sg.claim_carried(Xa, P)
         return out.view(*lead, k, C), u.view(*lead, C)
 
     @staticmethod
@@ -160,10 +160,10 @@ class FlashAttn(torch.autograd.Function):
         if T > 0:
             _flash_attn_bwd_kernel[(T,)](doutc, duc, Pc, Vc, Ic, hc, dP, dV, dinp, dh, k, K, C, N, row, TM, TM * N,
                                          HAS_DOUT=doutc is not None, HAS_DU=duc is not None, KP=KP, SP=SP,
-                                         TP=_np2(TM), NP=_np2(N), BC=BC, CDT=cdt)
+                                         TP=np2(TM), NP=np2(N), BC=BC, CDT=cdt)
         dXa = None if doutc is None else doutc.view(*lead, k, C)
         if dXa is not None and ctx.xa_owner is not None and ctx.needs_input_grad[0]:
-            triton_ops._hand_over(ctx.xa_owner, "dxa", doutc)
+            sg.hand_over(ctx.xa_owner, "dxa", doutc)
             dXa = None
         return (dXa, dP.view(P.shape), dV.view(V.shape), None if dinp is None else dinp.view(*lead, C), None,
                 dh.view(h.shape), None, None)

@@ -71,9 +71,9 @@ def runnable(device: torch.device) -> bool:
     never while ``torch.compile`` traces (there the compiled ops, same maths, are used)."""
     if torch.compiler.is_compiling() or not liger_available():
         return False
-    from xhc.kernels import _interpreting
+    from xhc.kernels.runtime import interpreting
 
-    return device.type == "cuda" or _interpreting()
+    return device.type == "cuda" or interpreting()
 
 
 def mhc_coefficients(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, alphas, t_max: int, norm_eps: float,

@@ -22,7 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
-from xhc.kernels.triton_ops import _cast, _cdt, _tl  # noqa: F401  (re-exported for the kernels)
+from xhc.kernels.runtime import interpreting
+
+
+def covers(cfg, training: bool, groups: bool) -> bool:
+    """Whether the fused mHC read and write (:mod:`.mhc_pre`, :mod:`.mhc_post`) cover ``cfg``: dynamic
+    ``mhc`` with every mapping group (``groups``), without the option they leave out (residual-logit
+    dropout while ``training``)."""
+    return (cfg.variant == "mhc" and cfg.dynamic and groups
+            and not (training and cfg.res_logit_dropout > 0))
 
 
 def np_of(n: int) -> int:
@@ -33,10 +41,6 @@ def groups(n: int):
     """(NP, RP, PP) for N = n."""
     NP = np_of(n)
     return NP, NP * NP, max(16, 2 * NP)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_ok(cdt: torch.dtype) -> bool:
@@ -163,6 +167,12 @@ def w_pp_tile(WPRE, WPOST, G, k, kmask, N, D, NP: tl.constexpr, PP: tl.constexpr
 
 
 @triton.jit
+def sig(z):
+    """σ(z) = 1 / (1 + e^−z)."""
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
 def mm(a, b, USE_DOT: tl.constexpr, PREC: tl.constexpr):
     """a ``[M, K]`` @ b ``[K, N]``: ``tl.dot`` (fp32 accumulate) or a broadcast sum (float64)."""
     if USE_DOT:
@@ -200,3 +210,43 @@ def place(a, col, NP: tl.constexpr, OFF: tl.constexpr):
     jj = tl.arange(0, NP)
     sel = col[None, None, :] == (OFF + jj)[None, :, None]
     return tl.sum(tl.where(sel, a[:, :, None], 0.0), 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Split dW of two column groups (the mHC backward's res | pre-post, the xHC entry's res | post): token
+# splits accumulate partials, one reduction sums them in a fixed order (deterministic, no atomics)
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def dw_pair_add(G, W, t, tm, x, acc_a, acc_b, A: tl.constexpr, B: tl.constexpr, USE_DOT: tl.constexpr,
+                PREC: tl.constexpr, CDT: tl.constexpr):
+    """One token block: acc_a += G[t, :A]ᵀ·x, acc_b += G[t, A:A + B]ᵀ·x (``G`` ``[T, W]``, ``x`` ``[BT, BK]``)."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    ga = tl.load(G + t[:, None] * W + ca[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    gb = tl.load(G + t[:, None] * W + A + cb[None, :], mask=tm[:, None], other=0.0).to(CDT)
+    acc_a += mm(tl.trans(ga), x, USE_DOT, PREC)
+    acc_b += mm(tl.trans(gb), x, USE_DOT, PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def dw_pair_store(base, acc_a, acc_b, kk, km, L, A: tl.constexpr, B: tl.constexpr):
+    """A split's partial ``[A + B, L]`` at ``base``, columns ``kk``."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    tl.store(base + ca[:, None] * L + kk[None, :], acc_a, mask=km[None, :])
+    tl.store(base + (A + cb[:, None]) * L + kk[None, :], acc_b, mask=km[None, :])
+
+
+@triton.jit
+def dw_pair_sum(PART, S, kk, km, L, A: tl.constexpr, B: tl.constexpr, BK: tl.constexpr, CDT: tl.constexpr):
+    """(dW_a ``[A, BK]``, dW_b ``[B, BK]``): the S splits' partials summed in a fixed order."""
+    ca = tl.arange(0, A)
+    cb = tl.arange(0, B)
+    acc_a = tl.zeros([A, BK], dtype=CDT)
+    acc_b = tl.zeros([B, BK], dtype=CDT)
+    for s in range(0, S):
+        base = PART + s * (A + B) * L
+        acc_a += tl.load(base + ca[:, None] * L + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+        acc_b += tl.load(base + (A + cb[:, None]) * L + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    return acc_a, acc_b

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm, w_pp_tile, w_res_tile
+from xhc.kernels.common import cast, tl_dtype
+from xhc.kernels.mhc_common import dw_pair_add, dw_pair_store, dw_pair_sum, mm, w_pp_tile, w_res_tile
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _mhc_dx_kernel(X, DU, DXP, HPRE, HRES, DP, COEF, WPRE, WPOST, WRES, G, DX, T
             hc = tl.load(HRES + t[:, None] * N * N + i[None, :] * N + j, mask=tm[:, None] & im[None, :],
                          other=0.0).to(CDT)
             acc += tl.sum(hc[:, :, None] * d3, 1)
-        tl.store(DX + t[:, None] * D + k[None, :], _cast(acc, DX), mask=m2)
+        tl.store(DX + t[:, None] * D + k[None, :], cast(acc, DX), mask=m2)
 
 
 @triton.jit
@@ -74,8 +75,6 @@ def _mhc_dw_kernel(X, DP, PART, T, D, TS, RP: tl.constexpr, PP: tl.constexpr, BT
     s = tl.program_id(1)
     km = k < D
     W = RP + PP
-    cr = tl.arange(0, RP)
-    cp = tl.arange(0, PP)
     acc_r = tl.zeros([RP, BK], dtype=CDT)
     acc_p = tl.zeros([PP, BK], dtype=CDT)
     t_lo = s * TS
@@ -84,13 +83,8 @@ def _mhc_dw_kernel(X, DP, PART, T, D, TS, RP: tl.constexpr, PP: tl.constexpr, BT
         t = (t0 + tl.arange(0, BT)).to(tl.int64)
         tm = t < t_hi
         x = tl.load(X + t[:, None] * D + k[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(CDT)
-        dpr = tl.load(DP + t[:, None] * W + cr[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        dpp = tl.load(DP + t[:, None] * W + RP + cp[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        acc_r += mm(tl.trans(dpr), x, USE_DOT, PREC)
-        acc_p += mm(tl.trans(dpp), x, USE_DOT, PREC)
-    base = PART + s.to(tl.int64) * W * D
-    tl.store(base + cr[:, None] * D + k[None, :], acc_r, mask=km[None, :])
-    tl.store(base + (RP + cp[:, None]) * D + k[None, :], acc_p, mask=km[None, :])
+        acc_r, acc_p = dw_pair_add(DP, W, t, tm, x, acc_r, acc_p, RP, PP, USE_DOT, PREC, CDT)
+    dw_pair_store(PART + s.to(tl.int64) * W * D, acc_r, acc_p, k, km, D, RP, PP)
 
 
 @triton.jit
@@ -103,12 +97,7 @@ def _mhc_dw_reduce_kernel(PART, WPRE, WPOST, WRES, G, DWPRE, DWPOST, DWRES, DG, 
     W = RP + PP
     cr = tl.arange(0, RP)
     cp = tl.arange(0, PP)
-    dwr = tl.zeros([RP, BK], dtype=CDT)
-    dwp = tl.zeros([PP, BK], dtype=CDT)
-    for s in range(0, S):  # a fixed order over the splits
-        base = PART + s * W * D
-        dwr += tl.load(base + cr[:, None] * D + k[None, :], mask=km[None, :], other=0.0).to(CDT)
-        dwp += tl.load(base + (RP + cp[:, None]) * D + k[None, :], mask=km[None, :], other=0.0).to(CDT)
+    dwr, dwp = dw_pair_sum(PART, S, k, km, D, RP, PP, BK, CDT)  # a fixed order over the splits
     if HAS_G:
         wr = w_res_tile(WRES, G, k, km, N, D, NP, RP, False, CDT)
         wp = w_pp_tile(WPRE, WPOST, G, k, km, N, D, NP, PP, False, CDT)
@@ -158,7 +147,7 @@ def state_grad(Xc, du, dXp, hpre, H, DP, COEF, W_pre, W_post, W_res, gain):
         _mhc_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
             Xc, du, dXp, hpre, H, DP, COEF, W_pre, W_post, W_res, gain, dX, T, N, C, HAS_DU=du is not None,
             HAS_DXP=dXp is not None, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BT=BT, BC=BC,
-            USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+            USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     return dX
 
 
@@ -179,9 +168,9 @@ def param_grads(Xc, DP, DZ, DA, W_pre, W_post, W_res, gain):
     out = [e(N, D), e(N, D), e(N * N, D), e(N), e(N), e(N * N), e(1), e(1), e(1), None if gain is None else e(D)]
     use_dot = cm.dot_ok(cdt)
     _mhc_dw_kernel[(triton.cdiv(D, BK), S)](Xc, DP, part, T, D, TS, RP=RP, PP=PP, BT=BT, BK=BK, USE_DOT=use_dot,
-                                            PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+                                            PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     BKR = cm.blocks("mhc_dw_reduce", N, C)["BK"]
     _mhc_dw_reduce_kernel[(triton.cdiv(D, BKR),)](
         part, W_pre, W_post, W_res, gain, out[0], out[1], out[2], out[9], DZ, DA, out[3], out[4], out[5], out[6],
-        out[7], out[8], S, T, N, D, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BK=BKR, BT=64, CDT=cm._tl(cdt))
+        out[7], out[8], S, T, N, D, HAS_G=gain is not None, NP=NP, RP=RP, PP=PP, BK=BKR, BT=64, CDT=tl_dtype(cdt))
     return out

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast
+from xhc.kernels.common import cast, compute_dtype, tl_dtype
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _mhc_post_fwd_kernel(X, HRES, HPOST, Y, OUT, T, N, C, NP: tl.constexpr, BT: 
         hc = tl.load(HRES + t[:, None] * N * N + i[None, :] * N + j, mask=tm[:, None] & im[None, :], other=0.0).to(CDT)
         acc += hc[:, :, None] * xj[:, None, :]
     offs = t[:, None, None] * N * C + i[None, :, None] * C + c[None, None, :]
-    tl.store(OUT + offs, _cast(acc, OUT), mask=tm[:, None, None] & im[None, :, None] & cmk[None, None, :])
+    tl.store(OUT + offs, cast(acc, OUT), mask=tm[:, None, None] & im[None, :, None] & cmk[None, None, :])
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def _mhc_post_bwd_kernel(X, HRES, HPOST, Y, DOUT, DY, DHPOST, DHRES, DX, T, N, C
         d3 = tl.load(DOUT + t[:, None, None] * N * C + i[None, :, None] * C + c[None, None, :], mask=m3,
                      other=0.0).to(CDT)
         y = tl.load(Y + t[:, None] * C + c[None, :], mask=m2, other=0.0).to(CDT)
-        tl.store(DY + t[:, None] * C + c[None, :], _cast(tl.sum(hp[:, :, None] * d3, 1), DY), mask=m2)
+        tl.store(DY + t[:, None] * C + c[None, :], cast(tl.sum(hp[:, :, None] * d3, 1), DY), mask=m2)
         dhp += tl.sum(d3 * y[:, None, :], 2)
         for j in range(0, N):
             xj = tl.load(X + t[:, None] * N * C + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
@@ -75,7 +75,7 @@ def _mhc_post_bwd_kernel(X, HRES, HPOST, Y, DOUT, DY, DHPOST, DHRES, DX, T, N, C
             dH += tl.where(jn3 == j, col[:, :, None], 0.0)
             if NEED_DX:
                 hc = tl.load(HRES + t[:, None] * N * N + i[None, :] * N + j, mask=hmask, other=0.0).to(CDT)
-                tl.store(DX + t[:, None] * N * C + j * C + c[None, :], _cast(tl.sum(hc[:, :, None] * d3, 1), DX),
+                tl.store(DX + t[:, None] * N * C + j * C + c[None, :], cast(tl.sum(hc[:, :, None] * d3, 1), DX),
                          mask=m2)
     tl.store(DHPOST + t[:, None] * N + i[None, :], dhp, mask=hmask)
     jj = tl.arange(0, NP)
@@ -101,7 +101,7 @@ class MHCPost(torch.autograd.Function):
         hpc, yc = h_post.reshape(T, N).contiguous(), y.reshape(T, C).contiguous()
         out = torch.empty(T, N, C, dtype=X.dtype, device=X.device)
         NP, BT, BC = _meta("mhc_post_fwd", N, C)
-        cdt = cm._tl(cm._cdt(X, H))
+        cdt = tl_dtype(compute_dtype(X, H))
         if T > 0:
             _mhc_post_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](Xc, Hc, hpc, yc, out, T, N, C, NP=NP,
                                                                           BT=BT, BC=BC, CDT=cdt)
@@ -120,7 +120,7 @@ class MHCPost(torch.autograd.Function):
         Xc, Hc = X.reshape(T, N, C).contiguous(), H.reshape(T, N, N).contiguous()
         hpc, yc = h_post.reshape(T, N).contiguous(), y.reshape(T, C).contiguous()
         doutc = dout.reshape(T, N, C).contiguous()
-        cdt = cm._cdt(X, H)
+        cdt = compute_dtype(X, H)
         dy = torch.empty(T, C, dtype=y.dtype, device=y.device)
         dhp = torch.empty(T, N, dtype=cdt, device=X.device)
         dH = torch.empty(T, N, N, dtype=cdt, device=X.device)
@@ -130,7 +130,7 @@ class MHCPost(torch.autograd.Function):
         NP, BT, BC = _meta("mhc_post_bwd", N, C)
         if T > 0:
             _mhc_post_bwd_kernel[(triton.cdiv(T, BT),)](Xc, Hc, hpc, yc, doutc, dy, dhp, dH, dX, T, N, C,
-                                                        NEED_DX=need_dx, NP=NP, BT=BT, BC=BC, CDT=cm._tl(cdt))
+                                                        NEED_DX=need_dx, NP=NP, BT=BT, BC=BC, CDT=tl_dtype(cdt))
         if defer:  # H_resᵀ·dX' joins the sublayer's one write of dX (mhc_pre's backward)
             ctx.owner._pending = (torch._C._current_graph_task_id(), doutc)
         return (None if dX is None else dX.view(X.shape), dH.view(H.shape).to(H.dtype),

@@ -32,13 +32,10 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm, pick, place, w_pp_tile, w_res_tile
-from xhc.kernels.triton_ops import _sk_start, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
-
-
-@triton.jit
-def _sig(z):
-    return 1.0 / (1.0 + tl.exp(-z))
+from xhc.kernels import state_grad as sg
+from xhc.kernels.common import cast, compute_dtype, tl_dtype
+from xhc.kernels.mhc_common import mm, pick, place, sig, w_pp_tile, w_res_tile
+from xhc.kernels.sinkhorn_ops import ds_start, ds_step, ds_step_bwd, sinkhorn_tile, sinkhorn_tile_bwd
 
 
 @triton.jit
@@ -75,40 +72,6 @@ def _epilogue(pr, pp, r, BPRE, BPOST, BRES, APRE, APOST, ARES, tm, N, NP: tl.con
 
 
 @triton.jit
-def _ds_start(zres, mask3, sk_eps):
-    """DeepSeek-V4: p = softmax(z, −1) on the valid entries and M_0 = p + ε (zero on padding)."""
-    zmax, E = _sk_start(zres, mask3)
-    rs = tl.sum(E, 2)
-    rs = tl.where(rs == 0.0, 1.0, rs)
-    p = tl.where(mask3, E / rs[:, :, None], 0.0)
-    return p, tl.where(mask3, p + sk_eps, 0.0)
-
-
-@triton.jit
-def _ds_fwd(M, S, base, k, sk_eps, AXIS: tl.constexpr, STORE: tl.constexpr, NS: tl.constexpr, NP: tl.constexpr):
-    """One DeepSeek-V4 normalisation M / (Σ_axis M + ε) (AXIS 2: rows, 1: columns), the sums kept in S."""
-    s = tl.sum(M, AXIS)
-    if STORE:
-        tl.store(S + base + k * NP + tl.arange(0, NP)[None, :], s)
-    if AXIS == 2:
-        return M / (s + sk_eps)[:, :, None]
-    else:
-        return M / (s + sk_eps)[:, None, :]
-
-
-@triton.jit
-def _ds_bwd(G, M, S, base, k, sk_eps, AXIS: tl.constexpr, NP: tl.constexpr):
-    """The adjoint of :func:`_ds_fwd`: G ← (G − Σ_axis G⊙M) / d, M ← M·d (d = s + ε: every step passes)."""
-    if AXIS == 2:
-        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, :, None] + sk_eps
-        G = (G - tl.sum(G * M, 2)[:, :, None]) / d
-    else:
-        d = tl.load(S + base + k * NP + tl.arange(0, NP)[None, :])[:, None, :] + sk_eps
-        G = (G - tl.sum(G * M, 1)[:, None, :]) / d
-    return G, M * d
-
-
-@triton.jit
 def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST, ARES,
                         U, HPRE, HPOST, HRES, P, RS, T, N, C, norm_eps, t_max, sk_eps,
                         HAS_G: tl.constexpr, ROW_LAST: tl.constexpr, CLAMP: tl.constexpr, DS: tl.constexpr,
@@ -140,19 +103,19 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
     jm = jn < N
     hmask = tm[:, None] & jm[None, :]
     if DS:  # DeepSeek-V4: h_pre = σ(z) + ε
-        hpre = tl.where(hmask, _sig(zpre) + sk_eps, 0.0)
+        hpre = tl.where(hmask, sig(zpre) + sk_eps, 0.0)
     else:
-        hpre = tl.where(hmask, _sig(zpre), 0.0)
+        hpre = tl.where(hmask, sig(zpre), 0.0)
     tl.store(HPRE + t[:, None] * N + jn[None, :], hpre, mask=hmask)
-    tl.store(HPOST + t[:, None] * N + jn[None, :], 2.0 * _sig(zpost), mask=hmask)
+    tl.store(HPOST + t[:, None] * N + jn[None, :], 2.0 * sig(zpost), mask=hmask)
     i3 = tl.arange(0, NP)[None, :, None]
     j3 = tl.arange(0, NP)[None, None, :]
     if DS:  # DeepSeek-V4 (docs/math.md §2.h): comb = softmax + ε, a column step, (t_max − 1) × (row, column); H = combᵀ
-        p, M = _ds_start(zres, mask3, sk_eps)
-        M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+        p, M = ds_start(zres, mask3, sk_eps)
+        M = ds_step(M, P, 0, 0, sk_eps, 1, False, 1, NP)
         for _ in range(t_max - 1):
-            M = _ds_fwd(M, P, 0, 0, sk_eps, 2, False, 1, NP)
-            M = _ds_fwd(M, P, 0, 0, sk_eps, 1, False, 1, NP)
+            M = ds_step(M, P, 0, 0, sk_eps, 2, False, 1, NP)
+            M = ds_step(M, P, 0, 0, sk_eps, 1, False, 1, NP)
         tl.store(HRES + t[:, None, None] * N * N + j3 * N + i3, M, mask=mask3)
     else:
         M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, CLAMP)
@@ -163,7 +126,7 @@ def _mhc_pre_fwd_kernel(X, WPRE, WPOST, WRES, G, BPRE, BPOST, BRES, APRE, APOST,
         x3 = tl.load(X + t[:, None, None] * D + jn[None, :, None] * C + c[None, None, :],
                      mask=hmask[:, :, None] & cmk[None, None, :], other=0.0).to(CDT)
         u = tl.sum(hpre[:, :, None] * x3, 1)
-        tl.store(U + t[:, None] * C + c[None, :], _cast(u, U), mask=tm[:, None] & cmk[None, :])
+        tl.store(U + t[:, None] * C + c[None, :], cast(u, U), mask=tm[:, None] & cmk[None, :])
 
 
 @triton.jit
@@ -193,11 +156,11 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
     pr, pp, r = _logits(P, RS, BPRE, BPOST, BRES, APRE, APOST, ARES, t, tm, N, NP, RP, PP, CDT)
     zpre, zpost, zres, mask3 = _epilogue(pr, pp, r, BPRE, BPOST, BRES, APRE, APOST, ARES, tm, N, NP, RP, PP, BT,
                                          CDT)
-    s = _sig(zpre)
+    s = sig(zpre)
     dzpre = tl.where(hmask, dhpre * s * (1.0 - s), 0.0)
     dzpost = tl.zeros([BT, NP], dtype=CDT)
     if HAS_DHPOST:
-        s = _sig(zpost)
+        s = sig(zpost)
         dhpost = tl.load(DHPOST + t[:, None] * N + jn[None, :], mask=hmask, other=0.0).to(CDT)
         dzpost = tl.where(hmask, dhpost * 2.0 * s * (1.0 - s), 0.0)
     dzres = tl.zeros([BT, NP, NP], dtype=CDT)
@@ -205,22 +168,22 @@ def _mhc_pre_bwd_kernel(X, DU, DHPRE, DHPOST, DHRES, P, RS, BPRE, BPOST, BRES, A
     j3 = tl.arange(0, NP)[None, None, :]
     if HAS_DHRES and DS:  # xhc.doubly_stochastic.sinkhorn_deepseek_backward; dcomb = dHᵀ
         base = t[:, None] * NS * NP
-        p, M = _ds_start(zres, mask3, sk_eps)
+        p, M = ds_start(zres, mask3, sk_eps)
         k = 0
-        M = _ds_fwd(M, S, base, k, sk_eps, 1, True, NS, NP)
+        M = ds_step(M, S, base, k, sk_eps, 1, True, NS, NP)
         k += 1
         for _ in range(t_max - 1):
-            M = _ds_fwd(M, S, base, k, sk_eps, 2, True, NS, NP)
-            M = _ds_fwd(M, S, base, k + 1, sk_eps, 1, True, NS, NP)
+            M = ds_step(M, S, base, k, sk_eps, 2, True, NS, NP)
+            M = ds_step(M, S, base, k + 1, sk_eps, 1, True, NS, NP)
             k += 2
         Gd = tl.load(DHRES + t[:, None, None] * N * N + j3 * N + i3, mask=mask3, other=0.0).to(CDT)
         for _ in range(t_max - 1):
-            Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+            Gd, M = ds_step_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
             Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
-            Gd, M = _ds_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
+            Gd, M = ds_step_bwd(Gd, M, S, base, k - 2, sk_eps, 2, NP)
             Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
             k -= 2
-        Gd, M = _ds_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
+        Gd, M = ds_step_bwd(Gd, M, S, base, k - 1, sk_eps, 1, NP)
         Gd = tl.where(mask3, Gd, 0.0)  # padding stays 0 (else it grows by 1/ε per step)
         dzres = tl.where(mask3, p * (Gd - tl.sum(Gd * p, 2)[:, :, None]), 0.0)
     if HAS_DHRES and not DS:  # the Sinkhorn adjoint (xhc.doubly_stochastic.sinkhorn_backward), sums in S
@@ -257,7 +220,7 @@ def owner_of(X, H, h_post):
     node = getattr(H, "grad_fn", None)
     if node is None or not isinstance(node, MHCPre._backward_cls) or getattr(h_post, "grad_fn", None) is not node:
         return None
-    key = _state_key(X)
+    key = sg.state_key(X)
     return node if key is not None and getattr(node, "_x_key", None) == key else None
 
 
@@ -269,7 +232,7 @@ class MHCPre(torch.autograd.Function):
         lead = X.shape[:-2]
         T = math.prod(lead)
         NP, RP, PP = cm.groups(N)
-        cdt = cm._cdt(X, W_pre)
+        cdt = compute_dtype(X, W_pre)
         Xc = X.reshape(T, N, C).contiguous()
         dev = X.device
         u = torch.empty(T, C, dtype=X.dtype, device=dev)
@@ -284,11 +247,11 @@ class MHCPre(torch.autograd.Function):
             _mhc_pre_fwd_kernel[(triton.cdiv(T, BT),)](
                 Xc, W_pre, W_post, W_res, gain, b_pre, b_post, b_res, a_pre, a_post, a_res, u, hpre, hpost, H, P, RS,
                 T, N, C, norm_eps, t_max, sk_eps, HAS_G=gain is not None, ROW_LAST=order == "row_last", CLAMP=clamp, DS=ds, NP=NP, RP=RP,
-                PP=PP, BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+                PP=PP, BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros launched)
         ctx.save_for_backward(X, W_pre, W_post, W_res, b_pre, b_post, b_res, a_pre, a_post, a_res, gain, hpre, H, P, RS)
         ctx.cfg = cfg
-        ctx._x_key, ctx._pending = _state_key(X), None
+        ctx._x_key, ctx._pending = sg.state_key(X), None
         return u.view(*lead, C), hpre.view(*lead, N), hpost.view(*lead, N), H.view(*lead, N, N)
 
     @staticmethod
@@ -300,7 +263,7 @@ class MHCPre(torch.autograd.Function):
         N, C = X.shape[-2:]
         T = math.prod(X.shape[:-2])
         NP, RP, PP = cm.groups(N)
-        cdt = cm._cdt(X, W_pre)
+        cdt = compute_dtype(X, W_pre)
         dev = X.device
         Xc = X.reshape(T, N, C).contiguous()
         c = lambda g, *s: None if g is None else g.reshape(*s).contiguous()  # noqa: E731
@@ -318,7 +281,7 @@ class MHCPre(torch.autograd.Function):
                 Xc, duc, dhprec, dhpostc, dHc, P, RS, b_pre, b_post, b_res, a_pre, a_post, a_res, S, DP, DZ, DA, COEF,
                 T, N, C, t_max, sk_eps, HAS_DU=duc is not None, HAS_DHPRE=dhprec is not None,
                 HAS_DHPOST=dhpostc is not None, HAS_DHRES=dHc is not None, ROW_LAST=order == "row_last", CLAMP=clamp, DS=ds, NS=NS,
-                NP=NP, RP=RP, PP=PP, BT=BT, BC=cm.block_c(BT, NP, C), CDT=cm._tl(cdt))
+                NP=NP, RP=RP, PP=PP, BT=BT, BC=cm.block_c(BT, NP, C), CDT=tl_dtype(cdt))
         dX = None
         if ctx.needs_input_grad[0]:
             dX = mhc_grad.state_grad(Xc, duc, dXp, hpre, H, DP, COEF, W_pre, W_post, W_res, gain).view(X.shape)

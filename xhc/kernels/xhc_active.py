@@ -11,7 +11,7 @@ too; the state keeps the mappings for the write.
 Forward (:func:`_xhc_active_fwd_kernel`, a program per BT tokens): one pass over X_a — the GEMM
 ``vec(X_a)·[W_res; W_post]ᵀ`` (``tl.dot``, fp32 accumulation) with Σx² (and the read) in the same loads —
 then in registers the RMSNorm applied after the GEMM (r_a = rsqrt(mean x² + ε)), H_res =
-clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.triton_ops.sinkhorn_tile`), H_post =
+clamp_rows(Sinkhorn(α·r_a·proj + b)) (the shared tile of :func:`.sinkhorn_ops.sinkhorn_tile`), H_post =
 2σ(α·r_a·proj + b) and P = diag(p)·H_post.
 
     byte budget, per token, state dtype s:  k·C·s (X_a, once)  + 4·(k² + 2·k·K) (H_res, H_post, P)
@@ -23,7 +23,7 @@ Backward (:func:`_xhc_active_bwd_kernel`, a program per BT tokens): P's product 
 σ', the Sinkhorn adjoint (per-step sums in a per-token scratch) give the GEMM's output gradient GA,
 the logits' gradients (for db) and the α partials; then a pass over X_a writes
 dX_a = GA·W_a + a·X_a (a: the RMSNorm's term) [+ h_t[I_j]·du] [+ the write's dX_a, handed over by the
-write that took P (``triton_ops._claim_carried``): X_a's gradient is written once], and gives
+write that took P (:func:`.state_grad.claim_carried`): X_a's gradient is written once], and gives
 dh_t[I_j] = Σ_c du·X_a[j], written as row t of the window entry's read-weight gradient buffer
 (:mod:`.xhc_entry`).  dW: :mod:`.xhc_grad`'s ``_xhc_dw_kernel`` and ``_xhc_dw_reduce_kernel`` on the
 active columns only (X_a read directly): per-split partials summed in a fixed order, deterministic.
@@ -43,11 +43,11 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels import triton_ops
-from xhc.kernels.mhc_common import _cast, mm
-from xhc.kernels.mhc_pre import _sig
-from xhc.kernels.triton_ops import XA_OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
-from xhc.kernels.xhc_entry import _active_logits, layout, post_adjoint, w_post_act_tile, w_res_act_tile, warps
+from xhc.kernels import state_grad as sg
+from xhc.kernels.common import cast, compute_dtype, tl_dtype
+from xhc.kernels.mhc_common import mm, sig
+from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.xhc_common import active_logits, layout, post_adjoint, w_post_act_tile, w_res_act_tile, warps
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
             if HAS_READ:
                 u += tl.sum(tl.where(kq[None, :] == j, hr, 0.0), 1)[:, None] * xa
         if HAS_READ:
-            tl.store(U + t[:, None] * C + c[None, :], _cast(u, U), mask=m2)
+            tl.store(U + t[:, None] * C + c[None, :], cast(u, U), mask=m2)
     ra = 1.0 / tl.sqrt(ss / KC + norm_eps)
     AW = RA + PA
     tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
@@ -105,14 +105,14 @@ def _xhc_active_fwd_kernel(XA, PR, WRES, BRES, ARES, WPOST, BPOST, APOST, HRES, 
     q3 = tl.arange(0, KP)[None, None, :]
     s3 = tl.arange(0, SP)[None, None, :]
     if HAS_RES:
-        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+        zres, mask3, zpost, pmask3 = active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
                                                     CDT)
         M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
         tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
     else:
         zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
     p = tl.load(PR + t[:, None] * k + kq[None, :], mask=tm[:, None] & (kq[None, :] < k), other=0.0).to(CDT)
-    hpost = 2.0 * _sig(zpost)
+    hpost = 2.0 * sig(zpost)
     tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
     tl.store(PW + t[:, None, None] * k * K + i3 * K + s3, p[:, :, None] * hpost, mask=pmask3)
 
@@ -142,7 +142,7 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
     kq = tl.arange(0, KP)
     km2 = tm[:, None] & (kq[None, :] < k)
     if HAS_RES:
-        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+        zres, mask3, zpost, pmask3 = active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
                                                     CDT)
     else:
         zpost, pmask3 = _post_logits(accp, ra, BPOST, APOST, tm, k, K, BT, KP, SP, CDT)
@@ -194,11 +194,11 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
                     dhr += tl.where(kq[None, :] == j, tl.sum(du * xa, 1)[:, None], 0.0)
                     if HAS_DBASE:
                         if j == 0:  # the base readout's gradient, in its own dtype
-                            tl.store(DBASE + t[:, None] * C + c[None, :], _cast(du, DBASE), mask=m2)
-                if HAS_DXIN:  # the write's dX_a, handed over (triton_ops._claim_carried)
+                            tl.store(DBASE + t[:, None] * C + c[None, :], cast(du, DBASE), mask=m2)
+                if HAS_DXIN:  # the write's dX_a, handed over (state_grad.claim_carried)
                     g += tl.load(DXIN + t[:, None] * KC + j * C + c[None, :], mask=m2, other=0.0).to(CDT)
                 if NEED_DXA:
-                    tl.store(DXA + t[:, None] * KC + j * C + c[None, :], _cast(g, DXA), mask=m2)
+                    tl.store(DXA + t[:, None] * KC + j * C + c[None, :], cast(g, DXA), mask=m2)
     if HAS_DU:  # dh[ROW, I_j] = Σ_c du·X_a[j]: row ROW of the read weights' gradient (DH_ALL: the other rows 0)
         n = tl.arange(0, NPR)
         row = tl.zeros([BT, NPR], dtype=CDT)  # [BT, NPR] tiles only (a [BT, KP, NPR] one spilled 8 bytes on sm_90)
@@ -207,11 +207,11 @@ def _xhc_active_bwd_kernel(XA, DHRES, DHPOST, DPW, PR, PAC, RAS, WRES, BRES, ARE
             dj = tl.sum(tl.where(kq[None, :] == j, dhr, 0.0), 1)
             row += tl.where(Ij[:, None] == n[None, :], dj[:, None], 0.0)
         nm = tm[:, None] & (n[None, :] < N)
-        tl.store(DH + t[:, None] * TMN + ROW * N + n[None, :], _cast(row, DH), mask=nm)
+        tl.store(DH + t[:, None] * TMN + ROW * N + n[None, :], cast(row, DH), mask=nm)
         if DH_ALL:
             for r in range(0, TM):
                 if r != ROW:
-                    tl.store(DH + t[:, None] * TMN + r * N + n[None, :], _cast(row * 0.0, DH), mask=nm)
+                    tl.store(DH + t[:, None] * TMN + r * N + n[None, :], cast(row * 0.0, DH), mask=nm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class XHCActive(torch.autograd.Function):
         lead = Xa.shape[:-2]
         T = math.prod(lead)
         _, _, KP, SP, RA, PA = layout(k, k, K)
-        cdt = cm._cdt(Xa, W_post)
+        cdt = compute_dtype(Xa, W_post)
         Xc, pc = Xa.reshape(T, k, C).contiguous(), p.reshape(T, k).contiguous()
         dev = Xa.device
         e = lambda *s: torch.empty(*s, dtype=cdt, device=dev)  # noqa: E731
@@ -256,13 +256,13 @@ class XHCActive(torch.autograd.Function):
                 Xc, pc, W_res, b_res, a_res, W_post, b_post, a_post, H, Hpost, PW, PAC, RAS, basec, Ic, hc, u, T, C, k,
                 K, norm_eps, t_max, sk_eps, N, row, TM * N, basec.stride(0) if has_read else 0, HAS_RES=has_res,
                 HAS_READ=has_read, ROW_LAST=order == "row_last", KP=KP, SP=SP, RA=RA, PA=PA, BT=BT,
-                BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
+                BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt), num_warps=warps(KP))
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, PAC, RAS, I, h)
         ctx.cfg, ctx.base_dtype = cfg, None if base is None else base.dtype
-        # the owner of X_a's gradient: the write that takes P hands its dX_a over (triton_ops._claim_carried),
+        # the owner of X_a's gradient: the write that takes P hands its dX_a over (state_grad.claim_carried),
         # so dX_a is written once, here; the read weights' gradient goes to the window entry's buffer
-        ctx._xa_key, ctx._claims, ctx._pending = _state_key(Xa), {}, {}
+        ctx._xa_key, ctx._claims, ctx._pending = sg.state_key(Xa), {}, {}
         ctx.h_owner = _claim_read_rows(h, row) if has_read else None
         view = lambda x, *s: None if x is None else x.view(*lead, *s)  # noqa: E731
         return view(H, k, k), view(Hpost, k, K), view(PW, k, K), view(u, C)
@@ -316,9 +316,9 @@ class XHCActive(torch.autograd.Function):
                 HAS_DXIN=need_dxa and dxin is not None, HAS_DU=duc is not None,
                 HAS_DBASE=duc is not None and dbase is not duc, DH_ALL=own_dh, NPR=max(2, triton.next_power_of_2(N)),
                 ROW_LAST=order == "row_last", NS=NS, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=BC,
-                USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt), num_warps=warps(KP))
+                USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt), num_warps=warps(KP))
         if duc is not None and not own_dh:  # row `row` of the entry's read-weight gradient is in its buffer
-            triton_ops._hand_over(ctx.h_owner, f"dh{row}", True)
+            sg.hand_over(ctx.h_owner, f"dh{row}", True)
             dh = None
         grads = [None] * 6
         if any(ctx.needs_input_grad[2:8]):
@@ -340,7 +340,7 @@ def _claim_read_rows(h: torch.Tensor, row: int):
     return node
 
 
-XA_OWNER_CLASSES.append(XHCActive._backward_cls)
+sg.XA_OWNER_CLASSES.append(XHCActive._backward_cls)
 
 
 def xhc_active(Xa, p, W_res, b_res, a_res, W_post, b_post, a_post, K: int, norm_eps: float, t_max: int,

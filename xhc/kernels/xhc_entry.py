@@ -22,7 +22,7 @@ and du), then every epilogue's adjoint in registers — σ', the Sinkhorn adjoin
 small per-token scratch), the route weights' path into the router scores, both norms — giving the two
 GEMMs' gradients ``GE`` ``[T, EW]`` and ``GA`` ``[T, RA + PA]``, the logits' gradients (for db), the α
 partials and the norms' coefficients of X in dX.  :mod:`.xhc_grad` writes dX in one pass (with the
-write's term handed over by :mod:`.triton_ops`' write) and dW, db, dα by deterministic reductions.
+write's term handed over by :mod:`.write_ops`) and dW, db, dα by deterministic reductions.
 
     byte budget:  N·C·s + C·s  (+ 4·(EW + 2·(RA + PA) + NP + 8) per token)
 
@@ -53,87 +53,11 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm, pick, pick_group, place, place_group
-from xhc.kernels.mhc_pre import _sig
-from xhc.kernels.triton_ops import OWNER_CLASSES, _state_key, sinkhorn_tile, sinkhorn_tile_bwd
-
-
-def layout(n: int, k: int, K: int, TM: int = 1):
-    """(NP, EW, KP, SP, RA, PA) for N = n streams, k active, K write components and TM pre-maps (a Flash
-    window's entry: 2 or 4, :mod:`.xhc_window`)."""
-    NP = cm.np_of(n)
-    KP = max(4, triton.next_power_of_2(int(k)))
-    SP = max(4, triton.next_power_of_2(int(K)))
-    return NP, max(16, triton.next_power_of_2((1 + int(TM)) * NP)), KP, SP, KP * KP, KP * SP
-
-
-def warps(KP: int) -> int:
-    """8 warps from k > 4 on: the [BT, KP, KP] Sinkhorn tiles and [BT, KP, NP] routing tiles then fit
-    the registers without spills on sm_90 (``tools.triton_aot resources``)."""
-    return 8 if KP >= 8 else 4
-
-
-# ------------------------------------------------------------------------------------------------
-@triton.jit
-def _pre_rows(W, mp, kk, km, N, D, CDT: tl.constexpr):
-    return tl.load(W + mp.to(tl.int64) * D + kk[None, :], mask=(mp >= 0) & (mp < N) & km, other=0.0).to(CDT)
-
-
-@triton.jit
-def w_entry_tile(WR, WP0, WP1, WP2, WP3, kk, kmask, N, D, NP: tl.constexpr, EW: tl.constexpr, HAS_R: tl.constexpr,
-                 TM: tl.constexpr, CDT: tl.constexpr):
-    """[W_router; W_pre,0; …; W_pre,TM−1] as ``[EW, BK]`` in the entry layout (pre-map t at rows
-    (1 + t)·NP + i), columns ``kk`` of vec X."""
-    mr = tl.arange(0, EW)[:, None]
-    km = kmask[None, :]
-    w = _pre_rows(WP0, mr - NP, kk, km, N, D, CDT)
-    if TM > 1:
-        w += _pre_rows(WP1, mr - 2 * NP, kk, km, N, D, CDT)
-    if TM > 2:
-        w += _pre_rows(WP2, mr - 3 * NP, kk, km, N, D, CDT)
-    if TM > 3:
-        w += _pre_rows(WP3, mr - 4 * NP, kk, km, N, D, CDT)
-    if HAS_R:
-        w += tl.load(WR + mr.to(tl.int64) * D + kk[None, :], mask=(mr < N) & km, other=0.0).to(CDT)
-    return w
-
-
-@triton.jit
-def w_res_act_tile(WRES, j, c, cmask, k, C, KP: tl.constexpr, RA: tl.constexpr, CDT: tl.constexpr):
-    """W_res columns of slot ``j`` (``j·C + c``) as ``[RA, BC]`` in the res layout."""
-    r = tl.arange(0, RA)[:, None]
-    i = r // KP
-    q = r % KP
-    return tl.load(WRES + (i * k + q).to(tl.int64) * (k * C) + (j * C + c)[None, :],
-                   mask=(i < k) & (q < k) & cmask[None, :], other=0.0).to(CDT)
-
-
-@triton.jit
-def w_post_act_tile(WPOST, j, c, cmask, k, K, C, SP: tl.constexpr, PA: tl.constexpr, CDT: tl.constexpr):
-    """W_post columns of slot ``j`` as ``[PA, BC]`` in the post layout."""
-    r = tl.arange(0, PA)[:, None]
-    jj = r // SP
-    s = r % SP
-    return tl.load(WPOST + (jj * K + s).to(tl.int64) * (k * C) + (j * C + c)[None, :],
-                   mask=(jj < k) & (s < K) & cmask[None, :], other=0.0).to(CDT)
-
-
-@triton.jit
-def _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT: tl.constexpr, KP: tl.constexpr,
-                   SP: tl.constexpr, CDT: tl.constexpr):
-    """(z_res [BT, KP, KP], mask3, z_post [BT, KP, SP], pmask3) from the active GEMM's outputs."""
-    i3 = tl.arange(0, KP)[None, :, None]
-    q3 = tl.arange(0, KP)[None, None, :]
-    s3 = tl.arange(0, SP)[None, None, :]
-    mask3 = tm[:, None, None] & (i3 < k) & (q3 < k)
-    pmask3 = tm[:, None, None] & (i3 < k) & (s3 < K)
-    ares = tl.load(ARES).to(CDT)
-    apost = tl.load(APOST).to(CDT)
-    bres = tl.load(BRES + i3 * k + q3, mask=(i3 < k) & (q3 < k), other=0.0).to(CDT)
-    bpost = tl.load(BPOST + i3 * K + s3, mask=(i3 < k) & (s3 < K), other=0.0).to(CDT)
-    zres = ares * ra[:, None, None] * tl.reshape(accr, [BT, KP, KP]) + bres
-    zpost = apost * ra[:, None, None] * tl.reshape(accp, [BT, KP, SP]) + bpost
-    return zres, mask3, zpost, pmask3
+from xhc.kernels import state_grad as sg
+from xhc.kernels.common import cast, compute_dtype, tl_dtype
+from xhc.kernels.sinkhorn_ops import sinkhorn_tile, sinkhorn_tile_bwd
+from xhc.kernels.mhc_common import mm, pick, pick_group, place, place_group, sig
+from xhc.kernels.xhc_common import active_logits, layout, post_adjoint, w_entry_tile, w_post_act_tile, w_res_act_tile, warps
 
 
 @triton.jit
@@ -162,7 +86,7 @@ def _pre_h(acc, ce, r, AP, BP, jn, jm, valid, NP: tl.constexpr, G: tl.constexpr,
     """h_pre = σ(α·r·proj + b) of the pre-map at column group GI of the entry GEMM ``[BT, NP]``."""
     a = tl.load(AP).to(CDT)
     b = tl.load(BP + jn, mask=jm, other=0.0).to(CDT)
-    return tl.where(valid, _sig(a * r[:, None] * pick_col_group(acc, ce, GI, G, NP) + b[None, :]), 0.0)
+    return tl.where(valid, sig(a * r[:, None] * pick_col_group(acc, ce, GI, G, NP) + b[None, :]), 0.0)
 
 
 @triton.jit
@@ -171,26 +95,7 @@ def _read_out(U, h, x3, act, t, c, cmk, tm, TM, tt, C, NONACT: tl.constexpr):
     if NONACT:
         h = tl.where(act, 0.0, h)
     u = tl.sum(h[:, :, None] * x3, 1)
-    tl.store(U + t[:, None] * TM * C + tt * C + c[None, :], _cast(u, U), mask=tm[:, None] & cmk[None, :])
-
-
-@triton.jit
-def post_adjoint(zpost, pmask3, p, DHPOST, DPW, t, k, K, HAS_DHPOST: tl.constexpr, HAS_DPW: tl.constexpr,
-                 BT: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, CDT: tl.constexpr):
-    """(dz_post ``[BT, KP, SP]``, dp ``[BT, KP]``) of H_post = 2σ(z_post) and P = diag(p)·H_post, from the
-    gradients dH_post and dP (each optional)."""
-    i3 = tl.arange(0, KP)[None, :, None]
-    s3 = tl.arange(0, SP)[None, None, :]
-    sp = _sig(zpost)
-    dhpost = tl.zeros([BT, KP, SP], dtype=CDT)
-    dp = tl.zeros([BT, KP], dtype=CDT)
-    if HAS_DHPOST:
-        dhpost += tl.load(DHPOST + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-    if HAS_DPW:  # P = diag(p)·H_post
-        dpw = tl.load(DPW + t[:, None, None] * k * K + i3 * K + s3, mask=pmask3, other=0.0).to(CDT)
-        dhpost += p[:, :, None] * dpw
-        dp += tl.sum(dpw * 2.0 * sp, 2)
-    return tl.where(pmask3, dhpost * 2.0 * sp * (1.0 - sp), 0.0), dp
+    tl.store(U + t[:, None] * TM * C + tt * C + c[None, :], cast(u, U), mask=tm[:, None] & cmk[None, :])
 
 
 @triton.jit
@@ -245,7 +150,7 @@ def _xhc_entry_fwd_kernel(X, WR, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP
     if HAS_R:
         wsr = pick_col_group(wsum[None, :], ce, 0, G, NP)
         zr = rl[:, None] * (pick_col_group(acc, ce, 0, G, NP) - mu[:, None] * wsr)
-        score = _sig(zr)
+        score = sig(zr)
         seli = tl.where(valid & (jn[None, :] < m), 1, 0)
         for _ in range(0, k - m):  # the top-(k − m) of score[m:], ties to the lower index
             cand = tl.where(valid & (jn[None, :] >= m) & (seli == 0), score, float("-inf"))
@@ -295,7 +200,7 @@ def _xhc_entry_fwd_kernel(X, WR, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP
                 aj = act & (rank == j)
                 xa = tl.sum(tl.where(aj[:, :, None], x3, 0.0), 1)  # X_a[j]: [BT, BC]
                 if HAS_XA:  # the gathered active streams (a Flash window carries them)
-                    tl.store(XA + t[:, None] * k * C + j * C + c[None, :], _cast(xa, XA), mask=tm[:, None] & cmk[None, :])
+                    tl.store(XA + t[:, None] * k * C + j * C + c[None, :], cast(xa, XA), mask=tm[:, None] & cmk[None, :])
                 if HAS_ACT:
                     accr += mm(xa, tl.trans(w_res_act_tile(WRES, j, c, cmk, k, C, KP, RA, CDT)), USE_DOT, PREC)
                     accp += mm(xa, tl.trans(w_post_act_tile(WPOST, j, c, cmk, k, K, C, SP, PA, CDT)), USE_DOT, PREC)
@@ -303,14 +208,14 @@ def _xhc_entry_fwd_kernel(X, WR, WP0, WP1, WP2, WP3, BP0, BP1, BP2, BP3, AP0, AP
         AW = RA + PA
         tl.store(PAC + t[:, None] * AW + tl.arange(0, RA)[None, :], accr, mask=tm[:, None])
         tl.store(PAC + t[:, None] * AW + RA + tl.arange(0, PA)[None, :], accp, mask=tm[:, None])
-        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+        zres, mask3, zpost, pmask3 = active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
                                                     CDT)
         M = sinkhorn_tile(zres, mask3, t_max, sk_eps, ROW_LAST, True)  # the row-sum clamp is always on in xHC
         i3 = tl.arange(0, KP)[None, :, None]
         q3 = tl.arange(0, KP)[None, None, :]
         s3 = tl.arange(0, SP)[None, None, :]
         tl.store(HRES + t[:, None, None] * k * k + i3 * k + q3, M, mask=mask3)
-        hpost = 2.0 * _sig(zpost)
+        hpost = 2.0 * sig(zpost)
         tl.store(HPOST + t[:, None, None] * k * K + i3 * K + s3, hpost, mask=pmask3)
         tl.store(PW + t[:, None, None] * k * K + i3 * K + s3, p[:, :, None] * hpost, mask=pmask3)
 
@@ -359,7 +264,7 @@ def _pre_bwd(dh, pe, ce, r, AP, BP, DHPRE, DZE, t, jn, jm, valid, tm, N, TM: tl.
     projp = pick_col_group(pe, ce, 1 + tt, G, NP)
     a = tl.load(AP).to(CDT)
     b = tl.load(BP + jn, mask=jm, other=0.0).to(CDT)
-    s = _sig(a * r[:, None] * projp + b[None, :])
+    s = sig(a * r[:, None] * projp + b[None, :])
     dz = tl.where(valid, dh * s * (1.0 - s), 0.0)
     tl.store(DZE + t[:, None] * TM * NP + tt * NP + jn[None, :], dz, mask=tm[:, None])
     return a * r[:, None] * dz, tl.sum(dz * projp, 1), a
@@ -429,7 +334,7 @@ def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PA
         cpa = tl.arange(0, PA)
         accr = tl.load(PAC + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
         accp = tl.load(PAC + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        zres, mask3, zpost, pmask3 = _active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
+        zres, mask3, zpost, pmask3 = active_logits(accr, accp, ra, BRES, ARES, BPOST, APOST, tm, k, K, BT, KP, SP,
                                                     CDT)
         i3 = tl.arange(0, KP)[None, :, None]
         q3 = tl.arange(0, KP)[None, None, :]
@@ -460,7 +365,7 @@ def _xhc_entry_bwd_kernel(X, DU, DHPRE, DPR, DHRES, DHPOST, DPW, IDX, PR, PE, PA
         dscore = tl.sum(tl.where(A, dp[:, :, None], 0.0), 1)
         wsr = pick_col_group(tl.load(WSUM + ce).to(CDT)[None, :], ce, 0, G, NP)
         zr = rl[:, None] * (pick_col_group(pe, ce, 0, G, NP) - mu[:, None] * wsr)
-        sc = _sig(zr)
+        sc = sig(zr)
         dzr = tl.where(valid & (jn[None, :] >= m), dscore * sc * (1.0 - sc), 0.0)
     tl.store(GE + t[:, None] * EW + ce[None, :], place_col_group(rl[:, None] * dzr, ce, 0, G, NP) + ge, mask=tm[:, None])
     dzz = tl.sum(dzr * zr, 1)
@@ -492,7 +397,7 @@ class XHCEntry(torch.autograd.Function):
         lead = X.shape[:-2]
         T = math.prod(lead)
         NP, EW, KP, SP, RA, PA = layout(N, k, K, TM)
-        cdt = cm._cdt(X, WP0)
+        cdt = compute_dtype(X, WP0)
         Xc = X.reshape(T, N, C).contiguous()
         dev = X.device
         e = lambda *s, dt=cdt: torch.empty(*s, dtype=dt, device=dev)  # noqa: E731
@@ -514,7 +419,7 @@ class XHCEntry(torch.autograd.Function):
                 u, Xa, I, p, score, hpre, H, Hpost, PW, PE, PAC, STAT, WSUM, T, N, C, k, m, K, norm_eps, t_max, sk_eps,
                 HAS_R=W_r is not None, ROW_LAST=order == "row_last", TM=TM, NONACT=nonact, HAS_ACT=has_act,
                 HAS_XA=Xa is not None, NP=NP, EW=EW, G=EW // NP, KP=KP, SP=SP, RA=RA, PA=PA,
-                BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt),
+                BT=BT, BK=BK, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt),
                 num_warps=warps(KP))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(I, score)
@@ -522,8 +427,8 @@ class XHCEntry(torch.autograd.Function):
                               WSUM)
         ctx.cfg = cfg
         # the owner of the state's gradient: the write that reads X_a from this X hands its term over
-        # (xhc.kernels.triton_ops._claim), so dX is written once, by xhc_grad.state_grad
-        ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending, ctx._owner = _state_key(X), (N, C), {}, {}, None
+        # (xhc.kernels.state_grad.claim), so dX is written once, by xhc_grad.state_grad
+        ctx._x_key, ctx._x_rows, ctx._claims, ctx._pending, ctx._owner = sg.state_key(X), (N, C), {}, {}, None
         # a window's read weights' gradient: each sublayer's fused read writes its row here (xhc_active.py)
         ctx._dh_buf = None if has_act else torch.empty(T, TM, N, dtype=cdt, device=dev)
         if has_act:
@@ -578,7 +483,7 @@ class XHCEntry(torch.autograd.Function):
                 HAS_DHRES=dHc is not None, HAS_DHPOST=dHpostc is not None, HAS_DPW=dPWc is not None,
                 HAS_R=W_r is not None, ROW_LAST=order == "row_last", TM=TM, NONACT=nonact, HAS_ACT=has_act, NS=NS,
                 NP=NP, EW=EW, G=EW // NP, KP=KP, SP=SP, RA=RA, PA=PA, BT=BT, BC=cm.block_c(BT, NP, C, budget=2048),
-                CDT=cm._tl(cdt), num_warps=warps(KP))
+                CDT=tl_dtype(cdt), num_warps=warps(KP))
         dX = None
         if ctx.needs_input_grad[0]:
             dX = xhc_grad.state_grad(Xc, duc, write, hpre, I, GE, GA, COEF, W_r, maps[:4], W_res, W_post, k, K,
@@ -593,7 +498,7 @@ class XHCEntry(torch.autograd.Function):
         return (dX, *grads, None)
 
 
-OWNER_CLASSES.append(XHCEntry._backward_cls)
+sg.OWNER_CLASSES.append(XHCEntry._backward_cls)
 
 
 def _f(t):

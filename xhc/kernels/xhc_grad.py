@@ -7,7 +7,7 @@
          + dX'_i                                                           (i outside I)
 
 (the entry GEMM's and both norms' terms, the read's, the active GEMM's and the write's; dX' is the
-write's output gradient that :mod:`.triton_ops`' write handed over).  byte budget, per token:
+write's output gradient that :mod:`.write_ops` handed over).  byte budget, per token:
 N·C·s (X) + N·C·s (dX') + C·s (du) + N·C·s (dX written once) (+ the weights, read once per BT tokens).
 
 :func:`_xhc_dw_kernel` (a program per BK columns of vec X or of vec X_a × S token splits): partial
@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast, mm
-from xhc.kernels.xhc_entry import layout, w_entry_tile, w_post_act_tile, w_res_act_tile
+from xhc.kernels.common import cast, tl_dtype
+from xhc.kernels.mhc_common import dw_pair_add, dw_pair_store, dw_pair_sum, mm
+from xhc.kernels.xhc_common import layout, w_entry_tile, w_post_act_tile, w_res_act_tile
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _xhc_dx_kernel(X, DU, DOUT, DXA, HPRE, IDX, HRES, GE, GA, COEF, WR, WP0, WP1
                 acc += _read_term(HPRE, DU, t, i, c, m2, tm, isact, N, C, TM, 3, NONACT, CDT)
         if HAS_DOUT:  # rows outside I: the write copied them
             acc += tl.load(DOUT + t[:, None] * D + kk[None, :], mask=m2 & (isact == 0)[:, None], other=0.0).to(CDT)
-        tl.store(DX + t[:, None] * D + kk[None, :], _cast(acc, DX), mask=m2)
+        tl.store(DX + t[:, None] * D + kk[None, :], cast(acc, DX), mask=m2)
 
 
 @triton.jit
@@ -137,8 +138,6 @@ def _dw_active_part(X, IDX, GA, PARTA, pa, s, t_lo, t_hi, D, C, k, RA: tl.conste
     km = kk < KC
     j = kk // C
     cc = kk % C
-    cra = tl.arange(0, RA)
-    cpa = tl.arange(0, PA)
     accr = tl.zeros([RA, BK], dtype=CDT)
     accp = tl.zeros([PA, BK], dtype=CDT)
     for t0 in range(t_lo, t_hi, BT):
@@ -150,13 +149,8 @@ def _dw_active_part(X, IDX, GA, PARTA, pa, s, t_lo, t_hi, D, C, k, RA: tl.conste
             xa = tl.load(X + t[:, None] * D + Ij * C + cc[None, :], mask=m2, other=0.0).to(CDT)
         else:  # X is X_a itself, [T, k, C] (a Flash window's carried streams, .xhc_active)
             xa = tl.load(X + t[:, None] * KC + kk[None, :], mask=m2, other=0.0).to(CDT)
-        gar = tl.load(GA + t[:, None] * AW + cra[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        gap = tl.load(GA + t[:, None] * AW + RA + cpa[None, :], mask=tm[:, None], other=0.0).to(CDT)
-        accr += mm(tl.trans(gar), xa, USE_DOT, PREC)
-        accp += mm(tl.trans(gap), xa, USE_DOT, PREC)
-    base = PARTA + s.to(tl.int64) * AW * KC
-    tl.store(base + cra[:, None] * KC + kk[None, :], accr, mask=km[None, :])
-    tl.store(base + (RA + cpa[:, None]) * KC + kk[None, :], accp, mask=km[None, :])
+        accr, accp = dw_pair_add(GA, AW, t, tm, xa, accr, accp, RA, PA, USE_DOT, PREC, CDT)
+    dw_pair_store(PARTA + s.to(tl.int64) * AW * KC, accr, accp, kk, km, KC, RA, PA)
 
 
 @triton.jit
@@ -220,12 +214,7 @@ def _reduce_active_part(PARTA, DWRES, DWPOST, pa, S, C, k, K, HAS_RES: tl.conste
     km = kk < KC
     cra = tl.arange(0, RA)
     cpa = tl.arange(0, PA)
-    accr = tl.zeros([RA, BK], dtype=CDT)
-    accp = tl.zeros([PA, BK], dtype=CDT)
-    for s in range(0, S):
-        base = PARTA + s * AW * KC
-        accr += tl.load(base + cra[:, None] * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
-        accp += tl.load(base + (RA + cpa[:, None]) * KC + kk[None, :], mask=km[None, :], other=0.0).to(CDT)
+    accr, accp = dw_pair_sum(PARTA, S, kk, km, KC, RA, PA, BK, CDT)
     ri = cra[:, None] // KP
     rq = cra[:, None] % KP
     if HAS_RES:
@@ -333,7 +322,7 @@ def state_grad(Xc, du, write, hpre, I, GE, GA, COEF, W_r, W_pres, W_res, W_post,
             HAS_DU=du is not None, HAS_DOUT=dout is not None, DOUT_MIX=not zero_active, DOUT_H=Hw is not None,
             HAS_DXA=dXa is not None, HAS_R=W_r is not None,
             TM=TM, NONACT=nonact, HAS_ACT=GA is not None, NP=NP, EW=EW, KP=KP, SP=SP,
-            RA=RA, PA=PA, BT=BT, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+            RA=RA, PA=PA, BT=BT, BC=BC, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     return dX
 
 
@@ -367,13 +356,13 @@ def param_grads(Xc, I, GE, GA, DZE, DZA, DA, STAT, W_r, W_pres, W_res, W_post, k
     NE = triton.cdiv(D, BK)
     _xhc_dw_kernel[(NE + (triton.cdiv(KC, BK) if has_a else 0), S)](
         Xc, I, GE, GA, STAT, parte, parta, T, N, C, k, NE, TS, EW=EW, NP=NP, RA=RA, PA=PA, BT=BT, BK=BK,
-        HAS_E=True, HAS_A=has_a, ROWS=True, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+        HAS_E=True, HAS_A=has_a, ROWS=True, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     BKR = cm.blocks("xhc_dw_reduce", N, C)["BK"]
     NER = triton.cdiv(D, BKR)
     _xhc_dw_reduce_kernel[(NER + (triton.cdiv(KC, BKR) if has_a else 0),)](
         parte, parta, DZE, DZA, DA, dWr, *_pad4(dWp), dWres, dWpost, *_pad4(dbp), dbres, dbpost, *_pad4(dap), dares,
         dapost, S, T, N, C, k, K, NER, HAS_R=W_r is not None, HAS_E=True, HAS_RES=has_a, HAS_A=has_a, TM=TM, EW=EW,
-        NP=NP, KP=KP, SP=SP, RA=RA, PA=PA, DW=triton.next_power_of_2(TM + 2), BK=BKR, BT=64, CDT=cm._tl(cdt))
+        NP=NP, KP=KP, SP=SP, RA=RA, PA=PA, DW=triton.next_power_of_2(TM + 2), BK=BKR, BT=64, CDT=tl_dtype(cdt))
     return [dWr, dWp, dbp, dap, dWres, dbres, dares, dWpost, dbpost, dapost]
 
 
@@ -394,10 +383,10 @@ def active_param_grads(Xa, GA, DZA, DA, W_res, W_post, k: int, K: int):
     dWpost, dbpost, dapost = e(k * K, KC), e(k * K), e(1)
     _xhc_dw_kernel[(triton.cdiv(KC, BK), S)](
         Xa, None, None, GA, None, None, parta, T, k, C, k, 0, TS, EW=16, NP=4, RA=RA, PA=PA, BT=BT, BK=BK,
-        HAS_E=False, HAS_A=True, ROWS=False, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=cm._tl(cdt))
+        HAS_E=False, HAS_A=True, ROWS=False, USE_DOT=cm.dot_ok(cdt), PREC=cm.dot_precision(), CDT=tl_dtype(cdt))
     BKR = cm.blocks("xhc_dw_reduce", k, C)["BK"]
     _xhc_dw_reduce_kernel[(triton.cdiv(KC, BKR),)](
         None, parta, None, DZA, DA, None, None, None, None, None, dWres, dWpost, None, None, None, None, dbres, dbpost,
         None, None, None, None, dares, dapost, S, T, k, C, k, K, 0, HAS_R=False, HAS_E=False, HAS_RES=has_res,
-        HAS_A=True, TM=1, EW=16, NP=4, KP=KP, SP=SP, RA=RA, PA=PA, DW=4, BK=BKR, BT=64, CDT=cm._tl(cdt))
+        HAS_A=True, TM=1, EW=16, NP=4, KP=KP, SP=SP, RA=RA, PA=PA, DW=4, BK=BKR, BT=64, CDT=tl_dtype(cdt))
     return [dWres, dbres, dares, dWpost, dbpost, dapost]

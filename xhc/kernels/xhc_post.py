@@ -32,12 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from xhc.kernels import mhc_common as cm
-from xhc.kernels.mhc_common import _cast
-from xhc.kernels import FUSED_WRITE_MAX_KERNELS, triton_ops
-from xhc.kernels.triton_ops import _claim, _np2, _tl
+from xhc.kernels import state_grad as sg
+from xhc.kernels.common import cast, compute_dtype, np2, tl_dtype
 
-MAX_KERNELS = FUSED_WRITE_MAX_KERNELS  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused path's limit
+MAX_KERNELS = 3  # r ≤ 3 temporal kernels (K ≤ 4 components): the fused write's limit
+
+
+def covers(temporal, X: torch.Tensor, y: torch.Tensor, seq) -> bool:
+    """Whether the fused write covers a write with the temporal components of ``temporal`` (the xHC MLP
+    sublayer, a Flash window's writes): an augmented write with at most :data:`MAX_KERNELS` kernels,
+    ``[s, b, ·]`` tensors (``X`` the state or the carried X_a) and a sequence held whole by this rank (no
+    halo exchange, segments or decode cache: those keep the separate ops)."""
+    whole = seq is None or (seq.group is None and seq.segments is None and seq.decode_cache is None)
+    return (temporal is not None and 0 < len(temporal.conv) <= MAX_KERNELS and whole and X.dim() == 4
+            and y.dim() == 3)
 
 
 @triton.jit
@@ -174,11 +182,11 @@ def _xhc_post_fwd_kernel(X, XA, I, H, P, Y, W1, W2, W3, POS, OUT, MS, N, k, K, C
         else:
             new += xa
         if EXIT:
-            tl.store(OUT + t * N * C + rows * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
+            tl.store(OUT + t * N * C + rows * C + c[None, :], cast(new, OUT), mask=(jr < k) & cmk[None, :])
             x = tl.load(X + t * N * C + nr * C + c[None, :], mask=keep & cmk[None, :], other=0.0)
             tl.store(OUT + t * N * C + nr * C + c[None, :], x, mask=keep & cmk[None, :])
         else:
-            tl.store(OUT + t * k * C + jr * C + c[None, :], _cast(new, OUT), mask=(jr < k) & cmk[None, :])
+            tl.store(OUT + t * k * C + jr * C + c[None, :], cast(new, OUT), mask=(jr < k) & cmk[None, :])
 
 
 @triton.jit
@@ -253,15 +261,15 @@ def _xhc_post_bwd_kernel(DOUT, X, XA, I, H, P, Y, W1, W2, W3, POS, MS, DX, DXA, 
                 dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
             else:
                 dxa = dn
-            tl.store(DXA + t * k * C + jr * C + c[None, :], _cast(dxa, DXA), mask=(jr < k) & cmk[None, :])
+            tl.store(DXA + t * k * C + jr * C + c[None, :], cast(dxa, DXA), mask=(jr < k) & cmk[None, :])
         if NEED_DX:
             g = tl.load(DOUT + t * N * C + nr * C + c[None, :], mask=outside & cmk[None, :], other=0.0)
             if CARRIED:  # the entry state's active rows were replaced, not read: 0 there, dX' elsewhere
-                tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=(nr < N) & cmk[None, :])
+                tl.store(DX + t * N * C + nr * C + c[None, :], cast(g.to(CDT), DX), mask=(nr < N) & cmk[None, :])
             else:
                 dxa = tl.sum(h[:, :, None] * dn[:, None, :], 0)  # [KP(q), BC]
-                tl.store(DX + t * N * C + rows * C + c[None, :], _cast(dxa, DX), mask=(jr < k) & cmk[None, :])
-                tl.store(DX + t * N * C + nr * C + c[None, :], _cast(g.to(CDT), DX), mask=outside & cmk[None, :])
+                tl.store(DX + t * N * C + rows * C + c[None, :], cast(dxa, DX), mask=(jr < k) & cmk[None, :])
+                tl.store(DX + t * N * C + nr * C + c[None, :], cast(g.to(CDT), DX), mask=outside & cmk[None, :])
 
 
 @triton.jit
@@ -310,7 +318,7 @@ def _xhc_conv_bwd_kernel(DV, Y, W1, W2, W3, POS, DY, DW1, DW2, DW3, T, C, B, k1,
                 dy += w3[None, :] * d3
                 v3 = tl.load(DV + t[:, None] * SP * C + 3 * C + c[None, :], mask=bm, other=0.0).to(CDT)
                 acc3 += tl.where(ti == i, tl.sum(v3 * yb, 0)[None, :], 0.0)
-        tl.store(DY + t[:, None] * C + c[None, :], _cast(dy, DY), mask=m2)
+        tl.store(DY + t[:, None] * C + c[None, :], cast(dy, DY), mask=m2)
     tl.store(DW1 + ti * C + c[None, :], acc1, mask=(ti < k1) & cmk[None, :])
     if R > 1:
         tl.store(DW2 + ti * C + c[None, :], acc2, mask=(ti < k2) & cmk[None, :])
@@ -319,7 +327,7 @@ def _xhc_conv_bwd_kernel(DV, Y, W1, W2, W3, POS, DY, DW1, DW2, DW3, T, C, B, k1,
 
 
 def _meta(N: int, k: int, K: int, C: int):
-    NP, KP, SP = _np2(N), max(2, _np2(k)), 4
+    NP, KP, SP = np2(N), max(2, np2(k)), 4
     BC = max(16, min(triton.next_power_of_2(C), 2048 // max(NP, KP * SP)))
     return NP, KP, SP, BC
 
@@ -344,7 +352,7 @@ class XHCPost(torch.autograd.Function):
         R = len(ws)
         ks = [w.shape[0] for w in ws] + [0] * (3 - R)
         kmax = max(ks + [1])
-        cdt = cm._cdt(*(t for t in (X, Xa, H, P, y) if t is not None))
+        cdt = compute_dtype(*(t for t in (X, Xa, H, P, y) if t is not None))
         c = lambda t, *sh: None if t is None else t.reshape(*sh).contiguous()  # noqa: E731
         Xc, Xac, Ic = c(X, T, N, C), c(Xa, T, k, C), c(I, T, k)
         Hc, Pc, yc = c(H, T, k, k), c(P, T, k, K), c(y, T, C)
@@ -357,14 +365,14 @@ class XHCPost(torch.autograd.Function):
         if T > 0:
             _xhc_post_fwd_kernel[(T,)](Xc, Xac, Ic, Hc, Pc, yc, *(ws + [None] * (3 - R)), posc, out, MS, N, k, K, C, B,
                                        *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, CARRIED=carried,
-                                       EXIT=exit_, HAS_H=H is not None, NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt))
+                                       EXIT=exit_, HAS_H=H is not None, NP=NP, KP=KP, SP=SP, BC=BC, CDT=tl_dtype(cdt))
         ctx.save_for_backward(X, Xa, I, H, P, y, w1, w2, w3, pos, MS)
         ctx.meta = (GS, gs_eps, R, ks, kmax, N)
         # the entry op on this state writes dX (xHC sublayer: X' mixes X's active rows; a window's last
         # write: X' copies X's rows outside I, the carried X_a replaced the rest), so dX is written once
-        ctx.owner = _claim(X, "write", (H, P)) if exit_ else None
-        # a window's carried X_a: the op that made P from it adds this write's dX_a (triton_ops._claim_carried)
-        ctx.xa_owner = triton_ops._claim_carried(Xa, P) if carried else None
+        ctx.owner = sg.claim(X, "write", (H, P)) if exit_ else None
+        # a window's carried X_a: the op that made P from it adds this write's dX_a (state_grad.claim_carried)
+        ctx.xa_owner = sg.claim_carried(Xa, P) if carried else None
         return out.view(*lead, N if exit_ else k, C)
 
     @staticmethod
@@ -377,7 +385,7 @@ class XHCPost(torch.autograd.Function):
         carried, exit_ = Xa is not None, X is not None
         T = s * B
         ws = [w for w in (w1, w2, w3) if w is not None]
-        cdt = cm._cdt(*(t for t in (X, Xa, H, P, y) if t is not None))
+        cdt = compute_dtype(*(t for t in (X, Xa, H, P, y) if t is not None))
         c = lambda t, *sh: None if t is None else t.reshape(*sh).contiguous()  # noqa: E731
         Xc, Xac, Ic = c(X, T, N, C), c(Xa, T, k, C), c(I, T, k)
         Hc, Pc, yc = c(H, T, k, k), c(P, T, k, K), c(y, T, C)
@@ -404,16 +412,16 @@ class XHCPost(torch.autograd.Function):
             _xhc_post_bwd_kernel[(T,)](doutc, Xc, Xac, Ic, Hc, Pc, yc, *wargs, posc, MS, dX, dXa, dH, dP, dV, N, k, K,
                                        C, B, *ks, kmax, gs_eps, R=R, GS=GS, HAS_POS=posc is not None, NEED_DX=need_dx,
                                        NEED_DXA=need_dxa, CARRIED=carried, EXIT=exit_, HAS_H=H is not None,
-                                       NP=NP, KP=KP, SP=SP, BC=BC, CDT=_tl(cdt), num_warps=2)
+                                       NP=NP, KP=KP, SP=SP, BC=BC, CDT=tl_dtype(cdt), num_warps=2)
             BCc = max(16, min(triton.next_power_of_2(C), 32))
             _xhc_conv_bwd_kernel[(triton.cdiv(C, BCc),)](
                 dV, yc, *wargs, posc, dy, *(dws + [None] * (3 - R)), T, C, B, *ks, kmax, R=R,
                 HAS_POS=posc is not None, SP=SP, KMP=max(2, triton.next_power_of_2(kmax)), BT=16, BC=BCc,
-                CDT=_tl(cdt))
+                CDT=tl_dtype(cdt))
         if defer:
-            triton_ops._hand_over(ctx.owner, "write", (doutc, None if carried else Hc, Ic, k, carried))
+            sg.hand_over(ctx.owner, "write", (doutc, None if carried else Hc, Ic, k, carried))
         if xa_defer:
-            triton_ops._hand_over(ctx.xa_owner, "dxa", doutc if xa_as_dout else dXa)
+            sg.hand_over(ctx.xa_owner, "dxa", doutc if xa_as_dout else dXa)
             dXa = None
         dwo = [dw.to(w.dtype) for dw, w in zip(dws, ws)] + [None] * (3 - R)
         return (None if dX is None else dX.view(X.shape), None if dXa is None else dXa.view(Xa.shape), None,
