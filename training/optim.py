@@ -1215,11 +1215,23 @@ def _build_megatron_sharded_muon(chunks, cfg: OptimizerConfig, mcfg, named) -> T
             kinds.append("adamw")
             inits.append(_adamw_init_state)
 
-    def wrap(i, opt):
+    class NestedFP32Optimizer(FP32Optimizer):
+        """``FP32Optimizer`` whose (sharded) state dict nests the torch one under ``optimizer``, as
+        ``Float16OptimizerWithFloat16Params`` does: ``LayerWiseDistributedOptimizer`` (0.16.1) edits
+        ``sd["optimizer"]`` of every member it chains."""
+
+        def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+            return {"optimizer": super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)}
+
+        def load_state_dict(self, state_dict):
+            nested = "optimizer" in state_dict and "state" not in state_dict
+            super().load_state_dict(state_dict["optimizer"] if nested else state_dict)
+
+    def wrap(i, opt):  # bf16 weights: fp32 main copies; fp32 (HC) parameters: their own optimizer
         params = [p for g in opt.param_groups for p in g["params"]]
-        if bf16 and any(p.dtype != torch.float32 for p in params):
+        if bf16 and kinds[i] == "muon" or bf16 and any(p.dtype != torch.float32 for p in params):
             return Float16OptimizerWithFloat16Params(opt, mcfg, None, inits[i])
-        return FP32Optimizer(opt, mcfg, inits[i])
+        return NestedFP32Optimizer(opt, mcfg, inits[i])
 
     cls = _layer_wise_optimizer_class()
     opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap)

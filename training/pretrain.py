@@ -314,6 +314,8 @@ class Trainer:
                 "optimizer_sharding": sharding,
                 "optimizer_format": "megatron" if is_megatron_optimizer(self.optimizer) else "torch-sharded",
                 **self._compat_info()}
+        if getattr(getattr(self.optimizer, "megatron_optimizer", None), "param_shards", None) is not None:
+            info["optimizer_sharding"] = "layer_wise"  # sharded Muon on the GPU path (training.optim)
         asynchronous = self.async_save and reason == "interval"  # a stop or the end would wait for it at once
         with self.runner.params_synced():  # overlap_param_gather: every shard at this step's values
             self.check_parameters(f"checkpoint at step {self.step} not saved")  # all ranks agree (before a snapshot)

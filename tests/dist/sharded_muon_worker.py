@@ -114,12 +114,15 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _named_state(opt):
-    """``{optimizer/param name/state key: tensor}`` of the states this rank holds."""
+def _named_state(opt, expert=None):
+    """``{optimizer/param name/state key: tensor}`` of the states this rank holds (``expert``: only the
+    routed-expert or only the dense parameters' states)."""
     out = {}
     for oname, o in opt.optimizers.items():
         for g in o.param_groups:
             for n, p in zip(g["param_names"], g["params"]):
+                if expert is not None and (getattr(p, "allreduce", True) is False) != expert:
+                    continue
                 for k, v in o.state.get(p, {}).items():
                     out[f"{oname}/{n}/{k}"] = v.detach().clone()
     return out
@@ -130,9 +133,10 @@ def _gathered_state(opt):
     from megatron.core import parallel_state as ps
 
     merged = {}
-    for group in (ps.get_data_parallel_group(with_context_parallel=True), ps.get_expert_data_parallel_group()):
+    for expert, group in ((False, ps.get_data_parallel_group(with_context_parallel=True)),
+                          (True, ps.get_expert_data_parallel_group())):
         parts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, _named_state(opt), group=group)
+        dist.all_gather_object(parts, _named_state(opt, expert), group=group)
         for part in parts:
             for k, v in part.items():
                 assert k not in merged or torch.equal(merged[k], v), f"{k}: two ranks hold different states"
@@ -182,10 +186,10 @@ def _compare(preset_name, parallel_kw, init_kw):
     assert any("/momentum_buffer" in k for k in s_sh) and any("/exp_avg" in k for k in s_sh)
     # against the reference (another summation order of the data-parallel gradient)
     worst = {"muon": 0.0, "adamw": 0.0}
-    for name, p in p_sh.items():
+    for name, p in model.named_parameters():  # (the sharded run's model: its params carry the TP attributes)
         want = local_slice(name, p, ref[full_name(name, config)], config)
         which = classify_param(name, p, "muon").optimizer
-        worst[which] = max(worst[which], (p - want).abs().max().item() / LR)
+        worst[which] = max(worst[which], (p.detach() - want).abs().max().item() / LR)
     assert all(worst[k] <= TOL[k] for k in TOL), f"sharded vs reference: {worst} (·lr) > {TOL}"
     # one Newton–Schulz per matrix across the data-parallel group (dense and expert owners both count here)
     dp = ps.get_data_parallel_group(with_context_parallel=True)
