@@ -29,7 +29,7 @@ Backends (:func:`build_optimizer`):
   (distributed optimizer by default) for AdamW with this module's weight-decay rule passed as
   ``config_overrides``; for Muon, this module's :class:`Muon` inside Megatron's
   ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` chained with Megatron's Adam for the
-  rest (Megatron's own Muon needs ``emerging_optimizers``; like it, no distributed optimizer).
+  rest (Megatron's own Muon needs ``emerging_optimizers``) when ``use_distributed_optimizer`` is false.
   Without the distributed optimizer, the fp32 HC parameters of a bf16 model get their own
   ``FP32Optimizer`` in the chain (``Float16OptimizerWithFloat16Params`` cannot checkpoint a mix
   of bf16 and fp32 params).  One global grad norm per step, computed once.
@@ -37,6 +37,18 @@ Backends (:func:`build_optimizer`):
   check for CUDA tensor types); with those redirected to the CPU (test-only) the non-distributed
   path, bf16 wrappers included, is checked against the torch backend and through a
   ``dist_checkpointing`` round trip.  The distributed optimizer only runs on GPU.
+
+State sharded over data parallelism (:attr:`OptimizerConfig.use_distributed_optimizer`; Muon's
+default on the Megatron backend, opt-in on the torch backend): each parameter is owned by one rank
+of its DP group (expert-DP group for routed experts; :func:`shard_owner_ranks`, Newton–Schulz cost
+for Muon matrices and element count for AdamW, ``training.shard_owners``).  Only the owner holds its
+state and updates it (one Newton–Schulz per matrix across the group, with its TP peers for the full
+matrix); :class:`ParamShards` then broadcasts the updated parameters.  Torch backend: the inner
+optimisers hold the owned parameters only; checkpoints stay ``torch-sharded`` (each tensor written
+by its owner), so they load into any layout, sharded or not.  Megatron backend:
+``ShardedLayerWiseOptimizer`` (Megatron-Core's ``LayerWiseDistributedOptimizer`` with these owners,
+per-dtype exchange and the fp32 HC parameters in their own ``FP32Optimizer``; its checkpoints
+resume on the same layout only).
 """
 
 from __future__ import annotations
