@@ -1162,13 +1162,14 @@ def _layer_wise_optimizer_class():
           all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters).
         """
 
-        def __init__(self, optimizers, config, kinds, shard_args, wrap):
-            self._kinds, self._shard_args, self._wrap = list(kinds), shard_args, wrap
+        def __init__(self, optimizers, config, kinds, shard_args, wrap, order):
+            self._kinds, self._shard_args, self._wrap, self._order = list(kinds), shard_args, wrap, order
             super().__init__(optimizers, dataclasses.replace(config, bf16=False), pg_collection=None)
 
         def shard_params(self, optimizers):
             items = [(p, kind) for opt, kind in zip(optimizers, self._kinds) for g in opt.param_groups
                      for p in g["params"]]
+            items.sort(key=lambda item: self._order[id(item[0])])  # the model's order, as the torch backend
             named = [(str(i), p) for i, (p, _) in enumerate(items)]
             self.param_shards = build_param_shards(named, **self._shard_args, kinds=[k for _, k in items])
             for opt in optimizers:
@@ -1246,7 +1247,7 @@ def _build_megatron_sharded_muon(chunks, cfg: OptimizerConfig, mcfg, named) -> T
         return NestedFP32Optimizer(opt, mcfg, inits[i])
 
     cls = _layer_wise_optimizer_class()
-    opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap)
+    opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap, {id(p): i for i, (_, p) in enumerate(named)})
     params = [p for _, p in named]
     return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks,
                           shards=opt.param_shards)
