@@ -253,3 +253,11 @@ def test_what_makes_another_run_is_refused_whatever_the_layout():
     assert "batch.global_batch_size=16" in msg
     msg = _refused(body, {**TWO_EP, "global_batch_size": 16, "preset": "tiny-moe:mhc"})
     assert "model.preset=tiny-moe:xhc" in msg
+
+
+def test_layer_wise_sharded_muon_state_resumes_on_its_own_layout_only():
+    body = {**TWO_DP, "optimizer_format": "megatron", "optimizer_sharding": "layer_wise"}
+    assert check_compatible("ck", body, TWO_DP, sharded_optimizer=True) is None
+    msg = _refused(body, ONE, sharded_optimizer=True)
+    assert "layer-wise" in msg and "checkpoint.load_optimizer=false" in msg
+    assert check_compatible("ck", body, ONE, load_optimizer=False, sharded_optimizer=True).startswith("resharding")
