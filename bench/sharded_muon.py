@@ -10,6 +10,7 @@ Two parts (``training.optim``, ``use_distributed_optimizer``):
   imbalance it adds)::
 
       python -m bench.sharded_muon bytes
+      python -m bench.sharded_muon bytes --tp 1 --pp 1   # another layout of the 64 GPUs
 
 - ``time`` (torchrun, 2 ranks, gloo, CPU): one MoE layer of moe-18b with every width divided by
   ``--shrink`` (the router, the shared expert and 144/shrink routed experts), the attention and the
@@ -36,8 +37,8 @@ def _backbone(preset="moe-18b:xhc-muon"):
     return load_preset(preset)
 
 
-def _layer_params(bb, shrink=1, tp=1, ep=1, etp=1):
-    """``(name, shape, kind, expert)`` of one MoE layer's parameters on one rank (kind: muon | adamw)."""
+def _layer_params(bb, shrink=1, tp=1, ep=1, etp=1, dense=False):
+    """``(name, shape, kind, expert)`` of one MoE (or ``dense``) layer's parameters on one rank (kind: muon | adamw)."""
     C = bb["hidden_size"] // shrink
     heads, groups, d = bb["num_attention_heads"], bb["num_query_groups"], bb["kv_channels"] // shrink
     F, E = bb["moe_ffn_hidden_size"] // shrink, bb["num_moe_experts"] // shrink
@@ -48,13 +49,17 @@ def _layer_params(bb, shrink=1, tp=1, ep=1, etp=1):
            ("mlp.shared_experts.linear_fc1.weight", (2 * Fs // tp, C), "muon", False),
            ("mlp.shared_experts.linear_fc2.weight", (C, Fs // tp), "muon", False),
            ("input_layernorm.weight", (C,), "adamw", False), ("pre_mlp_layernorm.weight", (C,), "adamw", False)]
+    if dense:
+        Fd = bb["ffn_hidden_size"] // shrink
+        return out[:2] + [("mlp.linear_fc1.weight", (2 * Fd // tp, C), "muon", False),
+                          ("mlp.linear_fc2.weight", (C, Fd // tp), "muon", False)] + out[5:]
     for e in range(E // ep):
         out += [(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * F // etp, C), "muon", True),
                 (f"mlp.experts.local_experts.{e}.linear_fc2.weight", (C, F // etp), "muon", True)]
     return out
 
 
-def state_bytes() -> None:
+def state_bytes(layout=None, world: int = 64) -> None:
     import yaml
 
     from training.optim import shard_owner_ranks
@@ -63,22 +68,25 @@ def state_bytes() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "configs", "pretrain", "moe-18b-xhc-muon.yaml")) as f:
         run = yaml.safe_load(f)
-    par = run["parallel"]
+    par = dict(run["parallel"], **(layout or {}))
     preset = _backbone(run["model"]["preset"])
     bb = dict(preset.backbone, hidden_size=preset.hidden_size)
     tp, pp, ep, etp = par["tp"], par["pp"], par["ep"], par.get("etp") or par["tp"]
-    world = 64
     dp, edp = world // (tp * pp), world // (pp * ep * etp)
     C, L = bb["hidden_size"], preset.num_layers
     hc = int(getattr(hc_params_per_layer(preset.hc, C), "total", 0) or 0)
     vocab = run["tokenizer"]["padded_vocab_size"]
-    # the last stage: L/pp MoE layers and the output layer (the first has a dense layer and the embedding)
+    # the last stage: L/pp MoE layers and the output layer (the first stage has the dense layer and the
+    # embedding instead: as large); with pp = 1 the one stage has both
     items = []
     for layer in range(L // pp):
-        for name, shape, kind, expert in _layer_params(bb, tp=tp, ep=ep, etp=etp):
+        dense = pp == 1 and layer < bb.get("first_dense_layers", 0)
+        for name, shape, kind, expert in _layer_params(bb, tp=tp, ep=ep, etp=etp, dense=dense):
             items.append((f"{layer}.{name}", shape, kind, expert))
         items.append((f"{layer}.hyper_connection", (hc,), "adamw", False))
     items.append(("output_layer.weight", (vocab // tp, C), "adamw", False))
+    if pp == 1:
+        items.append(("embedding.word_embeddings.weight", (vocab // tp, C), "adamw", False))
     per_elem = {"muon": 8, "adamw": 12}
     fake = []
     for name, shape, kind, expert in items:
@@ -97,10 +105,12 @@ def state_bytes() -> None:
             loads_e[o] += b
         else:
             loads_d[o] += b
-    per_rank = [loads_d[r] + loads_e[r % edp] for r in range(dp)]  # a rank is in one DP and one expert-DP group
+    # dense DP rank r is global rank tp·r of the stage (TP rank 0); Megatron orders the expert groups
+    # etp-ep-dp, so that rank is expert-DP rank (tp·r) // (etp·ep)
+    per_rank = [loads_d[r] + loads_e[(tp * r) // (etp * ep)] for r in range(dp)]
     G = 1e9
     print(f"moe-18b:xhc-muon, {world} GPUs, tp={tp} pp={pp} ep={ep} etp={etp}: dp={dp}, expert dp={edp}; "
-          f"last stage, tp rank 0: {sum(p.numel() for p, _ in fake) / 1e9:.3f}B local parameters")
+          f"{'last stage' if pp > 1 else 'the one stage'}, tp rank 0: {sum(p.numel() for p, _ in fake) / 1e9:.3f}B local parameters")
     print(f"optimizer state per rank (fp32 main + Muon momentum 8 B, fp32 main + AdamW moments 12 B per element):")
     print(f"  replicated  {full / G:6.2f} GB on every rank")
     print(f"  sharded     {max(per_rank) / G:6.2f} GB on the fullest rank, {min(per_rank) / G:6.2f} GB on the "
@@ -193,9 +203,15 @@ def main(argv=None) -> None:
     ap.add_argument("what", choices=("bytes", "time"))
     ap.add_argument("--shrink", type=int, default=4, help="divide every width of the layer by this (time)")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per variant (time)")
+    for key in ("tp", "pp", "ep"):
+        ap.add_argument(f"--{key}", type=int, help=f"bytes: parallel.{key} instead of the config's")
+    ap.add_argument("--world", type=int, default=64, help="bytes: GPUs (the config's layout is for 64)")
     args = ap.parse_args(argv)
     if args.what == "bytes":
-        state_bytes()
+        layout = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k) is not None}
+        if "tp" in layout:
+            layout["etp"] = layout["tp"]
+        state_bytes(layout, args.world)
     else:
         time_steps(args.shrink, args.steps)
 
