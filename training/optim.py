@@ -828,10 +828,7 @@ class TrainOptimizer:
                     mopt.clip_grad_by_total_norm_fp32(
                         params, max_norm=self.cfg.clip_grad, total_norm=norm,
                         use_decoupled_grad=getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
-        updated = bool(opt.step_with_ready_grads())
-        if updated and hasattr(opt, "allgather_params"):  # sharded Muon: the owners' updates reach every rank
-            opt.allgather_params()
-        return StepResult(updated, norm)
+        return StepResult(bool(opt.step_with_ready_grads()), norm)  # (sharded Muon: + the exchange)
 
     def reload_model_params(self) -> None:
         """Copy the model's parameters into the optimiser's fp32 main copies (Megatron backend).
@@ -1159,14 +1156,18 @@ def _layer_wise_optimizer_class():
           ``FP32Optimizer``), so fp32 main copies exist for the owned parameters only and no bf16
           wrapper holds an fp32 parameter (which it cannot checkpoint);
         - the exchange: :meth:`ParamShards.sync` (per dtype, per owner), since Megatron's flattened
-          all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters).
+          all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters), run by
+          ``step_with_ready_grads`` on 0.16.1 (whose base class gathers in ``step``) and 0.19 alike.
+
+        Written against 0.16.1 and read against 0.19.2 (whose ``__init__`` passes DDP buffer layouts to
+        ``shard_params`` and gathers in ``step_with_ready_grads``; this class uses neither layout).
         """
 
         def __init__(self, optimizers, config, kinds, shard_args, wrap, order):
             self._kinds, self._shard_args, self._wrap, self._order = list(kinds), shard_args, wrap, order
             super().__init__(optimizers, dataclasses.replace(config, bf16=False), pg_collection=None)
 
-        def shard_params(self, optimizers):
+        def shard_params(self, optimizers, full_param_layouts=None):  # (0.19: DDP buffer layouts, unused here)
             items = [(p, kind) for opt, kind in zip(optimizers, self._kinds) for g in opt.param_groups
                      for p in g["params"]]
             items.sort(key=lambda item: self._order[id(item[0])])  # the model's order, as the torch backend
@@ -1182,6 +1183,16 @@ def _layer_wise_optimizer_class():
         @torch.no_grad()
         def allgather_params(self) -> None:
             self.param_shards.sync()
+
+        @torch.no_grad()
+        def step_with_ready_grads(self) -> bool:
+            # the exchange after the owners' update, here on every version (0.16.1 does it in step(),
+            # which TrainOptimizer does not call; 0.19 here); a skipped update exchanges unchanged values
+            from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+            success = ChainedOptimizer.step_with_ready_grads(self)
+            self.allgather_params()
+            return success
 
     _LAYER_WISE_CLASS = ShardedLayerWiseOptimizer
     return ShardedLayerWiseOptimizer
