@@ -304,6 +304,8 @@ def check_resume(ctx: Ctx) -> None:
 
 def _resume_one(ctx: Ctx, opt: str) -> None:
     extra = [f"optimizer.name={opt}", "optimizer.lr=1e-2"]
+    if opt == "muon":  # its state sharded over data parallelism (the GPU default, named so that the CPU smoke runs it too)
+        extra.append("optimizer.use_distributed_optimizer=true")
     ck = os.path.join(ctx.workdir, f"ckpt-{opt}")
     # uninterrupted: 3 steps
     tr = make_trainer(ctx, overrides_for(ctx, f"straight-{opt}", extra=extra))
@@ -632,7 +634,7 @@ MULTI_LAYOUTS = {
                  "parallel.overlap_param_gather=true"],
     "ep2": ["parallel.ep=2"],
     "cp2": ["parallel.cp=2"],  # CUDA + Transformer Engine attention only
-    "dp2-muon": ["optimizer.name=muon"],
+    "dp2-muon": ["optimizer.name=muon", "optimizer.use_distributed_optimizer=true"],  # Muon's state sharded over DP = 2
 }
 CUDA_ONLY = {"pp2-vpp2": "the interleaved schedule needs CUDA", "cp2": "context parallelism needs CUDA and TE"}
 

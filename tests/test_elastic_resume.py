@@ -38,12 +38,15 @@ BASE = ["data.mock=true", "batch.micro_batch_size=2", "batch.global_batch_size=4
         "tokenizer.vocab_size=512", "logging.interval=10", "logging.sample_ids=true", "checkpoint.keep_last=5",
         f"checkpoint.interval={SAVE}"]
 LAYOUTS = {"1": [], "ep2": ["parallel.ep=2"], "tp2sp": ["parallel.tp=2", "parallel.sp=true"],
-           "pp2": ["parallel.pp=2"], "dp2": []}
-WORLD = {"1": 1, "ep2": 2, "tp2sp": 2, "pp2": 2, "dp2": 2}
+           "pp2": ["parallel.pp=2"], "dp2": [],
+           "dp2s": ["optimizer.use_distributed_optimizer=true"]}  # DP = 2, the optimizer state sharded over it
+WORLD = {"1": 1, "ep2": 2, "tp2sp": 2, "pp2": 2, "dp2": 2, "dp2s": 2}
 # (preset variant, optimizer, layout A, layout B): every pair the issue names, AdamW and Muon, xHC, mHC, vanilla;
 # mhc-dsv4: mHC with DeepSeek-V4's convention and learned head (docs/math.md §2.h), the head on TP=2+SP
 TRANSITIONS = [("xhc", "adamw", "ep2", "1"), ("xhc", "muon", "1", "ep2"), ("mhc-dsv4", "muon", "tp2sp", "1"),
-               ("mhc", "adamw", "1", "tp2sp"), ("vanilla", "adamw", "pp2", "1"), ("vanilla", "muon", "dp2", "1")]
+               ("mhc", "adamw", "1", "tp2sp"), ("vanilla", "adamw", "pp2", "1"),
+               # Muon's state sharded over DP = 2 -> replicated at DP = 1, and replicated at DP = 1 -> sharded at DP = 2
+               ("vanilla", "muon", "dp2s", "1"), ("xhc", "muon", "1", "dp2s")]
 IDS = [f"{a}-to-{b}-{v}-{o}" for v, o, a, b in TRANSITIONS]
 VARIANT_ARGS = {"mhc-dsv4": ["model.preset=tiny-moe:mhc", "model.hc.convention=deepseek_v4",
                              "model.hc.reduction=learned"]}
@@ -250,3 +253,11 @@ def test_what_makes_another_run_is_refused_whatever_the_layout():
     assert "batch.global_batch_size=16" in msg
     msg = _refused(body, {**TWO_EP, "global_batch_size": 16, "preset": "tiny-moe:mhc"})
     assert "model.preset=tiny-moe:xhc" in msg
+
+
+def test_layer_wise_sharded_muon_state_resumes_on_its_own_layout_only():
+    body = {**TWO_DP, "optimizer_format": "megatron", "optimizer_sharding": "layer_wise"}
+    assert check_compatible("ck", body, TWO_DP, sharded_optimizer=True) is None
+    msg = _refused(body, ONE, sharded_optimizer=True)
+    assert "layer-wise" in msg and "checkpoint.load_optimizer=false" in msg
+    assert check_compatible("ck", body, ONE, load_optimizer=False, sharded_optimizer=True).startswith("resharding")

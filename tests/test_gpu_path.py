@@ -115,7 +115,8 @@ def params(model):
 @pytest.mark.parametrize("opt_name,sharding", [  # (the GPU default, AdamW + dp_reshardable, stays in the fast
     # tier, so CI's Python 3.12 stage runs it against the newest megatron-core)
     pytest.param("muon", None, marks=pytest.mark.slow), pytest.param("adamw", None, marks=pytest.mark.slow),
-    ("adamw", "dp_reshardable"), pytest.param("adamw", "fully_reshardable", marks=pytest.mark.slow)])
+    ("adamw", "dp_reshardable"), pytest.param("adamw", "fully_reshardable", marks=pytest.mark.slow),
+    ("muon", "layer_wise")])  # Muon's GPU default: its state sharded by training.optim.ShardedLayerWiseOptimizer
 def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
                                                        opt_name, sharding):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
@@ -128,8 +129,8 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
 
     from training.checkpoint import build_state
 
-    dist_opt = sharding is not None  # (both checkpoint.optimizer_sharding layouts)
-    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=dist_opt)
+    dist_opt = sharding is not None and opt_name == "adamw"  # (both checkpoint.optimizer_sharding layouts)
+    cfg = OptimizerConfig(name=opt_name, lr=1e-2, clip_grad=0.5, use_distributed_optimizer=sharding is not None)
     model = functools.partial(bf16_ddp_model, distributed_optimizer=dist_opt)
 
     straight = model()

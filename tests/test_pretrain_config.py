@@ -123,6 +123,10 @@ def test_every_pretrain_yaml_loads():
     (["optimizer.lr=-1"], "optimizer.lr", "> 0"),
     (["optimizer.name=sgd"], "optimizer.name", "adamw"),
     (["schedule.warmup_steps=500"], "schedule.warmup_steps", "total_steps"),
+    (["optimizer.name=muon", "parallel.overlap_param_gather=true"], "parallel.overlap_param_gather",
+     "sharded Muon"),
+    (["optimizer.use_distributed_optimizer=false", "parallel.overlap_param_gather=true"],
+     "parallel.overlap_param_gather", "use_distributed_optimizer is false"),
     # checkpoint
     (["checkpoint.load=/no/such/dir"], "checkpoint.load", "does not exist"),
 ])

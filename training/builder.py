@@ -398,7 +398,8 @@ class Builder:
         run.log(f"[xhc] batch      global {b.global_batch_size} = micro {b.micro_batch_size} x dp {run.dp} x "
                 f"accumulation {run.num_micro}; {run.tokens_per_step} tokens/step")
         run.log(f"[xhc] optimizer  {cfg.optimizer.name} lr {cfg.optimizer.lr:g}, {cfg.schedule.kind} schedule "
-                f"(warmup {cfg.schedule.warmup_steps}, {cfg.schedule.total_steps} steps), clip {cfg.optimizer.clip_grad:g}")
+                f"(warmup {cfg.schedule.warmup_steps}, {cfg.schedule.total_steps} steps), clip {cfg.optimizer.clip_grad:g}"
+                + (f"; state sharded over dp={run.dp}" if getattr(run.optimizer, "shards", None) is not None else ""))
         for note in getattr(cfg, "notes", ()):
             run.log(f"[xhc] note       {note}")
         run.log(f"[xhc] data       {run.paths['data']} (train {len(run.train_ds)} samples"

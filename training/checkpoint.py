@@ -302,6 +302,9 @@ def _optimizer_reshard_problem(body: dict, fmt: str, sp: dict, np_: dict) -> Opt
     if fmt == "rank":
         return ("its optimizer state is one object per rank (a checkpoint written before resharding was "
                 "supported)")
+    if fmt == "megatron" and body.get("optimizer_sharding") == "layer_wise":
+        return ("its Muon state was saved sharded by the GPU path's layer-wise optimizer, whose checkpoint "
+                "resumes on the same layout only")
     if fmt == "megatron" and body.get("optimizer_sharding", "dp_reshardable") == "dp_reshardable":
         changed = [k for k in _LAYOUT_KEYS if k in sp and k in np_ and sp.get(k) != np_.get(k)]
         if changed:

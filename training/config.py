@@ -142,7 +142,8 @@ class ParallelConfig(_Section):
     overlap_grad_reduce: bool = False
     """GPU: overlap the DP gradient reduce-scatter with backward."""
     overlap_param_gather: bool = False
-    """GPU: overlap the distributed optimizer's parameter all-gather with the next forward."""
+    """GPU: overlap the distributed optimizer's parameter all-gather with the next forward (AdamW with
+    Megatron's distributed optimizer only: sharded Muon gathers its updates at the end of the step)."""
 
 
 @dataclass
@@ -625,6 +626,13 @@ def validate_config(cfg: PretrainConfig) -> None:
                 if msg.startswith("config key"):
                     raise ConfigError(msg) from None
                 raise ConfigError(f"config key {msg}" if msg.startswith(f"{sec}.") else f"config key {sec}: {msg}") from None
+    o = cfg.optimizer
+    if p.overlap_param_gather and (getattr(o, "name", "adamw") != "adamw"
+                                   or getattr(o, "use_distributed_optimizer", None) is False):
+        why = ("sharded Muon all-gathers the updated parameters at the end of its step"
+               if getattr(o, "name", "adamw") != "adamw" else "optimizer.use_distributed_optimizer is false")
+        raise _err("parallel.overlap_param_gather", "true needs Megatron's distributed optimizer (AdamW) and "
+                   f"{why}: set parallel.overlap_param_gather=false")
 
 
 # ================================================================================================

@@ -29,7 +29,7 @@ Backends (:func:`build_optimizer`):
   (distributed optimizer by default) for AdamW with this module's weight-decay rule passed as
   ``config_overrides``; for Muon, this module's :class:`Muon` inside Megatron's
   ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` chained with Megatron's Adam for the
-  rest (Megatron's own Muon needs ``emerging_optimizers``; like it, no distributed optimizer).
+  rest (Megatron's own Muon needs ``emerging_optimizers``) when ``use_distributed_optimizer`` is false.
   Without the distributed optimizer, the fp32 HC parameters of a bf16 model get their own
   ``FP32Optimizer`` in the chain (``Float16OptimizerWithFloat16Params`` cannot checkpoint a mix
   of bf16 and fp32 params).  One global grad norm per step, computed once.
@@ -37,6 +37,18 @@ Backends (:func:`build_optimizer`):
   check for CUDA tensor types); with those redirected to the CPU (test-only) the non-distributed
   path, bf16 wrappers included, is checked against the torch backend and through a
   ``dist_checkpointing`` round trip.  The distributed optimizer only runs on GPU.
+
+State sharded over data parallelism (:attr:`OptimizerConfig.use_distributed_optimizer`; Muon's
+default on the Megatron backend, opt-in on the torch backend): each parameter is owned by one rank
+of its DP group (expert-DP group for routed experts; :func:`shard_owner_ranks`, Newton–Schulz cost
+for Muon matrices and element count for AdamW, ``training.shard_owners``).  Only the owner holds its
+state and updates it (one Newton–Schulz per matrix across the group, with its TP peers for the full
+matrix); :class:`ParamShards` then broadcasts the updated parameters.  Torch backend: the inner
+optimisers hold the owned parameters only; checkpoints stay ``torch-sharded`` (each tensor written
+by its owner), so they load into any layout, sharded or not.  Megatron backend:
+``ShardedLayerWiseOptimizer`` (Megatron-Core's ``LayerWiseDistributedOptimizer`` with these owners,
+per-dtype exchange and the fp32 HC parameters in their own ``FP32Optimizer``; its checkpoints
+resume on the same layout only).
 """
 
 from __future__ import annotations
@@ -128,7 +140,12 @@ class OptimizerConfig(ConfigBase):
     muon_ns_dtype: str = "float32"
     """Newton–Schulz precision: float32 | bfloat16 (the usual GPU choice) | float64."""
     use_distributed_optimizer: Optional[bool] = None
-    """Megatron backend only: None = on for adamw, off for muon (which does not support it)."""
+    """Shard the optimizer state over data parallelism (None: on with the Megatron backend, off with the
+    torch backend).  AdamW on the Megatron backend: Megatron's distributed optimizer.  Muon: every
+    parameter is owned by one rank of its data-parallel group (the expert-data-parallel group for routed
+    experts, :func:`training.shard_owners.assign_owners`), which keeps its state (and fp32 main copy),
+    runs its one Newton–Schulz and sends the updated parameter to the others (:class:`ParamShards`).
+    The torch backend shards either optimizer this way when it is true."""
 
     def __post_init__(self):
         self.betas = tuple(self.betas)
@@ -168,9 +185,6 @@ class OptimizerConfig(ConfigBase):
             raise _err("muon_ns_dtype", self.muon_ns_dtype, f"allowed values are {', '.join(NS_DTYPES)}")
         if self.use_distributed_optimizer not in (None, True, False):
             raise _err("use_distributed_optimizer", self.use_distributed_optimizer, "must be true, false or null")
-        if self.name == "muon" and self.use_distributed_optimizer:
-            raise _err("use_distributed_optimizer", True, "Muon does not support Megatron's distributed "
-                       "optimizer; leave it null or set it false")
 
     # from_dict (an unknown key is an error naming it), to_dict, replace (validated): ConfigBase
     config_error: ClassVar[type] = OptimizerConfigError
@@ -492,6 +506,8 @@ class Muon(torch.optim.Optimizer):
                         eps=eps, ns_dtype=ns_dtype, tp=tp)
         super().__init__(params, defaults)
         self.process_groups = dict(process_groups or {})
+        self.ns_calls = 0
+        """Newton–Schulz runs of this optimiser so far (one per matrix per step on its owning rank)."""
         for group in self.param_groups:
             if group["tp"] not in ("tp", "expert_tp", "none"):
                 raise ValueError(f"Muon: param group tp={group['tp']!r}; allowed: tp, expert_tp, none")
@@ -550,6 +566,7 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(g, 1 - mu)
                 U = g.lerp(buf, mu) if group["nesterov"] else buf
                 O, (d_out, d_in) = self._orthogonalize(U, p, group, tp_group)
+                self.ns_calls += 1
                 p.mul_(1 - lr * wd)
                 p.add_(O.to(p.dtype), alpha=-lr * group["rms_scale"] * math.sqrt(max(d_out, d_in)))
         return loss
@@ -561,6 +578,140 @@ def _muon_init_state(opt, config=None) -> None:
         for p in group["params"]:
             if len(opt.state[p]) == 0:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizer state sharded over data parallelism (each parameter owned by one rank)
+# ----------------------------------------------------------------------------------------------
+def shards_state(cfg: OptimizerConfig, backend: str) -> bool:
+    """Whether ``cfg`` shards the optimizer state over data parallelism on ``backend`` (torch | megatron)."""
+    if cfg.use_distributed_optimizer is None:
+        return backend == "megatron"
+    return bool(cfg.use_distributed_optimizer)
+
+
+def is_expert_dp_param(p: torch.Tensor) -> bool:
+    """Its grad is reduced over the expert-data-parallel group (Megatron's ``allreduce = False``: routed experts)."""
+    return getattr(p, "allreduce", True) is False
+
+
+def muon_matrix_shape(p: torch.Tensor, tp_size: int) -> Tuple[int, ...]:
+    """The shape Newton–Schulz runs on: the full matrix of a parameter split over ``tp_size`` TP ranks."""
+    shape = list(p.shape)
+    if tp_size > 1 and getattr(p, "tensor_model_parallel", False):
+        shape[int(p.partition_dim)] *= tp_size
+    return tuple(shape)
+
+
+def shard_owner_ranks(params: Sequence[Tuple[torch.Tensor, str]], dp_size: int, expert_dp_size: int,
+                      tp_size: int = 1, expert_tp_size: int = 1, ns_steps: int = 5) -> List[int]:
+    """The owning rank (in its data-parallel group) of each ``(param, optimizer)`` of ``params``.
+
+    Dense parameters are shared out over the DP group (``dp_size``), routed-expert parameters
+    (:func:`is_expert_dp_param`) over the expert-DP group; in each, the Muon matrices by their
+    Newton–Schulz cost on the full (TP-gathered) matrix and the AdamW parameters by their local
+    element count, in two passes of :func:`training.shard_owners.assign_owners` (pure and
+    deterministic: every rank of a group computes the same owners from the same parameter order).
+    """
+    from training.shard_owners import assign_owners, newton_schulz_cost
+
+    owners = [0] * len(params)
+    for expert in (False, True):
+        size = expert_dp_size if expert else dp_size
+        tp = expert_tp_size if expert else tp_size
+        for which in ("muon", "adamw"):
+            idx = [i for i, (p, o) in enumerate(params) if o == which and is_expert_dp_param(p) == expert]
+            if which == "muon":
+                costs = [newton_schulz_cost(muon_matrix_shape(params[i][0], tp), ns_steps) for i in idx]
+            else:
+                costs = [params[i][0].numel() for i in idx]
+            for i, r in zip(idx, assign_owners(costs, size)):
+                owners[i] = r
+    return owners
+
+
+class ParamShards:
+    """Which rank owns which parameter, and the exchange of the updated parameters after a step.
+
+    ``groups``: ``(process group or None, params)`` for the dense and the expert parameters;
+    ``owners``: the owner (rank in that group) of each parameter.  After the owners have updated
+    their parameters, :meth:`sync` sends each one to the rest of its group (one broadcast of the
+    owner's parameters, flattened, per rank of the group), so every rank holds the same weights.
+    """
+
+    def __init__(self, groups: Sequence[Tuple[Any, List[torch.Tensor], List[int]]]):
+        self.groups = []
+        self.owned: set = set()
+        for group, params, owners in groups:
+            size = dist.get_world_size(group) if group is not None else 1
+            rank = dist.get_rank(group) if group is not None else 0
+            by_rank = [[p for p, o in zip(params, owners) if o == r] for r in range(size)]
+            self.owned.update(id(p) for p in by_rank[rank])
+            if size > 1:
+                self.groups.append((group, by_rank))
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return id(p) in self.owned
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every rank's parameters at their owners' values (bitwise)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for group, by_rank in self.groups:
+            for r, owned_by_r in enumerate(by_rank):
+                src = dist.get_global_rank(group, r)
+                for dtype in sorted({p.dtype for p in owned_by_r}, key=str):  # one buffer per dtype
+                    params = [p for p in owned_by_r if p.dtype == dtype]
+                    flat = _flatten_dense_tensors([p.data for p in params])
+                    dist.broadcast(flat, src=src, group=group)
+                    if src == dist.get_rank():
+                        continue
+                    for p, v in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
+                        p.data.copy_(v)
+
+
+def _dp_groups(process_groups: Optional[Mapping[str, Any]]) -> Tuple[Any, Any, int, int]:
+    """(dense DP group, expert DP group, TP size, expert-TP size): ``process_groups`` keys ``dp``,
+    ``expert_dp``, ``tp``, ``expert_tp`` where given, else Megatron's parallel_state (None: one rank)."""
+    pg = dict(process_groups or {})
+    ready = dist.is_available() and dist.is_initialized()
+    ps = None
+    if ready:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            ps = None
+
+    def pick(key, fn):
+        if key in pg:
+            return pg[key]
+        return fn() if ps is not None else None
+
+    dp = pick("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True))
+    edp = pick("expert_dp", lambda: ps.get_expert_data_parallel_group())
+    tp = pick("tp", lambda: ps.get_tensor_model_parallel_group())
+    etp = pick("expert_tp", lambda: ps.get_expert_tensor_parallel_group())
+    size = lambda g: dist.get_world_size(g) if g is not None else 1  # noqa: E731
+    return dp, edp, size(tp), size(etp)
+
+
+def build_param_shards(named: Sequence[Tuple[str, torch.Tensor]], cfg: OptimizerConfig,
+                       process_groups: Optional[Mapping[str, Any]] = None,
+                       kinds: Optional[Sequence[str]] = None) -> ParamShards:
+    """The :class:`ParamShards` of the trainable parameters ``named`` (``(name, param)``, every rank the
+    same order); ``kinds``: each one's optimizer (muon | adamw), default :func:`classify_param`'s."""
+    dp, edp, tp, etp = _dp_groups(process_groups)
+    size = lambda g: dist.get_world_size(g) if g is not None else 1  # noqa: E731
+    if kinds is None:
+        kinds = [classify_param(n, p, cfg.name).optimizer for n, p in named]
+    items = [(p, k) for (_, p), k in zip(named, kinds)]
+    owners = shard_owner_ranks(items, size(dp), size(edp), tp, etp, cfg.muon_ns_steps)
+    groups = []
+    for expert, group in ((False, dp), (True, edp)):
+        sel = [i for i, (p, _) in enumerate(items) if is_expert_dp_param(p) == expert]
+        groups.append((group, [items[i][0] for i in sel], [owners[i] for i in sel]))
+    return ParamShards(groups)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,8 +737,12 @@ class TrainOptimizer:
     """
 
     def __init__(self, cfg: OptimizerConfig, optimizers: Dict[str, Any], params: List[torch.Tensor],
-                 backend: str, megatron_optimizer=None, chunks: Sequence[torch.nn.Module] = ()):
+                 backend: str, megatron_optimizer=None, chunks: Sequence[torch.nn.Module] = (),
+                 shards: Optional[ParamShards] = None):
         self.cfg = cfg
+        self.shards = shards
+        """Torch backend with a sharded state: who owns which parameter (the optimisers hold only this
+        rank's); None: every rank updates every parameter."""
         self.optimizers = optimizers
         self.params = params
         self.backend = backend
@@ -636,7 +791,18 @@ class TrainOptimizer:
             clip_grads_(self.params, self.cfg.clip_grad, norm)
         for opt in self.optimizers.values():
             opt.step()
+        if self.shards is not None:
+            self.shards.sync()
         return StepResult(True, norm)
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state tensors this rank holds (torch backend; step counts included)."""
+        return sum(v.numel() * v.element_size() for opt in self.optimizers.values()
+                   for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+
+    def ns_calls(self) -> int:
+        """Newton–Schulz runs on this rank so far (torch backend)."""
+        return sum(getattr(opt, "ns_calls", 0) for opt in self.optimizers.values())
 
     def _megatron_step(self) -> StepResult:
         # Megatron's ChainedOptimizer.step() (prepare grads, global norm, clip, step), unrolled so
@@ -662,7 +828,7 @@ class TrainOptimizer:
                     mopt.clip_grad_by_total_norm_fp32(
                         params, max_norm=self.cfg.clip_grad, total_norm=norm,
                         use_decoupled_grad=getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
-        return StepResult(bool(opt.step_with_ready_grads()), norm)
+        return StepResult(bool(opt.step_with_ready_grads()), norm)  # (sharded Muon: + the exchange)
 
     def reload_model_params(self) -> None:
         """Copy the model's parameters into the optimiser's fp32 main copies (Megatron backend).
@@ -745,6 +911,9 @@ class TrainOptimizer:
                     st = _zero_state(name, p)
                 per_param[i] = {k: make_sharded_optimizer_tensor(sh, v, prefix=f"optimizer.{name}.{k}")
                                 for k, v in st.items() if k != "step"}
+                if self.shards is not None:  # the owner writes it: its replica along data parallelism is the main one
+                    for t in per_param[i].values():
+                        t.replica_id = _dp_main_replica(t.replica_id)
                 steps[f"{name}.{sh.key}"] = float(st["step"]) if "step" in st else 0.0
             state[name] = per_param
             if is_loading:
@@ -778,6 +947,16 @@ class TrainOptimizer:
                 if name != "muon":
                     st["step"] = torch.tensor(steps[key], dtype=_scalar_dtype())
                 opt.state[p] = st
+
+
+def _dp_main_replica(replica_id):
+    """``replica_id`` of a parameter's ShardedTensor with its data-parallel component (the last) set to 0.
+
+    With a sharded state only the owner holds a parameter's optimizer state, so its copy is the one
+    ``dist_checkpointing`` writes; the other ranks of the DP group do not list it at all."""
+    if isinstance(replica_id, int):
+        return 0
+    return (*tuple(replica_id)[:-1], 0)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -819,6 +998,14 @@ def build_optimizer(model: Models, cfg: OptimizerConfig, use_megatron: Optional[
                                        "(megatron.core.distributed.DistributedDataParallel)")
         return _build_megatron(chunks, cfg)
     groups = param_groups(chunks, cfg)
+    params = [p for g in groups for p in g["params"]]
+    shards = None
+    if shards_state(cfg, "torch"):  # each rank's optimisers hold the parameters it owns (groups may be empty)
+        shards = build_param_shards(named_trainable_parameters(chunks), cfg, process_groups)
+        for g in groups:
+            keep = [i for i, p in enumerate(g["params"]) if shards.owns(p)]
+            g["params"] = [g["params"][i] for i in keep]
+            g["param_names"] = [g["param_names"][i] for i in keep]
     adamw_groups = [g for g in groups if g["optimizer"] == "adamw"]
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     optimizers: Dict[str, torch.optim.Optimizer] = {}
@@ -827,8 +1014,7 @@ def build_optimizer(model: Models, cfg: OptimizerConfig, use_megatron: Optional[
                                                 weight_decay=cfg.weight_decay)
     if muon_groups:
         optimizers["muon"] = Muon(muon_groups, process_groups=process_groups, **_muon_kwargs(cfg))
-    params = [p for g in groups for p in g["params"]]
-    return TrainOptimizer(cfg, optimizers, params, backend="torch", chunks=chunks)
+    return TrainOptimizer(cfg, optimizers, params, backend="torch", chunks=chunks, shards=shards)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -840,9 +1026,9 @@ def megatron_optimizer_config(cfg: OptimizerConfig, model_config=None):
 
     bf16 = bool(getattr(model_config, "bf16", False))
     fp16 = bool(getattr(model_config, "fp16", False))
-    use_dist = cfg.use_distributed_optimizer
-    if use_dist is None:
-        use_dist = cfg.name == "adamw"
+    # Megatron's distributed optimizer for AdamW; sharded Muon is layer-wise (:class:`ShardedLayerWiseOptimizer`)
+    # and, like Megatron's own Muon, needs Megatron's distributed-optimizer options off.
+    use_dist = shards_state(cfg, "megatron") and cfg.name == "adamw"
     return MegatronOptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr if cfg.min_lr is not None else 0.0,
         weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
@@ -947,6 +1133,137 @@ def _restore_torch_adam_steps(opt) -> None:
                 state["step"] = torch.full_like(state["step"], float(group["step"]))
 
 
+_LAYER_WISE_CLASS = None
+
+
+def _layer_wise_optimizer_class():
+    """:class:`ShardedLayerWiseOptimizer`: Megatron's ``LayerWiseDistributedOptimizer`` with this
+    module's owner rule (built on first use: importing Megatron's optimizer package is slow)."""
+    global _LAYER_WISE_CLASS
+    if _LAYER_WISE_CLASS is not None:
+        return _LAYER_WISE_CLASS
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    class ShardedLayerWiseOptimizer(LayerWiseDistributedOptimizer):
+        """Megatron-Core's layer-wise distributed optimizer (each DP rank owns whole parameters, a
+        chained optimizer over Muon and AdamW, one global grad norm) with three changes:
+
+        - the owners: :func:`shard_owner_ranks` (Newton–Schulz cost for the Muon matrices, element
+          count for the AdamW ones, per DP / expert-DP group) instead of Megatron's ping-pong by
+          element count, which balances neither the Newton–Schulz FLOPs nor, per optimizer, the state;
+        - the wrappers: each sub-optimizer is wrapped after sharding by ``wrap(index, optimizer)``
+          (bf16 parameters in ``Float16OptimizerWithFloat16Params``, the fp32 HC parameters in their own
+          ``FP32Optimizer``), so fp32 main copies exist for the owned parameters only and no bf16
+          wrapper holds an fp32 parameter (which it cannot checkpoint);
+        - the exchange: :meth:`ParamShards.sync` (per dtype, per owner), since Megatron's flattened
+          all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters), run by
+          ``step_with_ready_grads`` on 0.16.1 (whose base class gathers in ``step``) and 0.19 alike.
+
+        Written against 0.16.1 and read against 0.19.2 (whose ``__init__`` passes DDP buffer layouts to
+        ``shard_params`` and gathers in ``step_with_ready_grads``; this class uses neither layout).
+        """
+
+        def __init__(self, optimizers, config, kinds, shard_args, wrap, order):
+            self._kinds, self._shard_args, self._wrap, self._order = list(kinds), shard_args, wrap, order
+            super().__init__(optimizers, dataclasses.replace(config, bf16=False), pg_collection=None)
+
+        def shard_params(self, optimizers, full_param_layouts=None):  # (0.19: DDP buffer layouts, unused here)
+            items = [(p, kind) for opt, kind in zip(optimizers, self._kinds) for g in opt.param_groups
+                     for p in g["params"]]
+            items.sort(key=lambda item: self._order[id(item[0])])  # the model's order, as the torch backend
+            named = [(str(i), p) for i, (p, _) in enumerate(items)]
+            self.param_shards = build_param_shards(named, **self._shard_args, kinds=[k for _, k in items])
+            for opt in optimizers:
+                for g in opt.param_groups:
+                    g["params"] = [p for p in g["params"] if self.param_shards.owns(p)]
+            for i, opt in enumerate(optimizers):  # LayerWiseDistributedOptimizer chains this list after
+                optimizers[i] = self._wrap(i, opt)
+            self.dp_cp_params_list = self.expt_dp_params_list = None
+
+        @torch.no_grad()
+        def allgather_params(self) -> None:
+            self.param_shards.sync()
+
+        @torch.no_grad()
+        def step_with_ready_grads(self) -> bool:
+            # the exchange after the owners' update, here on every version (0.16.1 does it in step(),
+            # which TrainOptimizer does not call; 0.19 here); a skipped update exchanges unchanged values
+            from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+            success = ChainedOptimizer.step_with_ready_grads(self)
+            self.allgather_params()
+            return success
+
+    _LAYER_WISE_CLASS = ShardedLayerWiseOptimizer
+    return ShardedLayerWiseOptimizer
+
+
+def _adamw_init_state(opt, config=None) -> None:
+    """Megatron ``init_state_fn`` of a torch AdamW (zeros, step 0: what its first update creates)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p].update(_zero_state("adamw", p.detach()))
+
+
+def _build_megatron_sharded_muon(chunks, cfg: OptimizerConfig, mcfg, named) -> TrainOptimizer:
+    """Muon with its state sharded over data parallelism on the Megatron backend
+    (:class:`ShardedLayerWiseOptimizer`): sub-optimisers Muon (dense), Muon (routed experts), AdamW
+    on the bf16 rest and AdamW on the fp32 (HC) parameters, each over the parameters this rank owns."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    def meta(g):  # the keys Megatron's wrappers read (as _build_megatron's Muon groups)
+        return {"lr_mult": 1.0, "max_lr": cfg.lr, "is_decoupled_lr": False,
+                "is_expert_parallel": g.get("tp") == "expert_tp"}
+
+    groups = param_groups(chunks, cfg)
+    bf16 = bool(mcfg.bf16)
+    subs, kinds, inits = [], [], []
+    for gname in ("muon", "muon_expert"):
+        for g in [g for g in groups if g["name"] == gname]:
+            subs.append(Muon([{**g, **meta(g)}], **_muon_kwargs(cfg)))
+            kinds.append("muon")
+            inits.append(_muon_init_state)
+    for fp32 in (False, True):
+        adam = []
+        for g in groups:
+            if g["optimizer"] != "adamw":
+                continue
+            keep = [i for i, p in enumerate(g["params"]) if (p.dtype == torch.float32 or not bf16) == fp32]
+            if keep:
+                adam.append({**g, **meta(g), "params": [g["params"][i] for i in keep],
+                             "param_names": [g["param_names"][i] for i in keep]})
+        if adam:
+            subs.append(torch.optim.AdamW(adam, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                          weight_decay=cfg.weight_decay))
+            kinds.append("adamw")
+            inits.append(_adamw_init_state)
+
+    class NestedFP32Optimizer(FP32Optimizer):
+        """``FP32Optimizer`` whose (sharded) state dict nests the torch one under ``optimizer``, as
+        ``Float16OptimizerWithFloat16Params`` does: ``LayerWiseDistributedOptimizer`` (0.16.1) edits
+        ``sd["optimizer"]`` of every member it chains."""
+
+        def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+            return {"optimizer": super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)}
+
+        def load_state_dict(self, state_dict):
+            nested = "optimizer" in state_dict and "state" not in state_dict
+            super().load_state_dict(state_dict["optimizer"] if nested else state_dict)
+
+    def wrap(i, opt):  # bf16 weights: fp32 main copies; fp32 (HC) parameters: their own optimizer
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if bf16 and kinds[i] == "muon" or bf16 and any(p.dtype != torch.float32 for p in params):
+            return Float16OptimizerWithFloat16Params(opt, mcfg, None, inits[i])
+        return NestedFP32Optimizer(opt, mcfg, inits[i])
+
+    cls = _layer_wise_optimizer_class()
+    opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap, {id(p): i for i, (_, p) in enumerate(named)})
+    params = [p for _, p in named]
+    return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks,
+                          shards=opt.param_shards)
+
+
 def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> TrainOptimizer:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
@@ -960,6 +1277,8 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     params = [p for _, p in named]
     if cfg.name == "muon" and getattr(model_config, "fp16", False):
         raise OptimizerConfigError("optimizer.name='muon' does not support fp16 (the model is fp16); use bf16")
+    if cfg.name == "muon" and shards_state(cfg, "megatron"):
+        return _build_megatron_sharded_muon(chunks, cfg, mcfg, named)
 
     # Muon: our Muon on the 2-D backbone matrices (dense and routed experts separately, as their
     # grad statistics reduce over different groups), Megatron's Adam on the rest.  Same structure

@@ -51,6 +51,8 @@ def save(run, reason: str) -> Optional[str]:
             "optimizer_sharding": sharding,
             "optimizer_format": "megatron" if checkpoint.is_megatron_optimizer(run.optimizer) else "torch-sharded",
             **compat_info(run), "run_record": getattr(run, "run_record", None)}  # training.run_record
+    if getattr(getattr(run.optimizer, "megatron_optimizer", None), "param_shards", None) is not None:
+        info["optimizer_sharding"] = "layer_wise"  # sharded Muon on the GPU path (training.optim)
     asynchronous = run.async_save and reason == "interval"  # a stop or the end would wait for it at once
     with run.runner.params_synced():  # overlap_param_gather: every shard at this step's values
         run.check_parameters(f"checkpoint at step {run.step} not saved")  # all ranks agree (before a snapshot)

@@ -284,9 +284,9 @@ class MegatronStepRunner(StepRunner):
         if bf16:
             chunks = [float16_module_keep_hc_fp32(self.tf_config, c) for c in chunks]
         o, p = self.cfg.optimizer, self.cfg.parallel
-        use_dist = o.use_distributed_optimizer
-        if use_dist is None:
-            use_dist = o.name == "adamw"
+        # Megatron's distributed optimizer (AdamW, on unless turned off); sharded Muon is layer-wise
+        # (training.optim), which reduces full gradients and needs DDP's distributed-optimizer options off
+        use_dist = o.name == "adamw" and o.use_distributed_optimizer is not False
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather and use_dist, use_distributed_optimizer=use_dist,
