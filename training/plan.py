@@ -1,0 +1,454 @@
+"""Plan a run before launching it: memory per rank and step time for a config, a GPU kind and a GPU count.
+
+One function, :func:`make_plan`, serves ``python -m tools.plan`` and the block training prints at start-up
+(:func:`plan_block`), so what a user plans is what every run checks (docs/planning.md).
+
+Memory per rank, one pipeline stage at a time (the most loaded one is named):
+
+- **weights, gradients, optimizer state** from a per-tensor inventory of the model
+  (:func:`param_specs`: Megatron's local-spec names and shapes for the backbone, the real HC modules
+  built on the meta device for the hyper connections), sharded by the layout (:func:`rank_tensors`:
+  TP on the column/row dimension, routed experts over EP and expert-TP, layers over PP stages) and
+  priced by the path the trainer takes (:func:`state_bytes`):
+
+  ===========  ==========================================  =============================================
+  path         weights / grads                              optimizer state
+  ===========  ==========================================  =============================================
+  CPU (torch)  fp32 params; fp32 ``.grad``                   AdamW m, v (8 B) + a 4 B step per tensor;
+                                                             Muon momentum (4 B)
+  GPU          bf16 backbone, fp32 HC params; fp32 main     AdamW distributed: (fp32 master of bf16 params
+  (Megatron)   grads (``grad_reduce_in_fp32``)              4 B + m, v 8 B) / DP (experts / expert-DP);
+                                                             Muon replicated: master 4 B + momentum 4 B,
+                                                             Adam rest master + m, v; Muon sharded
+                                                             (:func:`training.shard_owners.assign_owners`)
+  ===========  ==========================================  =============================================
+
+- **activations** of one micro-batch per layer (:func:`activation_bytes`), backbone and HC apart, times
+  the micro-batches in flight (1F1B: ``pp - stage`` on stage ``stage``; interleaved: Megatron's warm-up
+  count), plus the logits and loss buffers on the last stage.
+
+Time is a roofline per component (:func:`step_time`): GEMM FLOPs (``xhc.accounting``) at a GEMM
+efficiency, HC memory traffic (``xhc.accounting.memory_traffic_summary``) at a fraction of HBM bandwidth,
+TP / EP / DP / PP communication over link bandwidths, and the pipeline bubble.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["GPU", "GPUS", "Efficiencies", "Layout", "ParamSpec", "Plan", "PlanError", "activation_bytes",
+           "layout_from_config", "make_plan", "param_specs", "plan_block", "rank_tensors", "state_bytes",
+           "stage_layers"]
+
+GIB = 2 ** 30
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made (message names the key or option and the fix)."""
+
+
+# ================================================================================================
+# GPUs and efficiencies (docs/planning.md, "GPU table")
+# ================================================================================================
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator kind: memory in GB (1e9 bytes), dense bf16 peak in TFLOP/s, HBM bandwidth in TB/s,
+    NVLink bandwidth per GPU and direction in GB/s, inter-node network per GPU in GB/s, GPUs per node."""
+
+    name: str
+    memory_gb: float
+    bf16_tflops: float
+    hbm_tbs: float
+    nvlink_gbs: float
+    network_gbs: float
+    per_node: int = 8
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+
+GPUS: Dict[str, GPU] = {
+    # vendor data sheets (SXM parts); network: one 400 Gb/s NIC per GPU (50 GB/s), A100: 200 Gb/s
+    "a100": GPU("a100", 80, 312, 2.039, 300, 25),
+    "h100": GPU("h100", 80, 989, 3.35, 450, 50),
+    "h200": GPU("h200", 141, 989, 4.8, 450, 50),
+    "b200": GPU("b200", 180, 2250, 8.0, 900, 50),
+}
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    """Named assumptions of the time model, as fractions of the peaks (printed with every plan)."""
+
+    gemm: float = 0.45
+    """Achieved fraction of the bf16 peak on the GEMMs (attention scores included)."""
+    hbm: float = 0.6
+    """Achieved fraction of HBM bandwidth on the HC streams' memory traffic."""
+    link: float = 0.7
+    """Achieved fraction of NVLink / network bandwidth on collectives and pipeline sends."""
+    overlap_dp: float = 1.0
+    """Fraction of the DP gradient reduce hidden behind backward with ``overlap_grad_reduce`` (0 without)."""
+    layer_overhead_ms: float = 0.0
+    """Fixed time per layer per micro-batch (kernel launches, router, host): the small-model floor."""
+
+
+# ================================================================================================
+# Layout
+# ================================================================================================
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout and the batch of one run (from a training config, or given by a search)."""
+
+    gpus: int
+    tp: int = 1
+    sp: bool = False
+    ep: int = 1
+    etp: Optional[int] = None
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq: int = 1
+    recompute: str = "none"
+    hc_recompute: bool = False
+    optimizer: str = "adamw"
+    distributed_optimizer: Optional[bool] = None
+    sharded_muon: Optional[bool] = None
+    gpu: bool = True
+    bf16: bool = True
+    overlap_grad_reduce: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.gpus // (self.pp * self.ep * self.expert_tp)
+
+    @property
+    def num_micro(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def uses_distributed_optimizer(self) -> bool:
+        """Megatron's distributed optimizer: AdamW on GPU unless ``optimizer.use_distributed_optimizer``."""
+        if not self.gpu:
+            return False
+        if self.distributed_optimizer is not None:
+            return bool(self.distributed_optimizer)
+        return self.optimizer == "adamw"
+
+    @property
+    def uses_sharded_muon(self) -> bool:
+        """Muon with each parameter's state on one DP rank (issue #44): on by default wherever AdamW would use
+        the distributed optimizer (GPU, DP > 1).  Today's trainer replicates Muon: ``sharded_muon=None`` means
+        that until the sharded optimizer is merged."""
+        if self.optimizer != "muon" or not self.gpu:
+            return False
+        return bool(self.sharded_muon)
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}{'+sp' if self.sp else ''}", f"pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp else ""),
+                 f"ep={self.ep}"]
+        if self.etp:
+            parts.append(f"etp={self.etp}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        parts += [f"dp={self.dp}", f"mbs={self.micro_batch}", f"recompute={self.recompute}",
+                  f"hc_recompute={'on' if self.hc_recompute else 'off'}"]
+        return " ".join(parts)
+
+
+def planned_vocab(cfg, preset, tp: int) -> int:
+    """The embedding rows training will use: ``tokenizer.padded_vocab_size``, else the tokenizer's vocabulary
+    (the config's ``tokenizer.vocab_size`` for the default data and raw ids, the preset's otherwise) padded
+    as Megatron does (training.builder)."""
+    from training.config import pad_vocab_size
+
+    t = cfg.tokenizer
+    if t.padded_vocab_size is not None:
+        return int(t.padded_vocab_size)
+    vocab = t.vocab_size if (cfg.uses_default_data or t.type == "none" or cfg.data.mock) else preset.vocab_size
+    return pad_vocab_size(int(vocab), t.make_vocab_size_divisible_by, tp)
+
+
+def load_run_preset(cfg):
+    """The preset training builds for ``cfg`` (backbone / HC overrides, HC defaults of the optimizer)."""
+    import yaml
+
+    from models.zoo import ZooError, load_preset
+    from training.config import ConfigError
+    from training.optim import hc_defaults_for_optimizer
+
+    m = cfg.model
+    try:
+        preset = load_preset(m.preset, backbone_overrides=m.backbone_overrides(), hc_overrides=m.hc_overrides())
+    except ZooError as e:
+        raise ConfigError(f"config key model.preset: {e}") from None
+    explicit = set(m.hc)
+    try:
+        with open(preset.source, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        explicit |= set((data.get("variants") or {}).get(preset.name.rsplit(":", 1)[1]) or {})
+    except (OSError, TypeError, AttributeError):
+        pass
+    preset.hc = hc_defaults_for_optimizer(preset.hc, cfg.optimizer.name, explicit)
+    return preset
+
+
+def layout_from_config(cfg, preset, gpus: int, gpu: bool = True, sharded_muon: Optional[bool] = None) -> Layout:
+    """The :class:`Layout` training would run ``cfg`` with on ``gpus`` devices (``gpu``: the Megatron path)."""
+    p, b, m = cfg.parallel, cfg.batch, cfg.model
+    hc_rec = preset.hc_recompute if m.hc_recompute is None else bool(m.hc_recompute)
+    bf16 = gpu and cfg.run.precision in ("auto", "bf16")
+    return Layout(gpus=gpus, tp=p.tp, sp=p.sp, ep=p.ep, etp=p.etp, pp=p.pp, vpp=p.vpp, cp=p.cp,
+                  micro_batch=b.micro_batch_size, global_batch=b.global_batch_size,
+                  seq=int(b.seq_length or preset.seq_length), recompute=m.recompute, hc_recompute=bool(hc_rec),
+                  optimizer=cfg.optimizer.name, distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                  sharded_muon=sharded_muon, gpu=gpu, bf16=bf16, overlap_grad_reduce=p.overlap_grad_reduce)
+
+
+# ================================================================================================
+# The parameter inventory
+# ================================================================================================
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the whole model (TP = EP = PP = 1): its Megatron name and full shape.
+
+    ``layer``: 0-based decoder layer, or None (embedding, final norm, output layer); ``tp_dim``: the dimension
+    TP splits (None: replicated); ``expert``: a routed expert's weight (split over EP and expert-TP);
+    ``hc``: a hyper-connection parameter (fp32 under bf16, AdamW under Muon)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    layer: Optional[int] = None
+    tp_dim: Optional[int] = None
+    expert: bool = False
+    hc: bool = False
+    where: str = "layer"  # layer | embedding | output
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Stub:
+    """Enough of a parameter for :func:`training.optim.classify_param` (dim and the HC tag)."""
+
+    def __init__(self, spec: ParamSpec):
+        self.is_hyper_connection = spec.hc
+        self._dim = len(spec.shape)
+
+    def dim(self) -> int:
+        return self._dim
+
+
+def _hc_layer_specs(hc, C: int, i: int, L: int) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(name, shape) of layer ``i``'s HC parameters: the real modules, built on the meta device."""
+    import torch
+
+    from models.hc_layer import _build_flash_part, _build_hc
+    from models.specs import hc_sublayer_classes
+    from xhc.config import FLASH_FAMILY
+
+    out: List[Tuple[str, Tuple[int, ...]]] = []
+    with torch.device("meta"):
+        if hc.variant in FLASH_FAMILY:
+            mods = {"self_attention_hyper_connection": _build_flash_part(hc, C, i, SimpleNamespace(num_layers=L))}
+        else:
+            attn_cls, mlp_cls = hc_sublayer_classes(hc)
+            mods = {"self_attention_hyper_connection": _build_hc(attn_cls, hc, C, False, 2 * i),
+                    "mlp_hyper_connection": _build_hc(mlp_cls, hc, C, True, 2 * i + 1)}
+        for prefix, mod in mods.items():
+            out += [(f"{prefix}.{n}", tuple(p.shape)) for n, p in mod.named_parameters()]
+        if i == L - 1:
+            if hc.reduction == "softmax":
+                out.append(("hc_readout_logits", (hc.n,)))
+            elif hc.reduction == "learned":
+                from xhc.head import LearnedHead
+
+                out += [(f"hc_head.{n}", tuple(p.shape)) for n, p in LearnedHead(hc, C).named_parameters()]
+    return out
+
+
+def param_specs(preset, vocab: int) -> List[ParamSpec]:
+    """Every parameter tensor of ``preset``'s GPTModel (Megatron's local spec, SequentialMLP experts) with
+    ``vocab`` embedding rows (already padded for the TP size; see :func:`planned_vocab`)."""
+    b = preset.backbone
+    L, C = preset.num_layers, preset.hidden_size
+    heads = int(b["num_attention_heads"])
+    groups = int(b.get("num_query_groups") or heads)
+    d = int(b.get("kv_channels") or C // heads)
+    E = int(b.get("num_moe_experts") or 0)
+    dense_layers = int(b.get("first_dense_layers", 0)) if E else L
+    F = int(b["ffn_hidden_size"])
+    Fe = int(b.get("moe_ffn_hidden_size") or F)
+    Fs = int(b.get("moe_shared_expert_intermediate_size") or 0)
+    glu = 2 if b.get("gated_linear_unit", True) else 1
+    if b.get("add_bias_linear"):
+        raise PlanError("model.backbone.add_bias_linear: the planner counts bias-free linears (the zoo's); set it "
+                        "to false")
+    if b.get("mtp_num_layers"):
+        raise PlanError("model.backbone.mtp_num_layers: the planner does not count multi-token prediction depths "
+                        "yet; plan without them")
+    specs = [ParamSpec("embedding.word_embeddings.weight", (vocab, C), tp_dim=0, where="embedding")]
+    hc = preset.hc
+    for i in range(L):
+        pre = f"decoder.layers.{i}."
+        lay = [ParamSpec(pre + "input_layernorm.weight", (C,), i),
+               ParamSpec(pre + "self_attention.linear_proj.weight", (C, heads * d), i, tp_dim=1),
+               ParamSpec(pre + "self_attention.linear_qkv.weight", ((heads + 2 * groups) * d, C), i, tp_dim=0)]
+        if b.get("qk_layernorm"):
+            lay += [ParamSpec(pre + "self_attention.q_layernorm.weight", (d,), i),
+                    ParamSpec(pre + "self_attention.k_layernorm.weight", (d,), i)]
+        lay.append(ParamSpec(pre + "pre_mlp_layernorm.weight", (C,), i))
+        if i < dense_layers:
+            lay += [ParamSpec(pre + "mlp.linear_fc1.weight", (glu * F, C), i, tp_dim=0),
+                    ParamSpec(pre + "mlp.linear_fc2.weight", (C, F), i, tp_dim=1)]
+        else:
+            lay.append(ParamSpec(pre + "mlp.router.weight", (E, C), i))
+            for e in range(E):
+                ex = f"{pre}mlp.experts.local_experts.{e}."
+                lay += [ParamSpec(ex + "linear_fc1.weight", (glu * Fe, C), i, tp_dim=0, expert=True),
+                        ParamSpec(ex + "linear_fc2.weight", (C, Fe), i, tp_dim=1, expert=True)]
+            if Fs:
+                lay += [ParamSpec(pre + "mlp.shared_experts.linear_fc1.weight", (glu * Fs, C), i, tp_dim=0),
+                        ParamSpec(pre + "mlp.shared_experts.linear_fc2.weight", (C, Fs), i, tp_dim=1)]
+        if hc.enabled:
+            lay += [ParamSpec(pre + n, s, i, hc=True) for n, s in _hc_layer_specs(hc, C, i, L)]
+        specs += lay
+    specs.append(ParamSpec("decoder.final_layernorm.weight", (C,), where="output"))
+    if b.get("untie_embeddings", True):
+        specs.append(ParamSpec("output_layer.weight", (vocab, C), tp_dim=0, where="output"))
+    return specs
+
+
+def stage_layers(L: int, pp: int, vpp: Optional[int], stage: int) -> List[int]:
+    """Decoder layers held by pipeline rank ``stage``: chunk ``i`` holds virtual stage ``i·pp + stage``
+    (Megatron's interleaving), each of ``L / (pp·vpp)`` contiguous layers."""
+    v = vpp or 1
+    per = L // (pp * v)
+    return [(i * pp + stage) * per + j for i in range(v) for j in range(per)]
+
+
+def rank_tensors(specs: Sequence[ParamSpec], lay: Layout, stage: int) -> List[Tuple[ParamSpec, Tuple[int, ...]]]:
+    """The tensors one rank of pipeline stage ``stage`` holds, with their local shapes."""
+    L = 1 + max((s.layer for s in specs if s.layer is not None), default=-1)
+    layers = set(stage_layers(L, lay.pp, lay.vpp, stage))
+    first, last = stage == 0, stage == lay.pp - 1
+    tied = not any(s.name == "output_layer.weight" for s in specs)
+    E = len({s.name.split("local_experts.")[1].split(".")[0] for s in specs if s.expert}) if any(
+        s.expert for s in specs) else 0
+    out = []
+    for s in specs:
+        if s.where == "embedding":
+            keep = first or (last and tied and lay.pp > 1)
+        elif s.where == "output":
+            keep = last
+        else:
+            keep = s.layer in layers
+        if not keep:
+            continue
+        if s.expert:
+            e = int(s.name.split("local_experts.")[1].split(".")[0])
+            if E % lay.ep:
+                raise PlanError(f"parallel.ep: {lay.ep} does not divide num_moe_experts={E}")
+            if e >= E // lay.ep:  # every EP rank holds E/ep experts, renumbered 0 .. E/ep - 1
+                continue
+        shape = list(s.shape)
+        split = lay.expert_tp if s.expert else lay.tp
+        if s.tp_dim is not None and split > 1:
+            if shape[s.tp_dim] % split:
+                raise PlanError(f"parallel.tp: {split} does not divide {s.name}'s dimension {shape[s.tp_dim]}")
+            shape[s.tp_dim] //= split
+        out.append((s, tuple(shape)))
+    return out
+
+
+# ================================================================================================
+# Weights, gradients, optimizer state
+# ================================================================================================
+@dataclass
+class StateBytes:
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def _optimizer_of(spec: ParamSpec, optimizer: str) -> str:
+    from training.optim import classify_param
+
+    return classify_param(spec.name, _Stub(spec), optimizer).optimizer
+
+
+def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layout, dp_rank: Optional[int] = None
+                ) -> StateBytes:
+    """Bytes of weights, gradients and optimizer state of one rank holding ``tensors`` (see the module
+    docstring for the two paths).  ``dp_rank``: for sharded Muon, the rank of the DP group (None: the most
+    loaded one)."""
+    out = StateBytes()
+    numel = [math.prod(shape) for _, shape in tensors]
+    opt = [_optimizer_of(s, lay.optimizer) for s, _ in tensors]
+    if not lay.gpu:  # torch backend: fp32 params, fp32 .grad, torch AdamW / our Muon states
+        for (s, _), n, o in zip(tensors, numel, opt):
+            out.weights += 4 * n
+            out.grads += 4 * n
+            out.optimizer += 4 * n if o == "muon" else 8 * n + 4  # Adam: exp_avg, exp_avg_sq, step
+        return out
+    for (s, _), n in zip(tensors, numel):
+        out.weights += n * (4 if (s.hc or not lay.bf16) else 2)
+        out.grads += 4 * n  # Megatron DDP's fp32 main-grad buffer (grad_reduce_in_fp32)
+    master = [0 if (s.hc or not lay.bf16) else 4 for s, _ in tensors]  # fp32 master copy of a bf16 param
+    if lay.uses_sharded_muon and lay.dp > 1:
+        out.optimizer = _sharded_muon_bytes(tensors, numel, opt, master, lay, dp_rank)
+        return out
+    dist_opt = lay.uses_distributed_optimizer
+    for (s, _), n, o, m in zip(tensors, numel, opt, master):
+        per = m + (4 if o == "muon" else 8)
+        if dist_opt and o == "adamw":
+            group = lay.expert_dp if s.expert else lay.dp * lay.cp
+            out.optimizer += per * n / group
+        else:
+            out.optimizer += per * n
+    out.optimizer = int(round(out.optimizer))
+    return out
+
+
+def _sharded_muon_bytes(tensors, numel, opt, master, lay: Layout, dp_rank: Optional[int]) -> int:
+    """Issue #44's sharded Muon: each parameter's optimizer state and fp32 master on one rank of its DP group
+    (expert-DP for routed experts), chosen by :func:`training.shard_owners.assign_owners` (Muon matrices by
+    Newton–Schulz cost, AdamW parameters by numel, two passes per group)."""
+    from training.shard_owners import assign_owners, newton_schulz_cost
+
+    loads: Dict[int, int] = {}
+    for expert in (False, True):
+        size = lay.expert_dp if expert else lay.dp
+        for kind in ("muon", "adamw"):
+            idx = [i for i, (s, _) in enumerate(tensors) if s.expert == expert and opt[i] == kind]
+            if not idx:
+                continue
+            costs = [newton_schulz_cost(tensors[i][1]) if kind == "muon" else numel[i] for i in idx]
+            owners = assign_owners(costs, size)
+            for i, r in zip(idx, owners):
+                loads[r] = loads.get(r, 0) + numel[i] * (master[i] + (4 if kind == "muon" else 8))
+    if dp_rank is not None:
+        return loads.get(dp_rank, 0)
+    return max(loads.values(), default=0)
