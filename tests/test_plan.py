@@ -38,3 +38,61 @@ def test_state_bytes_equal_the_real_tensors_on_every_rank(run_torchrun, tmp_path
                 (row["weights"], row["grads"], row["optimizer_bytes"], row["tensors"]), case
             stages.add((row["layout"], row["stage"]))
     assert ("pp2", 0) in stages and ("pp2", 1) in stages
+
+
+VARIANTS = ("vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4")
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    import contextlib
+    import io
+
+    from models.parallel import destroy_parallel, initialize_parallel
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        initialize_parallel(1, 1, 1)
+    yield
+    destroy_parallel()
+
+
+def _measured_activations(variant, n, hc_recompute, seq, batch=2, vocab=256):
+    import torch
+
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.plan import SavedTensorMeter
+
+    preset = load_preset(f"tiny-moe:{variant}", backbone_overrides={"hc_recompute": hc_recompute},
+                         hc_overrides={"n": n} if variant != "vanilla" else None)
+    model = build_model(preset, build_transformer_config(preset, cpu=True), vocab_size=vocab, seq_length=seq)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    pos = torch.arange(seq).expand(batch, seq)
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        model(tokens, pos, None, labels=tokens).float().mean()
+    return preset, meter.bytes
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activations_within_ten_percent_of_what_backward_saves(single_rank, variant):
+    """One micro-batch on CPU: the planned activations are within ±10 % of the bytes autograd saves (unique
+    storages, parameters excluded), with and without HC recompute, at two sequence lengths and two N; the
+    growth with N and with the sequence length matches within 10 % too."""
+    from training.plan import Layout, activation_bytes
+
+    ns = (8, 16) if variant.startswith("xhc") else (3, 4) if variant == "mhc-lite" else (4, 8)  # mHC-lite: n <= 6
+    for rec in (False, True):
+        got = {}
+        for n in ns:
+            for seq in (32, 64):
+                preset, measured = _measured_activations(variant, n, rec, seq)
+                lay = Layout(gpus=1, gpu=False, bf16=False, micro_batch=2, global_batch=2, seq=seq, hc_recompute=rec,
+                             vocab=256)
+                planned = activation_bytes(preset, lay, 0).total
+                got[n, seq] = (planned, measured)
+                assert abs(planned / measured - 1) <= 0.10, (variant, n, rec, seq, planned, measured)
+        for (pa, ma), (pb, mb) in (((got[ns[0], 32]), got[ns[0], 64]), (got[ns[0], 64], got[ns[1], 64])):
+            if mb != ma:
+                assert abs((pb - pa) / (mb - ma) - 1) <= 0.10, (variant, rec, pa, pb, ma, mb)

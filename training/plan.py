@@ -126,6 +126,8 @@ class Layout:
     gpu: bool = True
     bf16: bool = True
     overlap_grad_reduce: bool = False
+    vocab: Optional[int] = None
+    """Embedding rows, padded (None: the preset's vocabulary)."""
 
     @property
     def dp(self) -> int:
@@ -452,3 +454,239 @@ def _sharded_muon_bytes(tensors, numel, opt, master, lay: Layout, dp_rank: Optio
     if dp_rank is not None:
         return loads.get(dp_rank, 0)
     return max(loads.values(), default=0)
+
+
+# ================================================================================================
+# Activations
+# ================================================================================================
+class SavedTensorMeter:
+    """Bytes autograd saves for backward inside the block, counted once per unique storage
+    (``torch.autograd.graph.saved_tensors_hooks``); storages in ``exclude`` (the parameters) are left out.
+    The CPU measurement of activations: the tests compare the plan with it and training records it."""
+
+    def __init__(self, exclude=()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.seen: Dict[int, int] = {}
+        self._ctx = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+    def _pack(self, t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.exclude and key not in self.seen:
+            self.seen[key] = st.nbytes()
+        return t
+
+    def __enter__(self):
+        import torch
+
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        return False
+
+
+
+
+def _hc_probe_bytes(hc, C: int, recompute: bool, layers: Tuple[int, ...], L: int, s: int, b: int = 2) -> int:
+    """Bytes the real HC modules of ``layers`` save for backward on ``s·b`` tokens at width ``C`` (fp32, CPU),
+    driven as the HC transformer layer drives them; the branch outputs are leaves."""
+    import torch
+
+    from models.hc_layer import _make_driver
+
+    gen = torch.Generator().manual_seed(0)
+    config = SimpleNamespace(num_layers=L, hidden_size=C)
+    mods = {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for i in layers:
+            built = _hc_layer_modules(hc, C, i, L)
+            mods[i] = SimpleNamespace(hc_config=hc, config=config, layer_number=i + 1,
+                                      self_attention_hyper_connection=built[0], mlp_hyper_connection=built[1])
+    params = [p for m in mods.values() for mod in (m.self_attention_hyper_connection, m.mlp_hyper_connection)
+              if mod is not None for p in mod.parameters()]
+    X = torch.randn(s, b, hc.n, C, generator=gen, requires_grad=True)
+    meter = SavedTensorMeter(exclude=params)
+    with meter:
+        for i in layers:
+            drv = _make_driver(mods[i])
+            st = drv.begin(X, recompute)
+            for which in ("attn", "mlp"):
+                u = drv.read(st, which)
+                y = (torch.randn(u.shape, generator=gen) + 0 * u.detach()).requires_grad_(True)
+                drv.write(st, which, y, None)
+            X = drv.end(st)
+    return meter.bytes
+
+
+def _hc_layer_modules(hc, C: int, i: int, L: int):
+    from models.hc_layer import _build_flash_part, _build_hc
+    from models.specs import hc_sublayer_classes
+    from xhc.config import FLASH_FAMILY
+
+    if hc.variant in FLASH_FAMILY:
+        return _build_flash_part(hc, C, i, SimpleNamespace(num_layers=L)), None
+    attn_cls, mlp_cls = hc_sublayer_classes(hc)
+    return _build_hc(attn_cls, hc, C, False, 2 * i), _build_hc(mlp_cls, hc, C, True, 2 * i + 1)
+
+
+_HC_PROBE_CACHE: Dict[tuple, Tuple[float, float, float, float]] = {}
+_PROBE_WIDTHS, _PROBE_SEQS = (16, 32), (8, 16)  # b = 2: 16 and 32 tokens
+
+
+def hc_saved_elements(hc, C: int, tokens: int, recompute: bool) -> float:
+    """Elements (4-byte units of the fp32 probe) the HC modules of one layer save for backward on ``tokens``
+    tokens at width ``C``.
+
+    Counted from the real modules (eager, the CPU path) at two widths and two token counts over a window of
+    layers (two for Flash-4sub, one otherwise, away from the first and last layer).  The count is
+    ``tokens · (a₁·C + a₀) + (c₁·C + c₀)``: every saved tensor is per token ([tokens, …, C] states and
+    per-token coefficients) or weight-sized (casts and transposes of the HC weights, each ∝ C at fixed
+    N, k, m), so the four probes give the count at any width and length."""
+    if not hc.enabled:
+        return 0.0
+    layers = (2, 3) if hc.variant == "xhc_flash4" else (1,)
+    key = (repr(hc), recompute)
+    if key not in _HC_PROBE_CACHE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = {(c, s): _hc_probe_bytes(hc, c, recompute, layers, 6, s) / 4 / len(layers)
+                 for c in _PROBE_WIDTHS for s in _PROBE_SEQS}
+        (c1, c2), (s1, s2) = _PROBE_WIDTHS, _PROBE_SEQS
+        per_tok = {c: (m[c, s2] - m[c, s1]) / (2 * (s2 - s1)) for c in (c1, c2)}
+        const = {c: m[c, s1] - 2 * s1 * per_tok[c] for c in (c1, c2)}
+        a1 = (per_tok[c2] - per_tok[c1]) / (c2 - c1)
+        k1 = (const[c2] - const[c1]) / (c2 - c1)
+        _HC_PROBE_CACHE[key] = (a1, per_tok[c1] - a1 * c1, k1, const[c1] - k1 * c1)
+    a1, a0, k1, k0 = _HC_PROBE_CACHE[key]
+    return tokens * (a1 * C + a0) + max(0.0, k1 * C + k0)
+
+
+@dataclass
+class ActivationBytes:
+    """Activations of one pipeline stage (bytes): one micro-batch per layer kind, and the stage's total with
+    the micro-batches in flight."""
+
+    backbone_per_micro: float = 0.0
+    hc_per_micro: float = 0.0
+    hc_state_per_micro: float = 0.0  # of hc_per_micro: the N-stream state at layer boundaries / sublayer entries
+    logits_per_micro: float = 0.0
+    in_flight: int = 1
+    recompute_transient: float = 0.0  # full recompute: one layer's activations rebuilt during backward
+
+    @property
+    def per_micro(self) -> float:
+        return self.backbone_per_micro + self.hc_per_micro + self.logits_per_micro
+
+    @property
+    def total(self) -> float:
+        return self.in_flight * (self.backbone_per_micro + self.hc_per_micro) + self.logits_per_micro \
+            + self.recompute_transient
+
+
+def _dims(preset):
+    b = preset.backbone
+    C = preset.hidden_size
+    a = int(b["num_attention_heads"])
+    E = int(b.get("num_moe_experts") or 0)
+    return SimpleNamespace(
+        C=C, a=a, g=int(b.get("num_query_groups") or a), d=int(b.get("kv_channels") or C // a),
+        F=int(b["ffn_hidden_size"]), E=E, K=int(b.get("moe_router_topk") or 0),
+        Fe=int(b.get("moe_ffn_hidden_size") or b["ffn_hidden_size"]),
+        Fs=int(b.get("moe_shared_expert_intermediate_size") or 0),
+        dense=int(b.get("first_dense_layers", 0)) if E else preset.num_layers, qk_norm=bool(b.get("qk_layernorm")))
+
+
+def backbone_saved_elements(preset, lay: Layout, layer: int, s: int, b: int) -> float:
+    """Elements one layer of the backbone saves for backward on one micro-batch of ``b`` sequences of ``s``
+    tokens on one TP rank (docs/planning.md, "Activations").
+
+    Per token: the two RMSNorms save input, normalised input and 1/rms (2C + 1 each); the QKV GEMM its input
+    (C); QK-norm, RoPE and the GQA expansion save q, k, v in their shapes; attention saves q, k, v and, on the
+    CPU's unfused path, the softmax probabilities (a·s per token) and the causal mask (s² bytes per sequence;
+    GPU: flash attention, q, k, v, output and the log-sum-exp); the output projection its input (a·d).  A
+    dense SwiGLU MLP saves C + 3F, a MoE layer the router scores (2E), the K permuted copies of each token
+    (C + 6·F_e + 1 each, the unpermute another K·C) and the shared expert (C + 5·F_s).  Head-split terms
+    divide by TP, the sequence-parallel ones (norms, residual-side inputs) by TP under SP; ``selective``
+    recompute drops core attention's tensors, ``full`` keeps the layer input only (see
+    :func:`activation_bytes`)."""
+    D = _dims(preset)
+    tp = lay.tp
+    etp = lay.expert_tp
+    seq_split = tp if lay.sp else 1
+    C, a, g, d = D.C, D.a, D.g, D.d
+    norms = 2 * (2 * C + 1) / seq_split
+    qkv_in = C / seq_split
+    qk = ((2 * a * d + a) + ((a + 2 * g) * d + 2 * g * d + g) if D.qk_norm else (a + 2 * g) * d) / tp
+    rope = 2 * g * d / tp
+    proj_in = a * d / tp
+    if lay.gpu:  # flash attention: q, k, v, output, log-sum-exp
+        core = ((a + 2 * g) * d + a * d + a) / tp
+    else:  # unfused: GQA-expanded q, k, v, softmax probabilities, the bool mask (s² bytes per sequence)
+        core = (3 * a * d + a * s) / tp + s / 4 / b
+    if lay.recompute == "selective":
+        core = 0.0
+    attn = norms + qkv_in + qk + rope + core + proj_in
+    if layer < D.dense:
+        mlp = C / seq_split + 3 * D.F / tp
+    else:
+        mlp = 2 * D.E + D.K * (C + (6 * D.Fe) / etp + 1) + D.K * C + (C / seq_split + 5 * D.Fs / tp if D.Fs else 0)
+    return s * b * (attn + mlp)
+
+
+def _in_flight(lay: Layout, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak: GPipe on CPU (all of them), 1F1B on GPU
+    (``pp - stage``), interleaved 1F1B per chunk (Megatron's warm-up ``2·(pp - stage - 1) + (vpp - 1)·pp``
+    plus one, in chunk-micro-batches, divided by the chunks)."""
+    m = lay.num_micro
+    if lay.pp == 1:
+        return 1
+    if not lay.gpu:
+        return m
+    if lay.vpp:
+        warm = min(2 * (lay.pp - stage - 1) + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
+        return max(1, math.ceil(warm / lay.vpp))
+    return min(lay.pp - stage, m)
+
+
+def activation_bytes(preset, lay: Layout, stage: int) -> ActivationBytes:
+    """Activations of pipeline stage ``stage`` (bytes), backbone and HC apart (docs/planning.md)."""
+    s, b = lay.seq // lay.cp, lay.micro_batch
+    L, C, hc = preset.num_layers, preset.hidden_size, preset.hc
+    layers = stage_layers(L, lay.pp, lay.vpp, stage)
+    elt = 2 if lay.bf16 else 4
+    seq_split = lay.tp if lay.sp else 1
+    out = ActivationBytes(in_flight=_in_flight(lay, stage))
+    hc_tokens = s * b / seq_split  # HC ops run on the sequence-parallel shard of the state
+    n = hc.n if hc.enabled else 1
+    for i in layers:
+        bb = backbone_saved_elements(preset, lay, i, s, b)
+        h = hc_saved_elements(hc, C, hc_tokens, lay.hc_recompute) if hc.enabled else 0.0
+        if lay.recompute == "full":  # uniform, one layer per checkpoint: the layer input only
+            out.recompute_transient = max(out.recompute_transient, (bb + h) * elt)
+            bb, h = (0.0, n * C * hc_tokens) if hc.enabled else (C * s * b / seq_split, 0.0)
+        out.backbone_per_micro += bb * elt
+        out.hc_per_micro += h * elt
+        if hc.enabled:
+            per_sub = 1 if hc.variant in ("xhc_flash", "xhc_flash4") else 2
+            out.hc_state_per_micro += n * C * hc_tokens * elt * (per_sub if not lay.hc_recompute else 1) / (
+                2 if hc.variant == "xhc_flash4" else 1)
+    if stage == 0:
+        out.backbone_per_micro += 8 * s * b  # token ids and positions (int64)
+    if stage == lay.pp - 1:
+        # final norm (2C + 1) and the output layer's input (C) per token; the logits and the loss's saved
+        # softmax: fp32 V/tp per token (CPU), bf16 logits + fp32 softmax on GPU
+        out.backbone_per_micro += (3 * C + 1) * s * b / seq_split * elt
+        out.logits_per_micro = _vocab_rows(preset, lay) / lay.tp * s * b * (6 if lay.bf16 else 4) + 8 * s * b
+    return out
+
+
+def _vocab_rows(preset, lay: Layout) -> int:
+    return lay.vocab or preset.vocab_size
