@@ -690,3 +690,270 @@ def activation_bytes(preset, lay: Layout, stage: int) -> ActivationBytes:
 
 def _vocab_rows(preset, lay: Layout) -> int:
     return lay.vocab or preset.vocab_size
+
+
+# ================================================================================================
+# Time (a roofline per component)
+# ================================================================================================
+@dataclass
+class StepTime:
+    """Seconds per optimizer step, by component (docs/planning.md, "Time")."""
+
+    gemm: float = 0.0
+    hc_memory: float = 0.0
+    tp_comm: float = 0.0
+    ep_comm: float = 0.0
+    cp_comm: float = 0.0
+    dp_comm: float = 0.0
+    pp_comm: float = 0.0
+    bubble: float = 0.0
+    overhead: float = 0.0
+    flops_per_token: float = 0.0
+    tokens: int = 0
+
+    @property
+    def total(self) -> float:
+        return (self.gemm + self.hc_memory + self.tp_comm + self.ep_comm + self.cp_comm + self.dp_comm + self.pp_comm + self.bubble
+                + self.overhead)
+
+
+HC_TRAINING_TRAFFIC = 3.0
+"""Training traffic of the HC ops as a multiple of the forward traffic ``xhc.accounting`` counts (backward
+reads the forward's inputs and writes their gradients: about twice the forward)."""
+
+
+def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank: float, vocab: int) -> StepTime:
+    """Predicted seconds per step on ``lay.gpus`` GPUs of kind ``gpu`` (each component in docs/planning.md)."""
+    from training.metrics import model_flops_per_token
+    from xhc.accounting import memory_traffic_summary
+
+    D = _dims(preset)
+    hc = preset.hc
+    L, C = preset.num_layers, D.C
+    out = StepTime(tokens=lay.global_batch * lay.seq)
+    flops = model_flops_per_token(preset, lay.seq, vocab, "megatron", hc)
+    out.flops_per_token = flops["total"]
+    executed = flops["total"]
+    if lay.recompute == "full":
+        executed += flops["total"] / 3  # one more forward
+    elif lay.recompute == "selective":
+        executed += 2.0 * D.a * D.d * lay.seq * L  # the causal attention scores' forward again
+    if lay.hc_recompute:
+        executed += flops["hc"] / 3
+    peak = gpu.bf16_tflops * 1e12
+    out.gemm = executed * out.tokens / (lay.gpus * peak * eff.gemm)
+    # HC streams: forward traffic per sublayer (units of C elements per token), bf16, on the SP shard
+    seq_split = lay.tp if lay.sp else 1
+    tokens_rank = out.tokens / lay.dp / lay.cp / seq_split  # tokens one rank's HC ops touch per step
+    layers_rank = L / lay.pp
+    if hc.enabled:
+        try:
+            per_sub = memory_traffic_summary(hc).total
+        except ValueError:  # no published formula (e.g. Flash-4sub outside N = 16, k = 4): mHC's as a stand-in
+            per_sub = 8 * hc.n + 2
+        reps = HC_TRAINING_TRAFFIC + (1.0 if lay.hc_recompute else 0.0)
+        out.hc_memory = per_sub * C * 2 * reps * 2 * layers_rank * tokens_rank / (gpu.hbm_tbs * 1e12 * eff.hbm)
+    nvlink, net = gpu.nvlink_gbs * 1e9 * eff.link, gpu.network_gbs * 1e9 * eff.link
+    tok_mp = out.tokens / lay.dp / lay.cp  # tokens through one model-parallel replica per step
+    if lay.tp > 1:  # per sublayer: all-gather + reduce-scatter forward, the same backward (bf16 [s, b, C])
+        vol = 2 * 2 * 2 * layers_rank * tok_mp * C * 2 * (lay.tp - 1) / lay.tp
+        out.tp_comm = vol / (nvlink if lay.tp <= gpu.per_node else net)
+    if lay.cp > 1:  # ring attention: each rank's K and V pass the ring, forward and backward (twice)
+        vol = 3 * layers_rank * tok_mp * 2 * D.g * D.d / lay.tp * 2 * (lay.cp - 1) / lay.cp
+        out.cp_comm = vol / (nvlink if lay.cp * lay.tp <= gpu.per_node else net)
+    moe_layers = max(0, L - D.dense) / lay.pp
+    if lay.ep > 1 and moe_layers:  # dispatch + combine, forward and backward, K copies per token
+        vol = 4 * moe_layers * tok_mp / seq_split * D.K * C * 2 * (lay.ep - 1) / lay.ep
+        out.ep_comm = vol / (nvlink if lay.ep * lay.tp <= gpu.per_node else net)
+    if lay.dp > 1:  # gradient reduce-scatter (fp32) + parameter all-gather (bf16), or an all-reduce
+        per_param = 4 + 2 if lay.uses_distributed_optimizer else 2 * 4
+        vol = params_per_rank * per_param * (lay.dp - 1) / lay.dp
+        t = vol / (nvlink if lay.gpus <= gpu.per_node else net)
+        out.dp_comm = t * (1 - (eff.overlap_dp if lay.overlap_grad_reduce else 0.0))
+    if lay.pp > 1:  # every stage boundary: the [s, b, N·C] state forward and its gradient back, per micro-batch
+        n = hc.n if hc.enabled else 1
+        vol = 2 * lay.num_micro * lay.micro_batch * lay.seq / lay.cp / seq_split * n * C * 2
+        out.pp_comm = vol / (net if lay.gpus > gpu.per_node else nvlink)
+    busy = out.gemm + out.hc_memory + out.tp_comm + out.ep_comm + out.cp_comm
+    if lay.pp > 1:
+        out.bubble = busy * (lay.pp - 1) / (lay.num_micro * (lay.vpp or 1))
+    out.overhead = eff.layer_overhead_ms * 1e-3 * 3 * layers_rank * lay.num_micro
+    return out
+
+
+# ================================================================================================
+# The plan
+# ================================================================================================
+@dataclass
+class StagePlan:
+    stage: int
+    state: StateBytes
+    act: ActivationBytes
+    params: int
+    first: bool
+    last: bool
+
+    @property
+    def total(self) -> float:
+        return self.state.total + self.act.total
+
+    def describe(self, pp: int) -> str:
+        if pp == 1:
+            return "the only pipeline stage (embedding and output layer)"
+        what = "first, embedding" if self.first else "last, output layer and loss" if self.last else "middle"
+        return f"pipeline stage {self.stage} of {pp} ({what})"
+
+
+@dataclass
+class Plan:
+    name: str
+    lay: Layout
+    gpu: Optional[GPU]
+    eff: Efficiencies
+    stages: List[StagePlan]
+    time: Optional[StepTime] = None
+    hc_desc: str = ""
+
+    @property
+    def peak(self) -> StagePlan:
+        """The most loaded rank's stage."""
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def capacity(self) -> Optional[float]:
+        return self.gpu.memory_bytes if self.gpu else None
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.capacity is None else self.peak.total <= self.capacity
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return None if self.time is None or not self.time.total else self.time.tokens / self.time.total
+
+    @property
+    def mfu(self) -> Optional[float]:
+        if self.time is None or not self.time.total or self.gpu is None:
+            return None
+        return self.time.flops_per_token * self.tokens_per_s / (self.lay.gpus * self.gpu.bf16_tflops * 1e12)
+
+    def to_dict(self) -> dict:
+        pk = self.peak
+        return {"preset": self.name, "layout": self.lay.describe(), "gpus": self.lay.gpus,
+                "gpu": self.gpu.name if self.gpu else None, "peak_stage": pk.stage,
+                "weights_gib": pk.state.weights / GIB, "grads_gib": pk.state.grads / GIB,
+                "optimizer_gib": pk.state.optimizer / GIB, "activations_gib": pk.act.total / GIB,
+                "activations_backbone_gib": pk.act.in_flight * pk.act.backbone_per_micro / GIB,
+                "activations_hc_gib": pk.act.in_flight * pk.act.hc_per_micro / GIB,
+                "logits_gib": pk.act.logits_per_micro / GIB, "in_flight": pk.act.in_flight,
+                "total_gib": pk.total / GIB, "capacity_gib": None if self.capacity is None else self.capacity / GIB,
+                "fits": self.fits, "step_s": None if self.time is None else self.time.total,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "stages_gib": [s.total / GIB for s in self.stages]}
+
+    def lines(self) -> List[str]:
+        lay, pk = self.lay, self.peak
+        g = lambda x: f"{x / GIB:8.2f} GiB"  # noqa: E731
+        dev = f"{lay.gpus}x {self.gpu.name} ({self.gpu.memory_gb:g} GB)" if self.gpu else f"{lay.gpus}x cpu"
+        out = [f"[plan] {self.name} ({self.hc_desc}) on {dev}: {lay.describe()}, seq {lay.seq}, "
+               f"global batch {lay.global_batch} ({lay.num_micro} micro-batches per DP rank)",
+               f"[plan] most loaded rank: {pk.describe(lay.pp)}"]
+        if lay.gpu:
+            wdesc = "bf16 backbone, fp32 HC" if lay.bf16 else "fp32"
+            gdesc = "fp32 main grads"
+        else:
+            wdesc, gdesc = "fp32", "fp32 .grad"
+        if lay.optimizer == "muon":
+            odesc = ("Muon sharded over DP (training.shard_owners)" if lay.uses_sharded_muon and lay.dp > 1
+                     else "Muon + AdamW, replicated")
+        else:
+            odesc = (f"AdamW, distributed over DP {lay.dp * lay.cp} / expert-DP {lay.expert_dp}"
+                     if lay.uses_distributed_optimizer else "AdamW, replicated")
+        a = pk.act
+        out += [f"[plan]   weights      {g(pk.state.weights)}  ({pk.params / 1e6:.1f}M params, {wdesc})",
+                f"[plan]   gradients    {g(pk.state.grads)}  ({gdesc})",
+                f"[plan]   optimizer    {g(pk.state.optimizer)}  ({odesc})",
+                f"[plan]   activations  {g(a.total)}  (backbone {a.in_flight * a.backbone_per_micro / GIB:.2f} + HC "
+                f"{a.in_flight * a.hc_per_micro / GIB:.2f} [state {a.in_flight * a.hc_state_per_micro / GIB:.2f}] + "
+                f"logits {a.logits_per_micro / GIB:.2f}"
+                + (f" + recompute {a.recompute_transient / GIB:.2f}" if a.recompute_transient else "")
+                + f"; {a.in_flight} micro-batch{'es' if a.in_flight > 1 else ''} in flight, HC recompute "
+                f"{'on' if lay.hc_recompute else 'off'})"]
+        if self.capacity is None:
+            out.append(f"[plan]   total        {g(pk.total)}  (CPU: no device memory limit)")
+        else:
+            head = self.capacity - pk.total
+            verdict = "fits" if head >= 0 else "DOES NOT FIT"
+            out.append(f"[plan]   total        {g(pk.total)}  of {self.capacity / GIB:.1f} GiB: {verdict}, headroom "
+                       f"{head / GIB:.2f} GiB ({head / self.capacity:.0%})")
+        if len(self.stages) > 1:
+            out.append("[plan]   per stage    " + ", ".join(f"{s.stage}: {s.total / GIB:.2f}" for s in self.stages)
+                       + " GiB")
+        if self.time is not None:
+            t, e = self.time, self.eff
+            parts = [(k, getattr(t, k)) for k in ("gemm", "hc_memory", "tp_comm", "ep_comm", "cp_comm", "dp_comm", "pp_comm",
+                                                  "bubble", "overhead")]
+            out.append(f"[plan] time: {t.total:.3f} s/step = " + " + ".join(f"{k} {v:.3f}" for k, v in parts if v)
+                       + f"; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}")
+            out.append(f"[plan] assumptions: GEMM {e.gemm:g} of peak, HBM {e.hbm:g}, links {e.link:g}, DP overlap "
+                       f"{e.overlap_dp:g}, {e.layer_overhead_ms:g} ms per layer per micro-batch pass "
+                       "(docs/planning.md)")
+        return out
+
+    def format(self) -> str:
+        return "\n".join(self.lines())
+
+
+def hc_description(hc) -> str:
+    if not hc.enabled:
+        return "vanilla"
+    return f"{hc.variant} N={hc.n}" + (f" k={hc.k} m={hc.m}" if hc.is_xhc else "")
+
+
+_SPECS_CACHE: Dict[tuple, object] = {}
+
+
+def make_plan(cfg, gpus: int, gpu: Optional[GPU], eff: Efficiencies = Efficiencies(), preset=None,
+              sharded_muon: Optional[bool] = None, validate: bool = True) -> Plan:
+    """The plan of ``cfg`` on ``gpus`` devices of kind ``gpu`` (None: the CPU path, no time, no capacity).
+
+    Raises :class:`training.config.ConfigError` where training's validation would refuse the layout."""
+    from training.config import validate_runtime
+
+    preset = preset if preset is not None else load_run_preset(cfg)
+    if validate:
+        validate_runtime(cfg, gpus, preset, cuda=gpu is not None)
+    lay = layout_from_config(cfg, preset, gpus, gpu=gpu is not None, sharded_muon=sharded_muon)
+    vocab = planned_vocab(cfg, preset, lay.tp)
+    lay = dataclasses.replace(lay, vocab=vocab)
+    pkey = (preset.name, repr(preset.hc), repr(sorted(preset.backbone.items())), vocab)
+    if pkey not in _SPECS_CACHE:
+        _SPECS_CACHE.clear()  # one model at a time (a search plans one preset under many layouts)
+        _SPECS_CACHE[pkey] = param_specs(preset, vocab)
+    specs = _SPECS_CACHE[pkey]
+    stages = []
+    for st in range(lay.pp):
+        tkey = (pkey, lay.tp, lay.expert_tp, lay.ep, lay.pp, lay.vpp, st)
+        if tkey not in _SPECS_CACHE:
+            _SPECS_CACHE[tkey] = rank_tensors(specs, lay, st)
+        tensors = _SPECS_CACHE[tkey]
+        skey = (tkey, lay.gpu, lay.bf16, lay.optimizer, lay.uses_distributed_optimizer, lay.uses_sharded_muon,
+                lay.dp, lay.cp, lay.expert_dp)
+        if skey not in _SPECS_CACHE:
+            _SPECS_CACHE[skey] = (state_bytes(tensors, lay), sum(math.prod(sh) for _, sh in tensors))
+        state, numel = _SPECS_CACHE[skey]
+        stages.append(StagePlan(st, state, activation_bytes(preset, lay, st), numel, st == 0, st == lay.pp - 1))
+    plan = Plan(cfg.model.preset, lay, gpu, eff, stages, hc_desc=hc_description(preset.hc))
+    if gpu is not None:
+        plan.time = step_time(preset, lay, gpu, eff, plan.peak.params, vocab)
+    return plan
+
+
+def plan_block(cfg, gpus: int, cuda: bool, gpu_name: Optional[str] = None) -> str:
+    """The block training prints at start-up: :func:`make_plan` for this run (the device kind named by
+    ``gpu_name``, e.g. ``torch.cuda.get_device_name()``; an unknown GPU is planned as an H100)."""
+    gpu = None
+    if cuda:
+        key = next((k for k in GPUS if gpu_name and k in gpu_name.lower()), "h100")
+        gpu = GPUS[key]
+    return make_plan(cfg, gpus, gpu).format()
