@@ -96,3 +96,25 @@ def test_activations_within_ten_percent_of_what_backward_saves(single_rank, vari
         for (pa, ma), (pb, mb) in (((got[ns[0], 32]), got[ns[0], 64]), (got[ns[0], 64], got[ns[1], 64])):
             if mb != ma:
                 assert abs((pb - pa) / (mb - ma) - 1) <= 0.10, (variant, rec, pa, pb, ma, mb)
+
+
+@pytest.mark.slow
+def test_startup_block_equals_the_tools_output_and_first_step_records_the_peak(trained_xhc, capsys):
+    """The shared trained run (tests/trained_run.py) printed the plan at start-up: the same lines as
+    ``python -m tools.plan --gpu cpu --gpus 1`` with the run's overrides; its first metrics record holds the
+    planned and the measured peak memory, within 10 % of each other."""
+    import os
+
+    from tests.trained_run import pretrain_args
+    from tools.plan import main
+
+    with open(os.path.join(trained_xhc, "run", "stdout.log"), encoding="utf-8") as f:
+        block = [line for line in f.read().splitlines() if line.startswith("[plan]")]
+    assert len(block) >= 7
+    assert main(["--gpu", "cpu", "--gpus", "1", *pretrain_args(os.path.join(trained_xhc, "run"))]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[plan]")]
+    assert printed == block
+    with open(os.path.join(trained_xhc, "run", "metrics.jsonl"), encoding="utf-8") as f:
+        first = next(json.loads(line) for line in f if '"kind": "train"' in line)
+    assert first["step"] == 1 and first["measured_peak_source"].startswith("cpu")
+    assert abs(first["plan_peak_gib"] / first["measured_peak_gib"] - 1) <= 0.10, first

@@ -32,8 +32,10 @@ class PlanCliError(ValueError):
 
 
 def _gpu(args):
-    from training.plan import GPU, GPUS
+    from training.plan import GPUS
 
+    if args.gpu == "cpu":  # training's CPU path: fp32, torch optimizers, GPipe; no capacity, no time
+        return None
     if args.gpu not in GPUS:
         raise PlanCliError(f"--gpu {args.gpu!r} is not in the table; use one of {', '.join(GPUS)} (or give "
                            "--memory-gb/--tflops/... on top of one of them)")
@@ -191,7 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="training YAML (default: the embedded CPU default run)")
     ap.add_argument("--preset", default=None, help="shorthand for model.preset=<file>:<variant>")
     ap.add_argument("--gpus", type=int, default=None, help="number of GPUs (the world size)")
-    ap.add_argument("--gpu", default="h100", help="GPU kind from the table: a100, h100, h200, b200 (default h100)")
+    ap.add_argument("--gpu", default="h100", help="GPU kind from the table: a100, h100, h200, b200 (default h100); cpu: the CPU path "
+                    "training takes without CUDA (memory only)")
     ap.add_argument("--memory-gb", type=float, help="GPU memory in GB (1e9 bytes), instead of the table's")
     ap.add_argument("--tflops", type=float, help="dense bf16 peak TFLOP/s per GPU")
     ap.add_argument("--hbm-tbs", type=float, help="HBM bandwidth in TB/s")
@@ -229,6 +232,8 @@ def _run(args, make_plan) -> int:
     if args.sweep and args.n:
         raise PlanCliError("--sweep and --n are exclusive; give one")
     gpu, eff = _gpu(args), _eff(args.eff)
+    if gpu is None and (args.search or args.sweep or args.n):
+        raise PlanCliError("--search, --sweep and --n rank by time and capacity: give a GPU kind, not --gpu cpu")
     sharded = True if args.sharded_muon else None
     warnings.filterwarnings("ignore")
     if args.sweep or args.n:
@@ -266,7 +271,7 @@ def _run(args, make_plan) -> int:
         return 0
     plan = make_plan(cfg, args.gpus, gpu, eff, sharded_muon=sharded)
     print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.format())
-    return 0 if plan.fits else 1
+    return 0 if plan.fits is not False else 1
 
 
 def _overrides_of(key) -> List[str]:
