@@ -3,18 +3,21 @@ against what autograd really saves, the CLI, the search and the start-up block."
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import warnings
 
 import pytest
 
 from training.plan import Layout, param_specs, rank_tensors, state_bytes
 
+pytestmark = pytest.mark.megatron  # the HC probe and the exactness worker build Megatron modules
+
 DIST_LAYOUTS = {"dp2": dict(tp=1, pp=1, ep=1), "tp2sp": dict(tp=2, pp=1, ep=1, sp=True),
                 "ep2": dict(tp=1, pp=1, ep=2), "pp2": dict(tp=1, pp=2, ep=1)}
 
 
-@pytest.mark.megatron
 def test_state_bytes_equal_the_real_tensors_on_every_rank(run_torchrun, tmp_path):
     """Weights, gradients and optimizer state of every tiny-moe variant, AdamW and Muon, DP = 2, TP = 2 + SP,
     EP = 2 and PP = 2 under gloo: the plan equals Σ numel·element_size of the real tensors on each rank
@@ -74,7 +77,6 @@ def _measured_activations(variant, n, hc_recompute, seq, batch=2, vocab=256):
 
 
 @pytest.mark.slow
-@pytest.mark.megatron
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_activations_within_ten_percent_of_what_backward_saves(single_rank, variant):
     """One micro-batch on CPU: the planned activations are within ±10 % of the bytes autograd saves (unique
@@ -118,3 +120,107 @@ def test_startup_block_equals_the_tools_output_and_first_step_records_the_peak(t
         first = next(json.loads(line) for line in f if '"kind": "train"' in line)
     assert first["step"] == 1 and first["measured_peak_source"].startswith("cpu")
     assert abs(first["plan_peak_gib"] / first["measured_peak_gib"] - 1) <= 0.10, first
+
+
+# ------------------------------------------------------------------------------------------------
+# Fast: the CLI, the search, one source of truth for FLOPs and bytes
+# ------------------------------------------------------------------------------------------------
+def _tiny(*overrides):
+    from training.config import load_config
+
+    return load_config(None, ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=256", *overrides])
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gpus", "8", "--gpu", "v100"], "--gpu 'v100'"),
+    (["--gpu", "h100"], "--gpus is required"),
+    (["--gpus", "8", "parallel.tpp=2"], "parallel.tpp"),
+    (["--gpus", "3", "parallel.tp=2"], "parallel"),
+    (["--gpus", "8", "--eff", "gemm=fast"], "--eff"),
+    (["--gpus", "8", "--gpu", "cpu", "--search"], "--gpu cpu"),
+])
+def test_bad_input_is_one_line_exit_2(argv, fragment, capsys):
+    from tools.plan import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and fragment in err, err
+
+
+def test_flops_and_bytes_come_from_the_accounting(capsys):
+    """The time model's FLOPs per token are training's MFU numerator (xhc.accounting via training.metrics),
+    which is tools.zoo's column at the same sequence and vocabulary; its HC term is the accounted traffic."""
+    import dataclasses
+
+    from models.zoo import backbone_shape
+    from training.plan import GPUS, Efficiencies, make_plan
+    from xhc.accounting import memory_traffic_summary, training_flops_per_token, vanilla_flops_per_token
+
+    cfg = _tiny("batch.micro_batch_size=2", "batch.global_batch_size=8", "batch.seq_length=64")
+    eff = Efficiencies(gemm=0.5, hbm=0.5, link=0.5)
+    plan = make_plan(cfg, 2, GPUS["h100"], eff)
+    from training.plan import load_run_preset
+
+    preset = load_run_preset(cfg)
+    shape = dataclasses.replace(backbone_shape(preset), seq_len=64, vocab=256)
+    want = vanilla_flops_per_token(shape, "megatron") + training_flops_per_token(preset.hc, 64, 4).f_hc
+    assert plan.time.flops_per_token == pytest.approx(want, rel=1e-12)
+    tokens = 8 * 64
+    assert plan.time.gemm == pytest.approx(want * tokens / (2 * 989e12 * 0.5), rel=1e-12)
+    traffic = memory_traffic_summary(preset.hc).total  # elements of C per sublayer, forward
+    hbm = traffic * 64 * 2 * 3 * 2 * 4 * (tokens / 2) / (3.35e12 * 0.5)  # bf16, x3 training, 2 sublayers, 4 layers
+    assert plan.time.hc_memory == pytest.approx(hbm, rel=1e-12)
+
+
+def test_weights_sum_to_the_zoo_count():
+    """Summed over the pipeline stages, the plan's parameters are tools.zoo's count of the real model."""
+    import contextlib
+    import io
+
+    from models.parallel import initialize_parallel
+    from tools.zoo import zoo_row
+    from training.plan import Layout, param_specs, rank_tensors
+    from models.zoo import load_preset
+
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        initialize_parallel(1, 1, 1)
+        row = zoo_row("tiny-moe:xhc-flash4")
+    preset = load_preset("tiny-moe:xhc-flash4")
+    specs = param_specs(preset, preset.vocab_size)
+    lay = Layout(gpus=2, pp=2)
+    assert sum(math.prod(sh) for st in (0, 1) for _, sh in rank_tensors(specs, lay, st)) == row["total"]
+
+
+def test_sharded_muon_uses_the_owner_assignment():
+    """Sharded Muon (issue #44): every parameter's master + state on one DP rank, the ranks' loads summing to
+    the replicated figure and the most loaded at most the even split plus the largest item."""
+    from models.zoo import load_preset
+    from training.plan import Layout, param_specs, rank_tensors, state_bytes
+
+    preset = load_preset("tiny-moe:xhc")
+    specs = param_specs(preset, 256)
+    rep = Layout(gpus=4, optimizer="muon", distributed_optimizer=False)
+    tensors = rank_tensors(specs, rep, 0)
+    full = state_bytes(tensors, rep).optimizer
+    sh = dataclasses.replace(rep, sharded_muon=True)
+    # one DP group (no EP): the loads of the four ranks partition the replicated bytes
+    loads = [state_bytes(tensors, sh, dp_rank=r).optimizer for r in range(4)]
+    assert sum(loads) == full
+    assert max(loads) == state_bytes(tensors, sh).optimizer < full / 2
+
+
+@pytest.mark.slow
+def test_search_returns_only_layouts_training_accepts():
+    from training.config import validate_runtime
+    from training.plan import GPUS, Efficiencies, load_run_preset
+    from tools.plan import search
+
+    cfg = _tiny("batch.micro_batch_size=1", "batch.global_batch_size=16", "batch.seq_length=64")
+    rows = search(cfg, 4, GPUS["h100"], Efficiencies())
+    assert 0 < len(rows) <= 10
+    tps = [r[0] for r in rows]
+    assert tps == sorted(tps, reverse=True)
+    for _, key, plan, c in rows:
+        assert validate_runtime(c, 4, load_run_preset(c), cuda=True) == plan.lay.dp
+        assert plan.fits
