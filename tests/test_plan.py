@@ -224,3 +224,52 @@ def test_search_returns_only_layouts_training_accepts():
     for _, key, plan, c in rows:
         assert validate_runtime(c, 4, load_run_preset(c), cuda=True) == plan.lay.dp
         assert plan.fits
+
+
+def _cluster(path):
+    import re
+
+    with open(path, encoding="utf-8") as f:
+        m = re.search(r"^# cluster: (\d+) x (\w+)", f.read(), re.M)
+    assert m, f"{path}: no '# cluster: <GPUs> x <gpu kind>' comment"
+    return int(m.group(1)), m.group(2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moe-18b-xhc", "moe-18b-xhc-muon", "moe-2p5b-nsweep"])
+def test_shipped_configs_fit_their_clusters(name):
+    """Each paper config names its cluster in a comment and fits it per the plan."""
+    from configs import config_dir
+    from training.config import load_config
+    from training.plan import GPUS, make_plan
+
+    path = str(config_dir("pretrain") / f"{name}.yaml")
+    gpus, kind = _cluster(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = make_plan(load_config(path), gpus, GPUS[kind])
+    assert plan.fits, plan.format()
+
+
+@pytest.mark.slow
+def test_readme_multi_node_examples_use_a_layout_the_planner_accepts():
+    """Every ``torchrun ... -m training.pretrain --config`` command of the README plans and fits on H100s."""
+    import os
+    import re
+    import shlex
+
+    from training.config import load_config
+    from training.plan import GPUS, make_plan
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"), encoding="utf-8").read()
+    cmds = [c for c in re.sub(r"\\\n\s*", " ", readme).splitlines() if "torchrun" in c and "--config" in c]
+    assert cmds
+    for cmd in cmds:
+        words = shlex.split(cmd.split("#")[0])
+        nodes = int(words[words.index("--nnodes") + 1]) if "--nnodes" in words else 1
+        per = int(words[words.index("--nproc_per_node") + 1])
+        i = words.index("--config")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = make_plan(load_config(words[i + 1], [w for w in words[i + 2:] if "=" in w]), nodes * per, GPUS["h100"])
+        assert plan.fits, (cmd, plan.format())

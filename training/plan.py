@@ -90,8 +90,9 @@ class Efficiencies:
 
     gemm: float = 0.45
     """Achieved fraction of the bf16 peak on the GEMMs (attention scores included)."""
-    hbm: float = 0.6
-    """Achieved fraction of HBM bandwidth on the HC streams' memory traffic."""
+    hbm: float = 0.3
+    """Achieved fraction of HBM bandwidth on the HC streams' accounted memory traffic (calibrated: the geometric
+    mean of the compile-path mHC, xHC and Flash-4sub units measured on the H200, docs/planning.md)."""
     link: float = 0.7
     """Achieved fraction of NVLink / network bandwidth on collectives and pipeline sends."""
     overlap_dp: float = 1.0
