@@ -659,6 +659,8 @@ def _in_flight(lay: Layout, stage: int) -> int:
 
 def activation_bytes(preset, lay: Layout, stage: int) -> ActivationBytes:
     """Activations of pipeline stage ``stage`` (bytes), backbone and HC apart (docs/planning.md)."""
+    from xhc.config import FLASH_FAMILY
+
     s, b = lay.seq // lay.cp, lay.micro_batch
     L, C, hc = preset.num_layers, preset.hidden_size, preset.hc
     layers = stage_layers(L, lay.pp, lay.vpp, stage)
@@ -675,10 +677,9 @@ def activation_bytes(preset, lay: Layout, stage: int) -> ActivationBytes:
             bb, h = (0.0, n * C * hc_tokens) if hc.enabled else (C * s * b / seq_split, 0.0)
         out.backbone_per_micro += bb * elt
         out.hc_per_micro += h * elt
-        if hc.enabled:
-            per_sub = 1 if hc.variant in ("xhc_flash", "xhc_flash4") else 2
-            out.hc_state_per_micro += n * C * hc_tokens * elt * (per_sub if not lay.hc_recompute else 1) / (
-                2 if hc.variant == "xhc_flash4" else 1)
+        if hc.enabled:  # the N-stream state kept at each sublayer entry (pairs), window entry (Flash family)
+            entries = (0.5 if hc.variant == "xhc_flash4" else 1.0) if hc.variant in FLASH_FAMILY else 2.0
+            out.hc_state_per_micro += n * C * hc_tokens * elt * entries
     if stage == 0:
         out.backbone_per_micro += 8 * s * b  # token ids and positions (int64)
     if stage == lay.pp - 1:
