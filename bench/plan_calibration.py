@@ -2,6 +2,7 @@
 
     python -m bench.plan_calibration                 # HC units, shrunk-run throughput, train_eval peak (H200)
     python -m bench.plan_calibration --table h100    # moe-2p5b/10b/18b x {vanilla, mhc, xhc, xhc-flash4}
+    python -m bench.plan_calibration --activations   # planned vs measured activations, the tiny cases (CPU)
 
 The measured numbers are docs/gpu.md's ("Results", 2026-12-04, one H200); the planned ones come from
 :func:`training.plan.make_plan` with the default efficiencies (and ``layer_overhead_ms`` fitted to the
@@ -79,12 +80,49 @@ def table(kind: str) -> None:
                   f"{p.tokens_per_s:,.0f} | {p.mfu:.1%} |", flush=True)
 
 
+def activations() -> None:
+    """Planned vs measured activations of one micro-batch on CPU for every tiny case of tests/test_plan.py."""
+    import contextlib
+    import io
+
+    import torch
+
+    from models.parallel import initialize_parallel
+    from models.zoo import build_model, build_transformer_config, load_preset
+    from training.plan import Layout, SavedTensorMeter, activation_bytes
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        initialize_parallel(1, 1, 1)
+    print("| variant | N | HC recompute | seq | measured (bytes) | planned (bytes) | error |")
+    print("|---|---|---|---|---|---|---|")
+    for v in ("vanilla", "hc", "mhc", "mhc-lite", "kromhc", "identity", "xhc", "xhc-flash", "xhc-flash4"):
+        ns = (8, 16) if v.startswith("xhc") else (3, 4) if v == "mhc-lite" else (4, 8)
+        for n in ns:
+            for rec in (False, True):
+                for seq in (32, 64):
+                    preset = load_preset(f"tiny-moe:{v}", backbone_overrides={"hc_recompute": rec},
+                                         hc_overrides={"n": n} if v != "vanilla" else None)
+                    model = build_model(preset, build_transformer_config(preset, cpu=True), vocab_size=256, seq_length=seq)
+                    g = torch.Generator().manual_seed(0)
+                    tokens = torch.randint(0, 256, (2, seq), generator=g)
+                    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+                        model(tokens, torch.arange(seq).expand(2, seq), None, labels=tokens).float().mean()
+                    lay = Layout(gpus=1, gpu=False, bf16=False, micro_batch=2, global_batch=2, seq=seq,
+                                 hc_recompute=rec, vocab=256)
+                    planned = activation_bytes(preset, lay, 0).total
+                    print(f"| {v} | {n if v != 'vanilla' else '-'} | {'on' if rec else 'off'} | {seq} | {meter.bytes:,} | "
+                          f"{planned:,.0f} | {planned / meter.bytes - 1:+.1%} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plan_calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=None, help="print the zoo table on this GPU kind instead (e.g. h100)")
+    ap.add_argument("--activations", action="store_true", help="planned vs measured activations, tiny cases (CPU)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
-    if args.table:
+    if args.activations:
+        activations()
+    elif args.table:
         table(args.table)
     else:
         calibration()
