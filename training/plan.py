@@ -50,6 +50,12 @@ __all__ = ["GPU", "GPUS", "Efficiencies", "Layout", "ParamSpec", "Plan", "PlanEr
 GIB = 2 ** 30
 
 
+SHARDED_MUON_DEFAULT = False
+"""Whether Muon's state is planned sharded over DP by default (GPU, DP > 1).  The sharded Muon optimizer
+(issue #44) turns it on wherever AdamW would use Megatron's distributed optimizer: set this to True when
+it is merged (``tools.plan --sharded-muon`` plans it today)."""
+
+
 class PlanError(ValueError):
     """A plan that cannot be made (message names the key or option and the fix)."""
 
@@ -162,7 +168,9 @@ class Layout:
         that until the sharded optimizer is merged."""
         if self.optimizer != "muon" or not self.gpu:
             return False
-        return bool(self.sharded_muon)
+        if self.sharded_muon is not None:
+            return bool(self.sharded_muon)
+        return SHARDED_MUON_DEFAULT and self.distributed_optimizer is not False
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}{'+sp' if self.sp else ''}", f"pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp else ""),
