@@ -1044,8 +1044,8 @@ class PlanCheck:
         try:
             self.plan = make_plan(run.cfg, run.world, _gpu_of(name) if run.cuda else None)
             run.log(self.plan.format())
-        except (ValueError, PlanError) as e:  # the planner does not cover this run: say so, train anyway
-            run.log(f"[plan] not planned: {e}")
+        except Exception as e:  # noqa: BLE001  the planner does not cover this run: say so, train anyway
+            run.log(f"[plan] not planned: {type(e).__name__}: {e}")
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.meter = None
         if self.plan is not None and not run.cuda:
