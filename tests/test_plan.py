@@ -110,13 +110,13 @@ def test_startup_block_equals_the_tools_output_and_first_step_records_the_peak(t
     from tests.trained_run import pretrain_args
     from tools.plan import main
 
-    with open(os.path.join(trained_xhc, "run", "stdout.log"), encoding="utf-8") as f:
+    with open(os.path.join(trained_xhc, "stdout.log"), encoding="utf-8") as f:
         block = [line for line in f.read().splitlines() if line.startswith("[plan]")]
     assert len(block) >= 7
-    assert main(["--gpu", "cpu", "--gpus", "1", *pretrain_args(os.path.join(trained_xhc, "run"))]) == 0
+    assert main(["--gpu", "cpu", "--gpus", "1", *pretrain_args(trained_xhc)]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[plan]")]
     assert printed == block
-    with open(os.path.join(trained_xhc, "run", "metrics.jsonl"), encoding="utf-8") as f:
+    with open(os.path.join(trained_xhc, "metrics.jsonl"), encoding="utf-8") as f:
         first = next(json.loads(line) for line in f if '"kind": "train"' in line)
     assert first["step"] == 1 and first["measured_peak_source"].startswith("cpu")
     assert abs(first["plan_peak_gib"] / first["measured_peak_gib"] - 1) <= 0.10, first
