@@ -26,16 +26,16 @@ CLUSTERS = (("moe-2p5b", "configs/pretrain/moe-2p5b-nsweep.yaml", 16), ("moe-10b
             ("moe-18b", "configs/pretrain/moe-18b-xhc.yaml", 64))
 
 
-def calibration() -> None:
+def hc_units():
+    """(name, traffic in units of C, bytes, measured ms, achieved HBM fraction, planned ms) per HC unit of
+    docs/gpu.md's step 5 (C = 2048, 8192 tokens, bf16, the compile path)."""
     from models.zoo import load_preset
-    from training.config import load_config
-    from training.plan import GPUS, HC_TRAINING_TRAFFIC, Efficiencies, make_plan
+    from training.plan import GPUS, HC_TRAINING_TRAFFIC, Efficiencies
     from xhc.accounting import memory_traffic_summary
 
     gpu, eff = GPUS["h200"], Efficiencies()
     C, T = 2048, 8192
-    print(f"HC units (C={C}, {T} tokens, bf16, fwd+bwd = accounted forward traffic x {HC_TRAINING_TRAFFIC:g}), "
-          f"hbm={eff.hbm:g} of {gpu.hbm_tbs:g} TB/s:")
+    rows = []
     for name, preset, subl, ms in HC_UNITS:
         if preset is None:
             per = 3.0
@@ -43,9 +43,20 @@ def calibration() -> None:
             s = memory_traffic_summary(load_preset(preset).hc)
             per = s.tables[1].read + s.tables[1].write if name.startswith("xHC MLP") else s.total
         nbytes = per * subl * C * T * 2 * HC_TRAINING_TRAFFIC
-        achieved = nbytes / (ms * 1e-3) / (gpu.hbm_tbs * 1e12)
-        planned = nbytes / (gpu.hbm_tbs * 1e12 * eff.hbm) * 1e3
-        print(f"  {name}: {per * subl:g}C, {nbytes / 1e9:.2f} GB; measured {ms} ms ({achieved:.3f} of HBM); planned "
+        rows.append((name, per * subl, nbytes, ms, nbytes / (ms * 1e-3) / (gpu.hbm_tbs * 1e12),
+                     nbytes / (gpu.hbm_tbs * 1e12 * eff.hbm) * 1e3))
+    return rows
+
+
+def calibration() -> None:
+    from training.config import load_config
+    from training.plan import GPUS, HC_TRAINING_TRAFFIC, Efficiencies, make_plan
+
+    gpu, eff = GPUS["h200"], Efficiencies()
+    print(f"HC units (C=2048, 8192 tokens, bf16, fwd+bwd = accounted forward traffic x {HC_TRAINING_TRAFFIC:g}), "
+          f"hbm={eff.hbm:g} of {gpu.hbm_tbs:g} TB/s:")
+    for name, per, nbytes, ms, achieved, planned in hc_units():
+        print(f"  {name}: {per:g}C, {nbytes / 1e9:.2f} GB; measured {ms} ms ({achieved:.3f} of HBM); planned "
               f"{planned:.2f} ms ({planned / ms - 1:+.0%})")
     print("Throughput, moe-2p5b cut to 4 layers, seq 2048, micro-batch 4 x 2, one H200:")
     for overhead in (0.0, 25.9):

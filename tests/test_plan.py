@@ -273,3 +273,15 @@ def test_readme_multi_node_examples_use_a_layout_the_planner_accepts():
             warnings.simplefilter("ignore")
             plan = make_plan(load_config(words[i + 1], [w for w in words[i + 2:] if "=" in w]), nodes * per, GPUS["h100"])
         assert plan.fits, (cmd, plan.format())
+
+
+def test_hbm_default_is_the_geometric_mean_of_the_measured_hc_units():
+    """docs/planning.md: the default HBM fraction is calibrated on docs/gpu.md's compile-path HC units (mHC,
+    xHC, Flash-4sub); the plain add's fraction is computed from its own bytes and time."""
+    from bench.plan_calibration import hc_units
+    from training.plan import Efficiencies
+
+    rows = {r[0]: r for r in hc_units()}
+    assert rows["plain residual add (3C)"][2] == 3 * 2048 * 8192 * 2 * 3
+    hc = [rows[k][4] for k in ("mHC N=4 sublayer", "xHC MLP sublayer", "Flash-4sub window")]
+    assert Efficiencies().hbm == pytest.approx(math.prod(hc) ** (1 / 3), abs=0.005)
