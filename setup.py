@@ -65,6 +65,7 @@ setup(
             "xhc-convert=tools.convert_checkpoint:main",
             "xhc-sweep=tools.sweep:main",
             "xhc-inspect=tools.inspect:main",
+            "xhc-plan=tools.plan:main",
         ]
     },
 )

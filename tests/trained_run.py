@@ -42,6 +42,8 @@ def build(run: str) -> None:
                           capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(os.path.join(run, "stdout.log"), "w", encoding="utf-8") as f:  # the start-up plan (test_plan)
+        f.write(proc.stdout)
     found = sorted(int(d[5:]) for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))
     assert found == list(CHECKPOINTS), found
 

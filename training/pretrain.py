@@ -84,6 +84,7 @@ class Trainer:
         self.evals: List[dict] = []
         self.failed = False  # a refused start (close() removes the directories it created)
         self.ckpt = None
+        self.plan_check = None
         self.async_save = False  # checkpoint.async_save, resolved for this device (training.builder)
         self.pending_save = None  # (step, reason) of the asynchronous save in flight
 
@@ -112,6 +113,8 @@ class Trainer:
         build.datasets()  # after the checkpoint checks: a refused resume builds no index caches
         build.write_config()
         build.logging()
+        from training.plan import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
+        self.plan_check = PlanCheck(self)
 
     def maybe_resume(self) -> None:
         """Load the checkpoint ``checkpoint.load`` selects (``auto``: the newest verified one in
@@ -221,6 +224,7 @@ class Trainer:
                "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
                "consumed_samples": self.consumed_samples, "consumed_tokens": self.consumed_samples * self.seq,
                "skipped_steps": self.skipped_steps}
+        self.plan_check = self.plan_check and self.plan_check.record(rec)  # planned vs measured peak, first step
         if mtp:  # per-depth MTP loss: the mean over ranks and micro-batches of each micro-batch's token mean
             rec["mtp_loss"] = [v / mtp[-1] if mtp[-1] > 0 else float("nan") for v in mtp[:-1]]
         if health_now:
