@@ -4,10 +4,9 @@ Two parts (``training.optim``, ``use_distributed_optimizer``):
 
 - ``bytes`` (one process, arithmetic on shapes): optimizer-state bytes per rank of ``moe-18b:xhc-muon``
   in the layout of ``configs/pretrain/moe-18b-xhc-muon.yaml`` (bf16 weights, so fp32 main copies
-  (4 B) + Muon momentum (4 B) per matrix element, main + two moments (12 B) per AdamW element),
-  replicated and sharded with :func:`training.optim.shard_owner_ranks`, for the largest pipeline stage's
-  TP rank 0.  Each HC parameter set of a layer is counted as one AdamW tensor (an upper bound on the
-  imbalance it adds)::
+  (4 B) + Muon momentum (4 B) per matrix element, main + two moments (12 B) per AdamW element; the
+  fp32 HC parameters have no main copy), replicated and sharded, per pipeline stage (TP rank 0): the
+  planner's figures (:func:`training.plan.state_bytes`, the owners of ``training.optim``)::
 
       python -m bench.sharded_muon bytes
       python -m bench.sharded_muon bytes --tp 1 --pp 1   # another layout of the 64 GPUs
@@ -24,6 +23,7 @@ Two parts (``training.optim``, ``use_distributed_optimizer``):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -33,92 +33,42 @@ import torch.distributed as dist
 from models.zoo import load_preset
 
 
-def _backbone(preset="moe-18b:xhc-muon"):
-    return load_preset(preset)
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pretrain",
+                      "moe-18b-xhc-muon.yaml")
 
 
-def _layer_params(bb, shrink=1, tp=1, ep=1, etp=1, dense=False):
-    """``(name, shape, kind, expert)`` of one MoE (or ``dense``) layer's parameters on one rank (kind: muon | adamw)."""
-    C = bb["hidden_size"] // shrink
-    heads, groups, d = bb["num_attention_heads"], bb["num_query_groups"], bb["kv_channels"] // shrink
-    F, E = bb["moe_ffn_hidden_size"] // shrink, bb["num_moe_experts"] // shrink
-    Fs = bb["moe_shared_expert_intermediate_size"] // shrink
-    out = [("self_attention.linear_qkv.weight", ((heads + 2 * groups) * d // tp, C), "muon", False),
-           ("self_attention.linear_proj.weight", (C, heads * d // tp), "muon", False),
-           ("mlp.router.weight", (bb["num_moe_experts"] // shrink, C), "muon", False),
-           ("mlp.shared_experts.linear_fc1.weight", (2 * Fs // tp, C), "muon", False),
-           ("mlp.shared_experts.linear_fc2.weight", (C, Fs // tp), "muon", False),
-           ("input_layernorm.weight", (C,), "adamw", False), ("pre_mlp_layernorm.weight", (C,), "adamw", False)]
-    if dense:
-        Fd = bb["ffn_hidden_size"] // shrink
-        return out[:2] + [("mlp.linear_fc1.weight", (2 * Fd // tp, C), "muon", False),
-                          ("mlp.linear_fc2.weight", (C, Fd // tp), "muon", False)] + out[5:]
-    for e in range(E // ep):
-        out += [(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * F // etp, C), "muon", True),
-                (f"mlp.experts.local_experts.{e}.linear_fc2.weight", (C, F // etp), "muon", True)]
-    return out
+def state_bytes(overrides=(), world: int = 64) -> None:
+    """Optimizer state per rank, replicated and sharded: :func:`training.plan.state_bytes` on the planner's
+    tensor inventory, whose sharded figure takes the owners of :func:`training.optim.shard_owner_ranks`
+    (so ``tools.plan`` and this benchmark print the same bytes; tests/test_plan.py holds both to the
+    real optimizer's tensors)."""
+    import dataclasses
+    import warnings
 
+    from training.config import load_config
+    from training.plan import (layout_from_config, load_run_preset, param_specs, planned_vocab, rank_tensors)
+    from training.plan import state_bytes as plan_state_bytes
 
-def state_bytes(layout=None, world: int = 64) -> None:
-    import yaml
-
-    from training.optim import shard_owner_ranks
-    from xhc.accounting import hc_params_per_layer
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "configs", "pretrain", "moe-18b-xhc-muon.yaml")) as f:
-        run = yaml.safe_load(f)
-    par = dict(run["parallel"], **(layout or {}))
-    preset = _backbone(run["model"]["preset"])
-    bb = dict(preset.backbone, hidden_size=preset.hidden_size)
-    tp, pp, ep, etp = par["tp"], par["pp"], par["ep"], par.get("etp") or par["tp"]
-    dp, edp = world // (tp * pp), world // (pp * ep * etp)
-    C, L = bb["hidden_size"], preset.num_layers
-    hc = int(getattr(hc_params_per_layer(preset.hc, C), "total", 0) or 0)
-    vocab = run["tokenizer"]["padded_vocab_size"]
-    # the last stage: L/pp MoE layers and the output layer (the first stage has the dense layer and the
-    # embedding instead: as large); with pp = 1 the one stage has both
-    items = []
-    for layer in range(L // pp):
-        dense = pp == 1 and layer < bb.get("first_dense_layers", 0)
-        for name, shape, kind, expert in _layer_params(bb, tp=tp, ep=ep, etp=etp, dense=dense):
-            items.append((f"{layer}.{name}", shape, kind, expert))
-        items.append((f"{layer}.hyper_connection", (hc,), "adamw", False))
-    items.append(("output_layer.weight", (vocab // tp, C), "adamw", False))
-    if pp == 1:
-        items.append(("embedding.word_embeddings.weight", (vocab // tp, C), "adamw", False))
-    per_elem = {"muon": 8, "adamw": 12}
-    fake = []
-    for name, shape, kind, expert in items:
-        p = torch.empty(shape, device="meta")
-        if expert:
-            p.allreduce = False
-        if kind == "muon" and len(shape) == 2 and not name.endswith("router.weight"):
-            p.tensor_model_parallel, p.partition_dim = True, 0 if "fc1" in name or "qkv" in name else 1
-        fake.append((p, kind))
-    owners = shard_owner_ranks(fake, dp, edp, tp_size=tp, expert_tp_size=etp)
-    full = sum(p.numel() * per_elem[k] for p, k in fake)
-    loads_d, loads_e = [0] * dp, [0] * edp
-    for (p, k), o in zip(fake, owners):
-        b = p.numel() * per_elem[k]
-        if getattr(p, "allreduce", True) is False:
-            loads_e[o] += b
-        else:
-            loads_d[o] += b
-    # dense DP rank r is global rank tp·r of the stage (TP rank 0); Megatron orders the expert groups
-    # etp-ep-dp, so that rank is expert-DP rank (tp·r) // (etp·ep)
-    per_rank = [loads_d[r] + loads_e[(tp * r) // (etp * ep)] for r in range(dp)]
+    warnings.filterwarnings("ignore")
+    cfg = load_config(CONFIG, list(overrides))
+    preset = load_run_preset(cfg)
+    sh = layout_from_config(cfg, preset, world, gpu=True, sharded_muon=True)
+    rep = dataclasses.replace(sh, sharded_muon=False, distributed_optimizer=False)  # every state on every rank
+    specs = param_specs(preset, planned_vocab(cfg, preset, sh.tp))
     G = 1e9
-    print(f"moe-18b:xhc-muon, {world} GPUs, tp={tp} pp={pp} ep={ep} etp={etp}: dp={dp}, expert dp={edp}; "
-          f"{'last stage' if pp > 1 else 'the one stage'}, tp rank 0: {sum(p.numel() for p, _ in fake) / 1e9:.3f}B local parameters")
-    print(f"optimizer state per rank (fp32 main + Muon momentum 8 B, fp32 main + AdamW moments 12 B per element):")
-    print(f"  replicated  {full / G:6.2f} GB on every rank")
-    print(f"  sharded     {max(per_rank) / G:6.2f} GB on the fullest rank, {min(per_rank) / G:6.2f} GB on the "
-          f"emptiest, {sum(loads_d) / dp / G + sum(loads_e) / edp / G:6.2f} GB an even split  "
-          f"(ratio fullest/replicated {max(per_rank) / full:.2f})")
-    big = max(fake, key=lambda t: t[0].numel() * per_elem[t[1]])
-    print(f"  largest single parameter: {tuple(big[0].shape)} {big[1]}, {big[0].numel() * per_elem[big[1]] / G:.2f} GB "
-          "(whole parameters are owned: its owner holds all of it)")
+    print(f"{cfg.model.preset}, {world} GPUs, {sh.describe()}: expert dp={sh.expert_dp}")
+    print("optimizer state per rank (fp32 main + Muon momentum 8 B per bf16 matrix element, fp32 main + AdamW "
+          "moments 12 B per bf16 element, moments only for the fp32 HC parameters):")
+    for stage in range(sh.pp):
+        tensors = rank_tensors(specs, sh, stage)
+        full = plan_state_bytes(tensors, rep).optimizer
+        per_rank = [plan_state_bytes(tensors, sh, dp_rank=r).optimizer for r in range(sh.dp)]
+        big = max(tensors, key=lambda t: plan_state_bytes([t], rep).optimizer)
+        print(f"  stage {stage} ({sum(math.prod(s) for _, s in tensors) / 1e9:.3f}B local parameters): replicated "
+              f"{full / G:6.2f} GB; sharded {max(per_rank) / G:6.2f} GB on the fullest DP rank, "
+              f"{min(per_rank) / G:6.2f} GB on the emptiest, {sum(per_rank) / len(per_rank) / G:6.2f} GB the mean "
+              f"(fullest/replicated {max(per_rank) / full:.2f}); largest single parameter {big[0].name} "
+              f"{tuple(big[1])}: {plan_state_bytes([big], rep).optimizer / G:.2f} GB (whole parameters are owned)")
 
 
 def time_steps(shrink: int, steps: int) -> None:
@@ -208,10 +158,10 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=64, help="bytes: GPUs (the config's layout is for 64)")
     args = ap.parse_args(argv)
     if args.what == "bytes":
-        layout = {k: getattr(args, k) for k in ("tp", "pp", "ep") if getattr(args, k) is not None}
-        if "tp" in layout:
-            layout["etp"] = layout["tp"]
-        state_bytes(layout, args.world)
+        overrides = [f"parallel.{k}={getattr(args, k)}" for k in ("tp", "pp", "ep") if getattr(args, k) is not None]
+        if args.tp == 1:
+            overrides.append("parallel.sp=false")  # sequence parallelism needs TP > 1
+        state_bytes(overrides, args.world)
     else:
         time_steps(args.shrink, args.steps)
 

@@ -202,8 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--network-gbs", type=float, help="network bandwidth per GPU in GB/s")
     ap.add_argument("--per-node", type=int, help="GPUs per node (default 8)")
     ap.add_argument("--eff", default=None, help="efficiencies, e.g. gemm=0.5,hbm=0.7,link=0.6 (docs/planning.md)")
-    ap.add_argument("--sharded-muon", action="store_true",
-                    help="plan Muon's state sharded over DP (the sharded Muon optimizer, training.shard_owners)")
+    ap.add_argument("--sharded-muon", action=argparse.BooleanOptionalAction, default=None,
+                    help="GPU Muon's state sharded over DP (default: as training does, sharded unless "
+                         "optimizer.use_distributed_optimizer=false); --no-sharded-muon plans it replicated")
     ap.add_argument("--search", action="store_true", help="rank every valid layout that fits; print the top ten")
     ap.add_argument("--sweep", default=None, help="a sweep file (configs/sweeps/*.yaml): one plan per variant")
     ap.add_argument("--n", default=None, help="comma-separated N values, e.g. 2,4,8,16: one plan per N")
@@ -234,7 +235,7 @@ def _run(args, make_plan) -> int:
     gpu, eff = _gpu(args), _eff(args.eff)
     if gpu is None and (args.search or args.sweep or args.n):
         raise PlanCliError("--search, --sweep and --n rank by time and capacity: give a GPU kind, not --gpu cpu")
-    sharded = True if args.sharded_muon else None
+    sharded = args.sharded_muon
     warnings.filterwarnings("ignore")
     if args.sweep or args.n:
         out = []

@@ -50,10 +50,10 @@ __all__ = ["GPU", "GPUS", "Efficiencies", "Layout", "ParamSpec", "Plan", "PlanEr
 GIB = 2 ** 30
 
 
-SHARDED_MUON_DEFAULT = False
-"""Whether Muon's state is planned sharded over DP by default (GPU, DP > 1).  The sharded Muon optimizer
-(issue #44) turns it on wherever AdamW would use Megatron's distributed optimizer: set this to True when
-it is merged (``tools.plan --sharded-muon`` plans it today)."""
+SHARDED_MUON_DEFAULT = True
+"""Whether Muon's state is planned sharded over DP by default (GPU, DP > 1), as
+:func:`training.optim.shards_state` decides for the trainer: on the Megatron backend unless
+``optimizer.use_distributed_optimizer`` is false (``tools.plan --no-sharded-muon`` plans it replicated)."""
 
 
 class PlanError(ValueError):
@@ -164,8 +164,7 @@ class Layout:
     @property
     def uses_sharded_muon(self) -> bool:
         """Muon with each parameter's state on one DP rank (issue #44): on by default wherever AdamW would use
-        the distributed optimizer (GPU, DP > 1).  Today's trainer replicates Muon: ``sharded_muon=None`` means
-        that until the sharded optimizer is merged."""
+        the distributed optimizer (GPU, DP > 1), as the trainer does (:func:`training.optim.shards_state`)."""
         if self.optimizer != "muon" or not self.gpu:
             return False
         if self.sharded_muon is not None:
@@ -419,17 +418,19 @@ def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layou
     numel = [math.prod(shape) for _, shape in tensors]
     opt = [_optimizer_of(s, lay.optimizer) for s, _ in tensors]
     if not lay.gpu:  # torch backend: fp32 params, fp32 .grad, torch AdamW / our Muon states
-        for (s, _), n, o in zip(tensors, numel, opt):
-            out.weights += 4 * n
-            out.grads += 4 * n
-            out.optimizer += 4 * n if o == "muon" else 8 * n + 4  # Adam: exp_avg, exp_avg_sq, step
+        per = [4 * n if o == "muon" else 8 * n + 4 for n, o in zip(numel, opt)]  # Adam: exp_avg, exp_avg_sq, step
+        out.weights = out.grads = 4 * sum(numel)
+        # optimizer.use_distributed_optimizer=true shards either optimizer's state (training.optim.shards_state)
+        sharded = bool(lay.distributed_optimizer) and max(lay.dp, lay.expert_dp) > 1
+        out.optimizer = _owned_bytes(tensors, per, opt, lay, dp_rank) if sharded else sum(per)
         return out
     for (s, _), n in zip(tensors, numel):
         out.weights += n * (4 if (s.hc or not lay.bf16) else 2)
         out.grads += 4 * n  # Megatron DDP's fp32 main-grad buffer (grad_reduce_in_fp32)
     master = [0 if (s.hc or not lay.bf16) else 4 for s, _ in tensors]  # fp32 master copy of a bf16 param
     if lay.uses_sharded_muon and lay.dp > 1:
-        out.optimizer = _sharded_muon_bytes(tensors, numel, opt, master, lay, dp_rank)
+        per = [n * (m + (4 if o == "muon" else 8)) for n, o, m in zip(numel, opt, master)]
+        out.optimizer = _owned_bytes(tensors, per, opt, lay, dp_rank)
         return out
     dist_opt = lay.uses_distributed_optimizer
     for (s, _), n, o, m in zip(tensors, numel, opt, master):
@@ -443,26 +444,41 @@ def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layou
     return out
 
 
-def _sharded_muon_bytes(tensors, numel, opt, master, lay: Layout, dp_rank: Optional[int]) -> int:
-    """Issue #44's sharded Muon: each parameter's optimizer state and fp32 master on one rank of its DP group
-    (expert-DP for routed experts), chosen by :func:`training.shard_owners.assign_owners` (Muon matrices by
-    Newton–Schulz cost, AdamW parameters by numel, two passes per group)."""
+def _ns_shape(tensor: Tuple[ParamSpec, Tuple[int, ...]], lay: Layout) -> Tuple[int, ...]:
+    """The matrix Newton–Schulz runs on for a rank's ``(spec, local shape)``: the TP-gathered one, as
+    :func:`training.optim.muon_matrix_shape` gives the optimizer (so both pick the same owners)."""
+    spec, shape = tensor
+    split = lay.expert_tp if spec.expert else lay.tp
+    if spec.tp_dim is None or split == 1:
+        return tuple(shape)
+    return tuple(d * split if i == spec.tp_dim else d for i, d in enumerate(shape))
+
+
+def _owned_bytes(tensors, per: Sequence[int], opt: Sequence[str], lay: Layout, dp_rank: Optional[int]) -> int:
+    """Optimizer state sharded over data parallelism (issue #44; ``per``: each tensor's bytes of state and
+    fp32 master): each tensor on one rank of its DP group (expert-DP for routed experts), chosen by
+    :func:`training.shard_owners.assign_owners` as :func:`training.optim.shard_owner_ranks` chooses (Muon
+    matrices by Newton–Schulz cost on the TP-gathered matrix, AdamW parameters by numel, two passes per
+    group).  ``dp_rank``: the dense DP rank (TP rank 0) whose bytes to return; None: the fullest rank.
+    Dense DP rank ``r`` is the stage's rank ``tp·cp·r``; Megatron orders the expert groups etp-ep-dp, so
+    that rank's expert-DP rank is ``tp·cp·r // (etp·ep)``."""
     from training.shard_owners import assign_owners, newton_schulz_cost
 
-    loads: Dict[int, int] = {}
+    loads = {False: [0] * lay.dp, True: [0] * lay.expert_dp}
     for expert in (False, True):
         size = lay.expert_dp if expert else lay.dp
         for kind in ("muon", "adamw"):
             idx = [i for i, (s, _) in enumerate(tensors) if s.expert == expert and opt[i] == kind]
             if not idx:
                 continue
-            costs = [newton_schulz_cost(tensors[i][1]) if kind == "muon" else numel[i] for i in idx]
-            owners = assign_owners(costs, size)
-            for i, r in zip(idx, owners):
-                loads[r] = loads.get(r, 0) + numel[i] * (master[i] + (4 if kind == "muon" else 8))
+            costs = [newton_schulz_cost(_ns_shape(tensors[i], lay)) if kind == "muon" else math.prod(tensors[i][1])
+                     for i in idx]
+            for i, r in zip(idx, assign_owners(costs, size)):
+                loads[expert][r] += per[i]
+    rank = lambda r: loads[False][r] + loads[True][(lay.tp * lay.cp * r) // (lay.expert_tp * lay.ep)]  # noqa: E731
     if dp_rank is not None:
-        return loads.get(dp_rank, 0)
-    return max(loads.values(), default=0)
+        return rank(dp_rank)
+    return max(rank(r) for r in range(lay.dp))
 
 
 # ================================================================================================

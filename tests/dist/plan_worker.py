@@ -6,7 +6,8 @@ Run (2 ranks, gloo, CPU)::
 
 One launch loops over the layouts (DP = 2, TP = 2 + SP, EP = 2, PP = 2), every ``tiny-moe`` variant and
 both optimizers, re-initialising Megatron's parallel state in-process.  For each case it builds this rank's
-model chunk (the stage's layers), the torch-backend optimizer, gives every parameter a zero gradient and
+model chunk (the stage's layers), the torch-backend optimizer (replicated, and where DP > 1 also with its
+state sharded over DP: ``use_distributed_optimizer=true``), gives every parameter a zero gradient and
 steps once (torch creates the optimizer state at the first step), then sums ``numel · element_size`` over
 the unique storages of the parameters, of their ``.grad`` and of the optimizer state.  Each rank writes
 ``OUT.json.rank<r>``: a list of ``{layout, variant, optimizer, stage, weights, grads, optimizer}``; the test
@@ -65,14 +66,18 @@ def measure(layout: str, variant: str) -> list:
     model = build_model(preset, config, pre_process=first, post_process=last, vocab_size=VOCAB, seq_length=SEQ)
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
-    for optimizer in ("adamw", "muon"):
-        opt = build_optimizer(model, OptimizerConfig(name=optimizer, lr=1e-3))
+    cases = [("adamw", False), ("muon", False)]
+    if ps.get_data_parallel_world_size() > 1:  # the state sharded over DP (issue #44, torch backend)
+        cases += [("adamw", True), ("muon", True)]
+    for optimizer, sharded in cases:
+        opt = build_optimizer(model, OptimizerConfig(name=optimizer, lr=1e-3, use_distributed_optimizer=sharded))
         for p in params:
             p.grad = torch.zeros_like(p)
         result = opt.step()
         assert result.updated, f"{layout} {variant} {optimizer}: the step was skipped"
         state = [t for o in opt.optimizers.values() for st in o.state.values() for t in st.values()]
-        rows.append({"layout": layout, "variant": variant, "optimizer": optimizer,
+        rows.append({"layout": layout, "variant": variant, "optimizer": optimizer, "sharded": sharded,
+                     "dp_rank": ps.get_data_parallel_rank(),
                      "stage": ps.get_pipeline_model_parallel_rank(), "weights": _storage_bytes(params),
                      "grads": _storage_bytes(p.grad for p in params), "optimizer_bytes": _storage_bytes(state),
                      "tensors": len(params)})
