@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 COMMON = [
     "data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=128", "tokenizer.make_vocab_size_divisible_by=64",
-    "batch.seq_length=32", "batch.micro_batch_size=2", "batch.global_batch_size=8", "run.train_steps=24",
+    "batch.seq_length=32", "batch.micro_batch_size=2", "batch.global_batch_size=4", "run.train_steps=24",
     "optimizer.lr=1e-2", "schedule.warmup_steps=4", "run.eval_interval=12", "run.eval_iters=1",
     "logging.tensorboard=false", "logging.interval=12", "logging.hc_health_interval=12", "checkpoint.interval=8",
     "checkpoint.keep_last=3", "checkpoint.async_save=true", "run.dist_timeout_minutes=3",
