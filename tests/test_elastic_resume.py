@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.megatron]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join("tests", "dist", "elastic_worker.py")
-SAVE, STEPS = 8, 12  # A saves at SAVE (and at 0, STEPS); R resumes from SAVE and runs to STEPS
+SAVE, STEPS = 4, 8  # A saves at SAVE (and at 0, STEPS); R resumes from SAVE and runs to STEPS
 BASE = ["data.mock=true", "batch.micro_batch_size=2", "batch.global_batch_size=4", "batch.seq_length=32",
         "run.eval_interval=0", "logging.tensorboard=false", "logging.plot=false", "run.num_threads=1",
         "tokenizer.vocab_size=512", "logging.interval=10", "logging.sample_ids=true", "checkpoint.keep_last=5",
