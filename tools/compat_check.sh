@@ -50,7 +50,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   }
   pip_q --upgrade pip
   pip_q "$torch_spec"
-  pip_q "$mcore" -e "$root[test,hf]"
+  # one editable build of the checkout at a time (.ci/run runs tools/env.sh's install beside this one)
+  if command -v flock >/dev/null; then
+    exec 9> "$root/.xhc-install.lock"; flock 9; pip_q "$mcore" -e "$root[test,hf]"; flock -u 9
+  else
+    pip_q "$mcore" -e "$root[test,hf]"
+  fi
   echo "$want" > "$stamp"
 fi
 t1=$(date +%s)

@@ -35,7 +35,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "${XHC_TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v "is ignored" >&2 || true
   fi
-  python -m pip install -q -e "$root[${XHC_EXTRAS:-test}]" 2>&1 | grep -v "is ignored" >&2 || true
+  # one editable build of the checkout at a time (.ci/run installs the Python 3.12 venv beside this one)
+  lock=(); command -v flock >/dev/null && lock=(flock "$root/.xhc-install.lock")
+  "${lock[@]}" python -m pip install -q -e "$root[${XHC_EXTRAS:-test}]" 2>&1 | grep -v "is ignored" >&2 || true
   python -c "import torch, megatron.core, xhc" || { echo "[xhc] installation failed" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi
