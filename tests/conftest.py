@@ -106,6 +106,9 @@ def pytest_addoption(parser):
                 help="run the fast tier (not slow) first and stop before the slow tests if any fast test failed")
     g.addoption("--strict-skips", action="store_true",
                 help="fail the session when a test skips that tests/skip_allowlist.txt does not list")
+    g.addoption("--extended", action="store_true",
+                help="also run the extended tier (tests marked `extended`: left out of CI for its time budget; "
+                     "CONTRIBUTING.md, \"Test tiers\")")
 
 
 # The slow tier's longest files, longest first: the sum of each file's test durations (setup
@@ -137,6 +140,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if any(item.get_closest_marker(m) for m in _HEAVY) and not item.get_closest_marker("slow"):
             item.add_marker("slow")
+    if not config.getoption("--extended"):  # the extended tier runs only when asked for
+        left = [i for i in items if i.get_closest_marker("extended")]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [i for i in items if not i.get_closest_marker("extended")]
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # pytest-xdist (--dist loadfile) hands out files in collection order: the longest first, so
         # the two workers finish together instead of one running a 4-minute file alone at the end

@@ -153,6 +153,7 @@ def _wait_for(path: Path, pred, timeout: float, proc) -> dict:
 
 @needs_bash
 @pytest.mark.slow
+@pytest.mark.extended  # a whole CPU smoke run of the script (CONTRIBUTING.md, "Test tiers": the extended tier)
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run is refused where CUDA exists")
 def test_cpu_smoke_run_keeps_every_step_json_and_the_summary_through_a_kill(tmp_path):
     """Kill -9 the whole run in the middle of step train, after its first check printed its line."""
@@ -185,6 +186,7 @@ def test_cpu_smoke_run_keeps_every_step_json_and_the_summary_through_a_kill(tmp_
 
 @needs_bash
 @pytest.mark.slow
+@pytest.mark.extended  # a whole CPU smoke run of the script (CONTRIBUTING.md, "Test tiers": the extended tier)
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run is refused where CUDA exists")
 def test_cpu_smoke_run_of_the_benchmark_step_completes(tmp_path):
     out = tmp_path / "out"
@@ -324,6 +326,7 @@ def test_throughput_profile_summary_counts_kernels_absent_from_vanilla():
 
 @needs_bash
 @pytest.mark.slow
+@pytest.mark.extended  # a whole CPU smoke run of the script (CONTRIBUTING.md, "Test tiers": the extended tier)
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run is refused where CUDA exists")
 def test_perf_cpu_smoke_run_writes_its_files_and_prints_the_table_last(tmp_path):
     out = tmp_path / "out"

@@ -112,6 +112,7 @@ def _check(proc, out: Path, version: str, archs=ARCHS):
 
 
 @pytest.mark.install
+@pytest.mark.extended  # CONTRIBUTING.md, "Test tiers": the extended tier (run it when a kernel changes)
 def test_every_kernel_compiles_for_sm80_with_the_newest_triton_and_sm90_with_3_6(specs, triton36, tmp_path):
     """Two compiles at once, one architecture each (the compiles are single-threaded): the bf16-state
     launches (the training path; every kernel has some) for sm_90 with Triton 3.6, the GPU check image's (a
@@ -179,6 +180,7 @@ RESOURCE_PRESETS = "tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,moe-2p5b:xhc-fl
 RESOURCE_OPS = "16:1024:bfloat16"
 
 
+@pytest.mark.extended  # CONTRIBUTING.md, "Test tiers": the extended tier (run it when a kernel changes)
 def test_resources_lines_for_every_hc_kernel_without_spills():
     """``python -m tools.triton_aot resources --arch 90 --presets tiny-moe:mhc,tiny-moe:xhc,tiny-moe:xhc-flash,moe-2p5b:xhc-flash4
     --extra 16:1024:bfloat16``: one line per compiled
