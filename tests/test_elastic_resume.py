@@ -1,11 +1,11 @@
 """Elastic resume: a checkpoint saved on one parallel layout continues on another, optimizer state
 included (``checkpoint.reshard=auto``, docs/parallelism-and-checkpoints.md).
 
-Each transition trains 8 steps at layout A (the uninterrupted run A goes on to 12 and saves at 8),
+Each transition trains 4 steps at layout A (the uninterrupted run A goes on to 8 and saves at 4),
 resumes at layout B for 4 more steps, and is compared with run A.  The tolerance is measured, not
 guessed: a second uninterrupted run, at layout B from run A's initial weights (layouts initialise
 expert and pipeline-stage weights from different RNG streams), gives the largest loss difference
-the two layouts' arithmetic makes over 12 steps; the resumed run may differ from A by twice that,
+the two layouts' arithmetic makes over 8 steps; the resumed run may differ from A by twice that,
 and by at least 1e-5 (about 20 float32 roundings of these losses) where the two runs agree to the bit.  Right after the
 load, the resumed run saves a checkpoint before its first step; every tensor of it (weights,
 AdamW moments, Muon momentum), read back whole by torch's own checkpoint reader, equals the one
