@@ -33,6 +33,32 @@ import torch.distributed as dist
 from models.zoo import load_preset
 
 
+def _backbone(preset="moe-18b:xhc-muon"):
+    return load_preset(preset)
+
+
+def _layer_params(bb, shrink=1, tp=1, ep=1, etp=1, dense=False):
+    """``(name, shape, kind, expert)`` of one MoE (or ``dense``) layer's parameters on one rank (kind: muon | adamw)."""
+    C = bb["hidden_size"] // shrink
+    heads, groups, d = bb["num_attention_heads"], bb["num_query_groups"], bb["kv_channels"] // shrink
+    F, E = bb["moe_ffn_hidden_size"] // shrink, bb["num_moe_experts"] // shrink
+    Fs = bb["moe_shared_expert_intermediate_size"] // shrink
+    out = [("self_attention.linear_qkv.weight", ((heads + 2 * groups) * d // tp, C), "muon", False),
+           ("self_attention.linear_proj.weight", (C, heads * d // tp), "muon", False),
+           ("mlp.router.weight", (bb["num_moe_experts"] // shrink, C), "muon", False),
+           ("mlp.shared_experts.linear_fc1.weight", (2 * Fs // tp, C), "muon", False),
+           ("mlp.shared_experts.linear_fc2.weight", (C, Fs // tp), "muon", False),
+           ("input_layernorm.weight", (C,), "adamw", False), ("pre_mlp_layernorm.weight", (C,), "adamw", False)]
+    if dense:
+        Fd = bb["ffn_hidden_size"] // shrink
+        return out[:2] + [("mlp.linear_fc1.weight", (2 * Fd // tp, C), "muon", False),
+                          ("mlp.linear_fc2.weight", (C, Fd // tp), "muon", False)] + out[5:]
+    for e in range(E // ep):
+        out += [(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * F // etp, C), "muon", True),
+                (f"mlp.experts.local_experts.{e}.linear_fc2.weight", (C, F // etp), "muon", True)]
+    return out
+
+
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "pretrain",
                       "moe-18b-xhc-muon.yaml")
 

@@ -289,3 +289,32 @@ def test_hbm_default_is_the_geometric_mean_of_the_measured_hc_units():
     assert rows["plain residual add (3C)"][2] == 3 * 2048 * 8192 * 2 * 3
     hc = [rows[k][4] for k in ("mHC N=4 sublayer", "xHC MLP sublayer", "Flash-4sub window")]
     assert Efficiencies().hbm == pytest.approx(math.prod(hc) ** (1 / 3), abs=0.005)
+
+
+@pytest.mark.slow
+def test_sharded_muon_bench_prints_the_planners_bytes(capsys):
+    """``python -m bench.sharded_muon bytes`` (moe-18b:xhc-muon on its 64 GPUs) prints, per stage, the
+    planner's replicated and fullest-rank sharded optimizer bytes (one source of the figures)."""
+    import dataclasses
+    import re
+
+    from bench.sharded_muon import CONFIG, state_bytes as bench_bytes
+    from training.config import load_config
+    from training.plan import layout_from_config, load_run_preset, param_specs, planned_vocab, rank_tensors, state_bytes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bench_bytes([], 64)
+        cfg = load_config(CONFIG, [])
+        preset = load_run_preset(cfg)
+        sh = layout_from_config(cfg, preset, 64, gpu=True, sharded_muon=True)
+        rep = dataclasses.replace(sh, sharded_muon=False, distributed_optimizer=False)
+        specs = param_specs(preset, planned_vocab(cfg, preset, sh.tp))
+        out = capsys.readouterr().out
+        rows = re.findall(r"stage (\d) .*?replicated +([\d.]+) GB; sharded +([\d.]+) GB on the fullest", out)
+        assert len(rows) == sh.pp == 2, out
+        for stage, replicated, fullest in rows:
+            tensors = rank_tensors(specs, sh, int(stage))
+            assert float(replicated) == round(state_bytes(tensors, rep).optimizer / 1e9, 2)
+            assert float(fullest) == round(state_bytes(tensors, sh).optimizer / 1e9, 2)
+            assert float(fullest) < 0.6 * float(replicated)  # sharded over DP = 16 (experts 2): well under half
