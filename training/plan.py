@@ -492,6 +492,7 @@ class SavedTensorMeter:
     def __init__(self, exclude=()):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self.seen: Dict[int, int] = {}
+        self._alive: List = []  # the counted storages, held so that no later tensor reuses an address
         self._ctx = None
 
     @property
@@ -503,6 +504,7 @@ class SavedTensorMeter:
         key = st.data_ptr()
         if key not in self.exclude and key not in self.seen:
             self.seen[key] = st.nbytes()
+            self._alive.append(t)
         return t
 
     def __enter__(self):
@@ -514,6 +516,7 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+        getattr(self, "_alive", []).clear()  # (LiveSavedMeter shares this exit and holds nothing)
         return False
 
 
@@ -1029,6 +1032,7 @@ class LiveSavedMeter:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+        getattr(self, "_alive", []).clear()  # (LiveSavedMeter shares this exit and holds nothing)
         return False
 
 
