@@ -1023,17 +1023,8 @@ class LiveSavedMeter:
         weakref.finalize(t, self._release, key)
         return t
 
-    def __enter__(self):
-        import torch
-
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-        getattr(self, "_alive", []).clear()  # (LiveSavedMeter shares this exit and holds nothing)
-        return False
+    __enter__ = SavedTensorMeter.__enter__  # the same hooks around the block, with this class's _pack
+    __exit__ = SavedTensorMeter.__exit__
 
 
 def _tensor_bytes(tensors) -> int:
