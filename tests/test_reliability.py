@@ -62,7 +62,7 @@ def _output(proc) -> str:
         return f.read()
 
 
-def _wait_until(predicate, proc, timeout=120.0, poll=0.002):
+def _wait_until(predicate, proc, timeout=600.0, poll=0.002):  # ends as soon as it holds: room for a loaded machine
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
@@ -74,7 +74,7 @@ def _wait_until(predicate, proc, timeout=120.0, poll=0.002):
     raise AssertionError(f"timed out waiting:\n{_output(proc)[-3000:]}")
 
 
-def _finish(proc, timeout=120.0) -> int:
+def _finish(proc, timeout=600.0) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
