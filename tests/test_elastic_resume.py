@@ -198,6 +198,41 @@ def test_distributed_optimizer_dp2_to_1(tmp_path, run_torchrun):
     assert not [k for k in saved if not torch.equal(saved[k], again[k])]
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.cpu_gloo  # CPU stand-ins for Megatron's CUDA-only corners
+def test_gpu_muon_state_reshards_and_converts(tmp_path, run_torchrun):
+    """Muon on the GPU path (training.optim.ShardedLayerWiseOptimizer, bf16 weights with fp32 main
+    copies), on CPU (tests/dist/muon_reshard_worker.py): sharded and replicated states train bit for
+    bit alike and resume each other's checkpoints bit for bit at DP = 2; a DP = 2 checkpoint loaded at
+    DP = 1 (from either state), at TP = 2 + SP, and a DP = 1 checkpoint loaded at DP = 2 each save
+    again, at once, a checkpoint whose every tensor (weights, fp32 main copies, momentum, moments),
+    read back whole, equals the one loaded; one step after a change of DP stays within one bf16
+    rounding of the run that did not change."""
+    from tests.dist.muon_reshard_worker import close_to
+
+    root = str(tmp_path)
+    worker = os.path.join("tests", "dist", "muon_reshard_worker.py")
+    run_torchrun(worker, nproc=2, args=["save", root], timeout=600)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, worker, "shrink", root], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_torchrun(worker, nproc=2, args=["grow", root], timeout=600)
+    saved = _whole(os.path.join(root, "dp2-sharded"))
+    kinds = {".".join(k.split(".")[1:3]) for k in saved if k.startswith("optimizer.")}
+    assert kinds == {"muon.momentum_buffer", "muon.fp32_param", "adamw.exp_avg", "adamw.exp_avg_sq",
+                     "adamw.fp32_param"}
+    for again in ("dp2-replicated", "dp1-sharded", "dp1-replicated", "tp2", "dp2-again"):
+        other = _whole(os.path.join(root, again))
+        assert set(other) == set(saved), again
+        assert not [k for k in saved if not torch.equal(saved[k], other[k])], again
+    want = torch.load(os.path.join(root, "dp2.pt"))
+    for state in ("sharded", "replicated"):
+        close_to(torch.load(os.path.join(root, f"dp1-{state}.pt")), want, f"{state} at DP = 1 after the resume")
+
+
 # ------------------------------------------------------------------------------------------------
 # The rules, on manifests alone (fast)
 # ------------------------------------------------------------------------------------------------
@@ -256,8 +291,20 @@ def test_what_makes_another_run_is_refused_whatever_the_layout():
 
 
 def test_layer_wise_sharded_muon_state_resumes_on_its_own_layout_only():
+    """Megatron's own layer-wise format (written by one earlier version): same DP layout only."""
     body = {**TWO_DP, "optimizer_format": "megatron", "optimizer_sharding": "layer_wise"}
     assert check_compatible("ck", body, TWO_DP, sharded_optimizer=True) is None
     msg = _refused(body, ONE, sharded_optimizer=True)
     assert "layer-wise" in msg and "checkpoint.load_optimizer=false" in msg
     assert check_compatible("ck", body, ONE, load_optimizer=False, sharded_optimizer=True).startswith("resharding")
+
+
+def test_an_optimizer_state_of_the_other_format_is_refused():
+    """GPU Muon (and the CPU backend) keep one entry per parameter; GPU AdamW keeps Megatron's format."""
+    muon_gpu = {**TWO_DP, "optimizer_format": "torch-sharded", "optimizer_main_params": True}
+    assert check_compatible("ck", muon_gpu, ONE, optimizer_format="torch-sharded").startswith("resharding")
+    msg = _refused(muon_gpu, TWO_DP, optimizer_format="megatron")
+    assert "torch-sharded format" in msg and "checkpoint.load_optimizer=false" in msg
+    msg = _refused({**TWO_DP, "optimizer_format": "megatron"}, TWO_DP, optimizer_format="torch-sharded")
+    assert "megatron format" in msg and "AdamW on GPU" in msg
+    assert check_compatible("ck", muon_gpu, TWO_DP, load_optimizer=False, optimizer_format="megatron") is None

@@ -65,13 +65,14 @@ def fp32_model(name: str = "tiny-moe:xhc"):
     return build_model(preset, build_transformer_config(preset, cpu=True), vocab_size=VOCAB, seq_length=SEQ)
 
 
-def bf16_ddp_model(name: str = "tiny-moe:xhc", distributed_optimizer: bool = False):
-    """What MegatronStepRunner.wrap builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads)."""
+def bf16_ddp_model(name: str = "tiny-moe:xhc", distributed_optimizer: bool = False, parallel=None):
+    """What MegatronStepRunner.wrap builds: bf16 backbone, fp32 HC parameters, Megatron DDP (fp32 grads).
+    ``parallel``: TransformerConfig parallel sizes (as the initialised parallel state has them)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     _seed()
     preset = load_preset(name, backbone_overrides=TINY)
-    config = build_transformer_config(preset, cpu=True, bf16=True, params_dtype=torch.bfloat16,
+    config = build_transformer_config(preset, parallel, cpu=True, bf16=True, params_dtype=torch.bfloat16,
                                       pipeline_dtype=torch.bfloat16)
     model = float16_module_keep_hc_fp32(config, build_model(preset, config, vocab_size=VOCAB, seq_length=SEQ))
     return DistributedDataParallel(config, DistributedDataParallelConfig(
@@ -170,7 +171,11 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
                                      str(tmp_path))
     missing, unexpected = gpt(second).load_state_dict(loaded["model"], strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-    opt2.load_state_dict(loaded["optimizer"])
+    if opt_name == "muon":  # one entry per parameter, with the fp32 main copies (training.optim)
+        assert opt2.checkpoint_format == "torch-sharded" and "optimizer" not in loaded
+        opt2.load_torch_sharded_state_dict(loaded["optimizer_torch"])
+    else:
+        opt2.load_state_dict(loaded["optimizer"])
     train_step(second, opt2, 2)
 
     want, got = params(straight), params(second)

@@ -292,9 +292,16 @@ def _preset_key(preset: str) -> str:
 OPTIMIZER_FORMATS = ("torch-sharded", "megatron", "rank")
 """How a checkpoint holds the optimizer state (manifest ``optimizer_format``): ``torch-sharded``, the
 torch backend's state as sharded tensors that follow their parameters (reshards like the weights);
-``megatron``, Megatron's (distributed) optimizer with the manifest's ``optimizer_sharding``;
+Muon on GPU (sharded over data parallelism or not) writes it too, with the fp32 main copies when the
+manifest says ``optimizer_main_params``; ``megatron``, Megatron's (distributed) optimizer (AdamW on GPU)
+with the manifest's ``optimizer_sharding`` (``layer_wise``: Megatron's layer-wise Muon format of one
+earlier version, same DP layout only);
 ``rank``, one torch ``state_dict`` per rank (checkpoints written before resharding existed: they
 resume on their own layout only)."""
+
+
+_FORMAT_USERS = {"megatron": "Megatron's optimizer: AdamW on GPU",
+                 "torch-sharded": "AdamW or Muon on the CPU backend, Muon on GPU"}
 
 
 def _optimizer_reshard_problem(body: dict, fmt: str, sp: dict, np_: dict) -> Optional[str]:
@@ -315,12 +322,15 @@ def _optimizer_reshard_problem(body: dict, fmt: str, sp: dict, np_: dict) -> Opt
 
 
 def check_compatible(directory: str, body: dict, expected: dict, load_optimizer: bool = True,
-                     sharded_optimizer: bool = False, reshard: str = "auto") -> Optional[str]:
+                     sharded_optimizer: bool = False, reshard: str = "auto",
+                     optimizer_format: Optional[str] = None) -> Optional[str]:
     """Raise a one-line :class:`CheckpointError` when ``directory`` (manifest ``body``) cannot resume this run.
 
     ``expected``: this run's ``preset``, ``hc`` (dict), ``vocab_size``, ``world_size``, ``parallel`` (dict),
     ``global_batch_size``; keys the manifest lacks (older checkpoints) are not compared.
     ``sharded_optimizer``: this run uses Megatron's optimizer (tells an older manifest's format).
+    ``optimizer_format``: the format this run's optimizer loads (:func:`optimizer_checkpoint_format`);
+    a saved state of the other format is refused unless ``load_optimizer`` is false.
 
     What makes a run different (preset, HC config, vocabulary, global batch) is refused.  A different
     parallel layout (world size, tp, pp, ep, cp, etp, vpp) is resharded when ``reshard`` is ``auto``:
@@ -351,6 +361,12 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
         raise CheckpointError(f"{where} was trained with batch.global_batch_size={sg}, this run has {ng}: resume with "
                               f"batch.global_batch_size={sg} (the data position and the schedule count samples in "
                               f"global batches), or {fresh}")
+    saved_fmt = body.get("optimizer_format")
+    if load_optimizer and optimizer_format and saved_fmt in ("megatron", "torch-sharded") and saved_fmt != optimizer_format:
+        raise CheckpointError(f"{where} holds its optimizer state in the {saved_fmt} format, this run's optimizer "
+                              f"loads the {optimizer_format} one ({_FORMAT_USERS[optimizer_format]}; saved by "
+                              f"{_FORMAT_USERS[saved_fmt]}): resume with the optimizer.name and device it was saved "
+                              "with, or load the weights only with checkpoint.load_optimizer=false")
     sw, nw = body.get("world_size"), expected.get("world_size")
     sp, np_ = body.get("parallel") or {}, expected.get("parallel") or {}
     same = (sw is None or nw is None or int(sw) == int(nw)) and all(
@@ -590,9 +606,17 @@ def is_megatron_optimizer(optimizer) -> bool:
     return hasattr(optimizer, "sharded_state_dict") and hasattr(optimizer, "get_parameters")
 
 
+def optimizer_checkpoint_format(optimizer) -> str:
+    """How :func:`build_state` saves ``optimizer``: ``megatron`` (Megatron's own sharded state: AdamW on
+    the GPU path) or ``torch-sharded`` (one entry per parameter: the torch backend, Muon on GPU)."""
+    fmt = getattr(optimizer, "checkpoint_format", None)
+    return fmt or ("megatron" if is_megatron_optimizer(optimizer) else "torch-sharded")
+
+
 def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=None, trainer: Optional[dict] = None,
                 rng: bool = True, is_loading: bool = False, extra: Optional[dict] = None,
-                optimizer_sharding: str = "dp_reshardable", optimizer_format: str = "torch-sharded") -> dict:
+                optimizer_sharding: str = "dp_reshardable", optimizer_format: str = "torch-sharded",
+                optimizer_main_params: Optional[bool] = None) -> dict:
     """The sharded state dict of a training run (for :meth:`Checkpointer.save` and ``.load``).
 
     ``trainer``: plain counters, identical on every rank (saved once, as common state).
@@ -600,13 +624,14 @@ def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=Non
     ``optimizer_sharding``: the layout of Megatron's distributed optimizer state
     (``checkpoint.optimizer_sharding``; loading must use the layout of the save).  It is always
     named: megatron-core's own default (``fully_sharded_model_space``) cannot be saved on 0.16 or 0.19.
-    ``optimizer_format``: the torch backend's (CPU) optimizer state as ``torch-sharded`` tensors that
-    follow their parameters (what every save writes) or, to load an older checkpoint, ``rank``
-    (one ``state_dict`` object per rank).
+    ``optimizer_format``: an optimizer of the ``torch-sharded`` format (:func:`optimizer_checkpoint_format`)
+    saves that (tensors that follow their parameters) and, to load an older checkpoint, reads ``rank``
+    (one ``state_dict`` object per rank).  ``optimizer_main_params``: whether the ``torch-sharded``
+    state holds fp32 main copies (None: when the optimizer keeps any; loading: what the manifest says).
     """
     state = _model_sharded_state(chunks)
     if optimizer is not None:
-        if is_megatron_optimizer(optimizer):
+        if optimizer_checkpoint_format(optimizer) == "megatron":
             model_sd = state["model"] if len(chunks) == 1 else {k: v for k, v in state.items()}
             metadata = {"distrib_optim_sharding_type": optimizer_sharding}
             if optimizer_sharding == "fully_reshardable" and not torch.cuda.is_available():
@@ -616,7 +641,10 @@ def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=Non
             state["optimizer_rank"] = _rank_object("optimizer_rank_state", optimizer.state_dict())
         else:
             model_sd = state["model"] if len(chunks) == 1 else {k: v for k, v in state.items()}
-            state["optimizer_torch"] = optimizer.torch_sharded_state_dict(model_sd, is_loading=is_loading)
+            if optimizer_main_params is None:
+                optimizer_main_params = bool(getattr(optimizer, "has_main_params", False))
+            state["optimizer_torch"] = optimizer.torch_sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                          main_params=optimizer_main_params)
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if trainer is not None:

@@ -865,7 +865,7 @@ class TrainOptimizer:
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """The optimiser's ``dist_checkpointing`` state dict: Megatron's (distributed) optimizer's own,
         or on the torch backend :meth:`torch_sharded_state_dict` (reshardable across layouts)."""
-        if self.megatron_optimizer is None:
+        if self.checkpoint_format == "torch-sharded":
             return self.torch_sharded_state_dict(model_sharded_state_dict, is_loading)
         if is_loading:
             for part in self._megatron_parts():
@@ -878,37 +878,74 @@ class TrainOptimizer:
         return self.megatron_optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
 
 
-    # -- torch backend: optimizer state that follows its parameters' sharding ------------------
-    def torch_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> Dict[str, Any]:
-        """Torch backend: every state tensor of a parameter's shape (AdamW's ``exp_avg`` and
-        ``exp_avg_sq``, Muon's ``momentum_buffer``) as a ``ShardedTensor`` with the parameter's own
-        sharding (key ``optimizer.<optimizer>.<state>.<parameter key>``, the parameter's global shape,
-        offsets and replica id), so the state loads on any TP/SP/EP/PP/DP layout that the model
-        weights load on; the step counts go into the common state, one per parameter key
-        (gathered from every rank).  A parameter that never got a gradient has no torch state: it
-        is saved as zeros with step 0, which is how torch initialises it at its first update.
+    # -- optimizer state that follows its parameters' sharding (torch backend, GPU Muon) ---------
+    @property
+    def checkpoint_format(self) -> str:
+        """How :func:`training.checkpoint.build_state` saves this optimizer: ``torch-sharded``
+        (:meth:`torch_sharded_state_dict`: the torch backend, and Muon on the GPU path, sharded or
+        not) or ``megatron`` (Megatron's own format: AdamW on the GPU path)."""
+        if self.megatron_optimizer is None or getattr(self.megatron_optimizer, "per_param_checkpoint", False):
+            return "torch-sharded"
+        return "megatron"
+
+    def _state_entries(self) -> Dict[str, List[Tuple[torch.Tensor, torch.Tensor, Any, Optional[str]]]]:
+        """Per optimizer kind (adamw, muon): ``(model parameter, main parameter, torch optimizer, name)``
+        of every parameter this rank updates, in a fixed order.  The main parameter is the one the
+        torch optimizer updates: the model parameter itself, or its fp32 main copy (bf16 weights on
+        the GPU path's Muon, :func:`_main_params`)."""
+        entries: Dict[str, list] = {}
+        if self.megatron_optimizer is None:
+            for name, opt in self.optimizers.items():
+                for g in opt.param_groups:
+                    for p, n in zip(g["params"], g.get("param_names", [None] * len(g["params"]))):
+                        entries.setdefault(name, []).append((p, p, opt, n))
+            return entries
+        for wrapper, kind in zip(self._megatron_parts(), self.megatron_optimizer.kinds):
+            for model, main in _main_params(wrapper):
+                entries.setdefault(kind, []).append((model, main, wrapper.optimizer, None))
+        return entries
+
+    @property
+    def has_main_params(self) -> bool:
+        """Whether :meth:`torch_sharded_state_dict` saves fp32 main copies (bf16 weights, GPU Muon)."""
+        return any(m is not p for es in self._state_entries().values() for p, m, _, _ in es)
+
+    def torch_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                                 main_params: bool = True) -> Dict[str, Any]:
+        """Every state tensor of a parameter's shape (AdamW's ``exp_avg`` and ``exp_avg_sq``, Muon's
+        ``momentum_buffer``, and on the GPU path the fp32 main copy of a bf16 weight, ``fp32_param``)
+        as a ``ShardedTensor`` with the parameter's own sharding (key
+        ``optimizer.<optimizer>.<state>.<parameter key>``, the parameter's global shape, offsets and
+        replica id), so the state loads on any TP/SP/EP/PP/DP layout that the model weights load on,
+        sharded over data parallelism or not; the step counts go into the common state, one per
+        parameter key (gathered from every rank).  A parameter that never got a gradient has no
+        torch state: it is saved as zeros with step 0, which is how torch initialises it at its
+        first update.  The torch backend and the GPU path's Muon write the same keys.
 
         ``is_loading``: the template for ``dist_checkpointing.load`` (same structure); pass what the
-        load returned to :meth:`load_torch_sharded_state_dict`.
+        load returned to :meth:`load_torch_sharded_state_dict`.  ``main_params``: whether the
+        checkpoint holds the fp32 main copies (loading one that does not: the copies are taken
+        from the loaded weights).
         """
         from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                                 make_sharded_optimizer_tensor)
 
         state: Dict[str, Any] = {}
         steps: Dict[str, float] = {}
-        for name, opt in self.optimizers.items():
-            params = [p for g in opt.param_groups for p in g["params"]]
-            id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
-            names = [n for g in opt.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        for name, entries in self._state_entries().items():
+            id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [p for p, _, _, _ in entries])
             per_param = {}
-            for i, p in enumerate(params):
+            for i, (p, main, opt, pname) in enumerate(entries):
                 sh = id_map.get(i)
                 if sh is None:
-                    raise ValueError(f"optimizer {name}: parameter {names[i] or i} {tuple(p.shape)} is not in the "
+                    raise ValueError(f"optimizer {name}: parameter {pname or i} {tuple(p.shape)} is not in the "
                                      "model's sharded state dict, so its state cannot be checkpointed")
-                st = opt.state.get(p) or {}
+                st = opt.state.get(main) or {}
                 if is_loading or not st:
-                    st = _zero_state(name, p)
+                    st = _zero_state(name, main)
+                st = {k: v for k, v in st.items()}
+                if main is not p and main_params:
+                    st["fp32_param"] = torch.zeros_like(main) if is_loading else main.detach()
                 per_param[i] = {k: make_sharded_optimizer_tensor(sh, v, prefix=f"optimizer.{name}.{k}")
                                 for k, v in st.items() if k != "step"}
                 if self.shards is not None:  # the owner writes it: its replica along data parallelism is the main one
@@ -917,7 +954,7 @@ class TrainOptimizer:
                 steps[f"{name}.{sh.key}"] = float(st["step"]) if "step" in st else 0.0
             state[name] = per_param
             if is_loading:
-                self._loading_keys[name] = [f"{name}.{id_map[i].key}" for i in range(len(params))]
+                self._loading_keys[name] = [f"{name}.{id_map[i].key}" for i in range(len(entries))]
         if not is_loading and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             parts: List[Optional[Dict[str, float]]] = [None] * dist.get_world_size()
             dist.all_gather_object(parts, steps)
@@ -934,19 +971,23 @@ class TrainOptimizer:
         :meth:`torch_sharded_state_dict` (``is_loading=True``) into the torch optimisers (their param
         groups stay this run's: the scheduler sets lr and weight decay)."""
         tensors, steps = loaded["tensors"], loaded["steps"]
-        if set(tensors) != set(self.optimizers) or set(self._loading_keys) != set(self.optimizers):
-            raise ValueError(f"optimizer state holds {sorted(tensors)}, this optimizer has {sorted(self.optimizers)}: "
+        entries = self._state_entries()
+        if set(tensors) != set(entries) or set(self._loading_keys) != set(entries):
+            raise ValueError(f"optimizer state holds {sorted(tensors)}, this optimizer has {sorted(entries)}: "
                              "was it saved with a different optimizer.name?")
-        for name, opt in self.optimizers.items():
-            params = [p for g in opt.param_groups for p in g["params"]]
-            for i, p in enumerate(params):
+        for name, items in entries.items():
+            for i, (p, main, opt, _) in enumerate(items):
                 key = self._loading_keys[name][i]
                 if key not in steps:
                     raise ValueError(f"optimizer state has no step count for {key}: saved by another model?")
-                st = {k: v.to(device=p.device) for k, v in tensors[name][i].items()}
+                st = {k: v.to(device=main.device) for k, v in tensors[name][i].items()}
+                fp32 = st.pop("fp32_param", None)
+                if main is not p:  # fp32 main copy: saved, else the loaded weight
+                    with torch.no_grad():
+                        main.copy_(fp32 if fp32 is not None else p.detach())
                 if name != "muon":
                     st["step"] = torch.tensor(steps[key], dtype=_scalar_dtype())
-                opt.state[p] = st
+                opt.state[main] = st
 
 
 def _dp_main_replica(replica_id):
@@ -1163,26 +1204,50 @@ def _layer_wise_optimizer_class():
         ``shard_params`` and gathers in ``step_with_ready_grads``; this class uses neither layout).
         """
 
-        def __init__(self, optimizers, config, kinds, shard_args, wrap, order):
-            self._kinds, self._shard_args, self._wrap, self._order = list(kinds), shard_args, wrap, order
+        per_param_checkpoint = True
+        """Checkpointed by :meth:`TrainOptimizer.torch_sharded_state_dict` (one entry per parameter, reshardable),
+        not by Megatron's layer-wise format, which resumes at the same DP size only."""
+
+        def __init__(self, optimizers, config, kinds, shard_args, wrap, order, replicated=False):
+            self.kinds, self._shard_args, self._wrap, self._order = list(kinds), shard_args, wrap, order
+            self.replicated = replicated
+            """Every rank updates every parameter (``optimizer.use_distributed_optimizer=false``): the
+            same optimizers and checkpoint entries, no exchange; the grad norm still sums each
+            parameter's square on its would-be owner, so both modes clip by the same bits."""
             super().__init__(optimizers, dataclasses.replace(config, bf16=False), pg_collection=None)
 
         def shard_params(self, optimizers, full_param_layouts=None):  # (0.19: DDP buffer layouts, unused here)
-            items = [(p, kind) for opt, kind in zip(optimizers, self._kinds) for g in opt.param_groups
+            items = [(p, kind) for opt, kind in zip(optimizers, self.kinds) for g in opt.param_groups
                      for p in g["params"]]
             items.sort(key=lambda item: self._order[id(item[0])])  # the model's order, as the torch backend
             named = [(str(i), p) for i, (p, _) in enumerate(items)]
-            self.param_shards = build_param_shards(named, **self._shard_args, kinds=[k for _, k in items])
-            for opt in optimizers:
+            shards = build_param_shards(named, **self._shard_args, kinds=[k for _, k in items])
+            self.param_shards = None if self.replicated else shards
+            self.norm_owned = shards.owned if self.replicated else None
+            for opt in optimizers if not self.replicated else ():
                 for g in opt.param_groups:
-                    g["params"] = [p for p in g["params"] if self.param_shards.owns(p)]
+                    g["params"] = [p for p in g["params"] if shards.owns(p)]
             for i, opt in enumerate(optimizers):  # LayerWiseDistributedOptimizer chains this list after
                 optimizers[i] = self._wrap(i, opt)
             self.dp_cp_params_list = self.expt_dp_params_list = None
 
         @torch.no_grad()
         def allgather_params(self) -> None:
-            self.param_shards.sync()
+            if self.param_shards is not None:
+                self.param_shards.sync()
+
+        @torch.no_grad()
+        def get_grad_norm(self):
+            if self.norm_owned is None:  # sharded: the base class's global norm over the owned parameters
+                return super().get_grad_norm()
+            from megatron.core import tensor_parallel
+            from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+            from megatron.core.transformer.module import param_is_not_shared
+
+            grads = [main.grad for opt in self.chained_optimizers for model, main in _main_params(opt)
+                     if id(model) in self.norm_owned and main.grad is not None and param_is_not_shared(main)
+                     and tensor_parallel.param_is_not_tensor_parallel_duplicate(main)]
+            return get_grad_norm_fp32(grads, grad_stats_parallel_group=None)
 
         @torch.no_grad()
         def step_with_ready_grads(self) -> bool:
@@ -1198,6 +1263,15 @@ def _layer_wise_optimizer_class():
     return ShardedLayerWiseOptimizer
 
 
+def _main_params(wrapper) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(model parameter, main parameter)`` of a Megatron optimizer wrapper, in its torch optimizer's
+    order: a bf16 parameter's fp32 main copy (``Float16OptimizerWithFloat16Params``), else itself."""
+    model_of = {}
+    for models, mains in zip(getattr(wrapper, "float16_groups", []), getattr(wrapper, "fp32_from_float16_groups", [])):
+        model_of.update({id(main): model for model, main in zip(models, mains)})
+    return [(model_of.get(id(p), p), p) for g in wrapper.optimizer.param_groups for p in g["params"]]
+
+
 def _adamw_init_state(opt, config=None) -> None:
     """Megatron ``init_state_fn`` of a torch AdamW (zeros, step 0: what its first update creates)."""
     for group in opt.param_groups:
@@ -1206,10 +1280,11 @@ def _adamw_init_state(opt, config=None) -> None:
                 opt.state[p].update(_zero_state("adamw", p.detach()))
 
 
-def _build_megatron_sharded_muon(chunks, cfg: OptimizerConfig, mcfg, named) -> TrainOptimizer:
-    """Muon with its state sharded over data parallelism on the Megatron backend
-    (:class:`ShardedLayerWiseOptimizer`): sub-optimisers Muon (dense), Muon (routed experts), AdamW
-    on the bf16 rest and AdamW on the fp32 (HC) parameters, each over the parameters this rank owns."""
+def _build_megatron_muon(chunks, cfg: OptimizerConfig, mcfg, named, replicated: bool) -> TrainOptimizer:
+    """Muon on the Megatron backend (:class:`ShardedLayerWiseOptimizer`): sub-optimisers Muon (dense),
+    Muon (routed experts), AdamW on the bf16 rest and AdamW on the fp32 (HC) parameters, each over the
+    parameters this rank owns (its state sharded over data parallelism), or over all of them
+    (``replicated``: ``optimizer.use_distributed_optimizer=false``)."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
     def meta(g):  # the keys Megatron's wrappers read (as _build_megatron's Muon groups)
@@ -1258,16 +1333,14 @@ def _build_megatron_sharded_muon(chunks, cfg: OptimizerConfig, mcfg, named) -> T
         return NestedFP32Optimizer(opt, mcfg, inits[i])
 
     cls = _layer_wise_optimizer_class()
-    opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap, {id(p): i for i, (_, p) in enumerate(named)})
+    opt = cls(subs, mcfg, kinds, {"cfg": cfg}, wrap, {id(p): i for i, (_, p) in enumerate(named)}, replicated)
     params = [p for _, p in named]
     return TrainOptimizer(cfg, {}, params, backend="megatron", megatron_optimizer=opt, chunks=chunks,
                           shards=opt.param_shards)
 
 
 def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> TrainOptimizer:
-    from megatron.core import parallel_state as ps
-    from megatron.core.optimizer.optimizer import (ChainedOptimizer, Float16OptimizerWithFloat16Params,
-                                                   FP32Optimizer)
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
     from megatron.core.utils import get_model_config
 
     model_config = get_model_config(chunks[0])
@@ -1277,34 +1350,11 @@ def _build_megatron(chunks: List[torch.nn.Module], cfg: OptimizerConfig) -> Trai
     params = [p for _, p in named]
     if cfg.name == "muon" and getattr(model_config, "fp16", False):
         raise OptimizerConfigError("optimizer.name='muon' does not support fp16 (the model is fp16); use bf16")
-    if cfg.name == "muon" and shards_state(cfg, "megatron"):
-        return _build_megatron_sharded_muon(chunks, cfg, mcfg, named)
+    if cfg.name == "muon":  # sharded over data parallelism or not: one optimizer, one checkpoint format
+        return _build_megatron_muon(chunks, cfg, mcfg, named, replicated=not shards_state(cfg, "megatron"))
 
-    # Muon: our Muon on the 2-D backbone matrices (dense and routed experts separately, as their
-    # grad statistics reduce over different groups), Megatron's Adam on the rest.  Same structure
-    # as Megatron's get_megatron_muon_optimizer (0.16.1 optimizer/muon.py).
-    muon_named = [(n, p) for n, p in named if cfg.name == "muon" and classify_param(n, p, "muon").optimizer == "muon"]
-    muon_ids = {id(p) for _, p in muon_named}
-    dense = [p for n, p in muon_named if not is_routed_expert(n)]
-    expert = [p for n, p in muon_named if is_routed_expert(n)]
-    parts = []
-    for members, tp, stats_group in ((dense, "tp", ps.get_model_parallel_group()),
-                                     (expert, "expert_tp", ps.get_expert_tensor_model_pipeline_parallel_group())):
-        if not members:
-            continue
-        muon = Muon([{"params": members, "tp": tp, "wd_mult": 1.0, "lr_mult": 1.0, "max_lr": cfg.lr,
-                      "is_expert_parallel": tp == "expert_tp", "is_decoupled_lr": False}],
-                    **_muon_kwargs(cfg))
-        if any(p.dtype != torch.float32 for p in members):
-            wrapped = Float16OptimizerWithFloat16Params(muon, mcfg, None, _muon_init_state)
-        else:
-            wrapped = FP32Optimizer(muon, mcfg, _muon_init_state)
-        wrapped.grad_stats_parallel_group = stats_group
-        wrapped.tp_group = ps.get_tensor_model_parallel_group()
-        parts.append(wrapped)
-
-    fp32_ids = _fp32_params_beside_bf16(named, mcfg, muon_ids)
-    parts += _megatron_adam(chunks, mcfg, overrides, muon_ids | fp32_ids)
+    fp32_ids = _fp32_params_beside_bf16(named, mcfg, set())
+    parts = _megatron_adam(chunks, mcfg, overrides, fp32_ids)
     if fp32_ids:
         # Megatron builds an FP32Optimizer for a bf16=False config; ChainedOptimizer requires one
         # config for all its members, and FP32Optimizer reads none of the precision fields.

@@ -49,10 +49,9 @@ def save(run, reason: str) -> Optional[str]:
     sharding = run.cfg.checkpoint.optimizer_sharding
     info = {"world_size": run.world, "reason": reason, "consumed_samples": run.consumed_samples,
             "optimizer_sharding": sharding,
-            "optimizer_format": "megatron" if checkpoint.is_megatron_optimizer(run.optimizer) else "torch-sharded",
+            "optimizer_format": checkpoint.optimizer_checkpoint_format(run.optimizer),
+            "optimizer_main_params": bool(getattr(run.optimizer, "has_main_params", False)),
             **compat_info(run), "run_record": getattr(run, "run_record", None)}  # training.run_record
-    if getattr(getattr(run.optimizer, "megatron_optimizer", None), "param_shards", None) is not None:
-        info["optimizer_sharding"] = "layer_wise"  # sharded Muon on the GPU path (training.optim)
     asynchronous = run.async_save and reason == "interval"  # a stop or the end would wait for it at once
     with run.runner.params_synced():  # overlap_param_gather: every shard at this step's values
         run.check_parameters(f"checkpoint at step {run.step} not saved")  # all ranks agree (before a snapshot)
@@ -90,21 +89,24 @@ def poll(run, blocking: bool = False) -> None:
 
 def load(run, path: str, body: Optional[dict] = None) -> None:
     """Resume ``run`` from the checkpoint at ``path`` (``body``: its verified manifest, if read already)."""
-    from training.checkpoint import build_state, check_compatible, is_megatron_optimizer, restore_rng_state
+    from training.checkpoint import (build_state, check_compatible, is_megatron_optimizer, optimizer_checkpoint_format,
+                                     restore_rng_state)
 
     ck = run.cfg.checkpoint
     if body is None:
         body = run.ckpt.verify(path)
     megatron_opt = is_megatron_optimizer(run.optimizer)
     resharding = check_compatible(path, body, compat_info(run), load_optimizer=ck.load_optimizer,
-                                  sharded_optimizer=megatron_opt, reshard=ck.reshard)
+                                  sharded_optimizer=megatron_opt, reshard=ck.reshard,
+                                  optimizer_format=optimizer_checkpoint_format(run.optimizer))
     load_rng = ck.load_rng and not resharding  # per-rank states: reseeded on another layout (below)
     t0 = time.perf_counter()
     template = build_state(run.chunks, run.optimizer if ck.load_optimizer else None,
                            run.scheduler if ck.load_optimizer else None, trainer_state(run),
                            rng=load_rng, is_loading=True,
                            optimizer_sharding=body.get("optimizer_sharding", ck.optimizer_sharding),
-                           optimizer_format=body.get("optimizer_format", "megatron" if megatron_opt else "rank"))
+                           optimizer_format=body.get("optimizer_format", "megatron" if megatron_opt else "rank"),
+                           optimizer_main_params=bool(body.get("optimizer_main_params", False)))
     loaded = run.ckpt.load(path, template, body)
     keys = ["model"] if len(run.chunks) == 1 else [f"model{i}" for i in range(len(run.chunks))]
     for key, chunk in zip(keys, run.chunks):

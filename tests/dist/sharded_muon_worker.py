@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist/sharded_muon_worker.py dp ckpt megatron
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist/sharded_muon_worker.py dp ckpt
     python -m torch.distributed.run --nproc_per_node 4 tests/dist/sharded_muon_worker.py tp_dp ep_dp
 
 Every comparison trains the zoo's tiny-moe cut to 2 layers (a dense layer, then a MoE layer), HC
@@ -25,13 +25,12 @@ single-rank run there, so here they skip it.  Newton–Schulz
 runs summed over the data-parallel group equal the Muon matrices × steps; each rank's optimizer state
 bytes are at most an even split of the replicated state plus the largest parameter's state.
 
-Modes: ``dp`` (DP = 2; tiny-moe:mhc and tiny-moe:xhc), ``megatron`` (the GPU path's
-``ShardedLayerWiseOptimizer`` at DP = 2 on CPU stand-ins, see :func:`run_megatron`),
-``tp_dp`` (TP = 2 + SP × DP = 2, 4 ranks),
+Modes: ``dp`` (DP = 2; tiny-moe:mhc and tiny-moe:xhc), ``tp_dp`` (TP = 2 + SP × DP = 2, 4 ranks),
 ``ep_dp`` (EP = 2 × DP = 2 for the experts, DP = 4 for the dense parameters, 4 ranks), ``ckpt`` (DP = 2:
 a ``dist_checkpointing`` round trip of the sharded state continues bit for bit; a replicated optimizer
 loads it, saves it again, and a sharded one loads that, each continuing bit for bit).
-Prints ``OK <mode> (...)`` per passed mode; any failure exits non-zero.
+Prints ``OK <mode> (...)`` per passed mode; any failure exits non-zero.  The GPU path's optimizer
+(``ShardedLayerWiseOptimizer``) has its own worker, tests/dist/muon_reshard_worker.py.
 """
 
 from __future__ import annotations
@@ -299,74 +298,7 @@ def run_ckpt():
     return "bit-exact resume: " + ", ".join(checks)
 
 
-def run_megatron():
-    """The GPU path on CPU (Megatron DDP, bf16 weights with fp32 HC parameters, CUDA corners stood in):
-    ``ShardedLayerWiseOptimizer`` at DP = 2 against Megatron's replicated Muon chain, 3 steps (the same
-    batch on both ranks); then 2 sharded steps, a ``dist_checkpointing`` round trip and 1 step equal 3
-    sharded steps bit for bit."""
-    import pytest
-
-    from megatron.core import dist_checkpointing
-
-    from models.parallel import destroy_parallel
-    from tests.dist.distopt_reshard_worker import _cpu_stand_ins
-    from tests.test_gpu_path import bf16_ddp_model, gpt, params, train_step
-    from training.checkpoint import build_state
-    from training.optim import OptimizerConfig, build_optimizer
-
-    _init(tp=1, ep=1)
-    mp = pytest.MonkeyPatch()
-    _cpu_stand_ins(mp)
-    try:
-        def make(sharded):
-            model = bf16_ddp_model()
-            cfg = OptimizerConfig(name="muon", lr=LR, clip_grad=CLIP, use_distributed_optimizer=sharded)
-            opt = build_optimizer(model, cfg, use_megatron=True)
-            assert (opt.shards is not None) is sharded
-            for g in opt.param_groups:  # what the LR scheduler sets (Megatron's groups start at the config's decay)
-                g["weight_decay"] = cfg.weight_decay * g["wd_mult"]
-            return model, opt
-
-        runs = {}
-        for sharded in (False, True):
-            model, opt = make(sharded)
-            for step in range(3):
-                train_step(model, opt, step)
-            runs[sharded] = params(model)
-            mains = sum(p.numel() for o in opt.megatron_optimizer.chained_optimizers for p in o.get_parameters())
-            if sharded:
-                total = sum(p.numel() for p in model.parameters())
-                assert 0 < mains < total, (mains, total)  # fp32 main copies of the owned parameters only
-        # the grad norm is summed in another order (owned parameters, then over the ranks): the clip
-        # factor differs in its last bits, which may flip a bf16 rounding of a weight (one ulp ≤ 2^-8 of it)
-        worst = max(((runs[True][n].float() - runs[False][n].float()).abs()
-                     / (runs[False][n].float().abs() * 2.0 ** -7 + 1e-3 * LR)).max().item() for n in runs[False])
-        assert worst <= 1.0, f"sharded vs replicated Megatron Muon: {worst:.2f} of the bound"
-        for n, v in runs[True].items():  # every rank holds the same weights
-            w = v.clone()
-            dist.broadcast(w, src=0)
-            assert torch.equal(w, v), n
-        root = [tempfile.mkdtemp(prefix="sharded-muon-mg-") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(root, src=0)
-        model, opt = make(True)
-        for step in range(2):
-            train_step(model, opt, step)
-        dist_checkpointing.save(build_state([model], opt, None, None, rng=False), root[0])
-        model, opt = make(True)
-        loaded = dist_checkpointing.load(build_state([model], opt, None, None, rng=False, is_loading=True), root[0])
-        missing, unexpected = gpt(model).load_state_dict(loaded["model"], strict=False)
-        assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-        opt.load_state_dict(loaded["optimizer"])
-        train_step(model, opt, 2)
-        bad = [n for n, v in params(model).items() if not torch.equal(v, runs[True][n])]
-        assert not bad, f"resumed sharded Megatron Muon differs: {bad[:5]}"
-    finally:
-        mp.undo()
-    destroy_parallel()
-    return f"layer-wise vs replicated: {worst:.2g} of the bf16 bound; resume bit-exact"
-
-
-MODES = {"dp": run_dp, "tp_dp": run_tp_dp, "ep_dp": run_ep_dp, "ckpt": run_ckpt, "megatron": run_megatron}
+MODES = {"dp": run_dp, "tp_dp": run_tp_dp, "ep_dp": run_ep_dp, "ckpt": run_ckpt}
 
 
 if __name__ == "__main__":
