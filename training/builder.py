@@ -53,7 +53,7 @@ from training.reliability import check_free_space, exit_with_launcher, human_mb
 from training.run_record import write_run_record
 from training.schedule import build_scheduler
 from training.step_runner import make_step_runner, unwrap
-from xhc.kernels import backend_reason, liger
+from xhc.kernels import backend_reason, liger_note
 
 __all__ = ["Builder", "barrier", "from_rank0"]
 
@@ -117,10 +117,9 @@ class Builder:
                                       num_micro=run.num_micro)  # the engine, chosen once
         if run.preset.hc.enabled:
             run.log(f"[xhc] {backend_reason(run.preset.hc, run.device)}")
-        if run.preset.hc.enabled and run.preset.hc.kernels == "liger":
-            where = ("Liger-Kernel's fused op" if liger.runnable(run.device) else
-                     "the compiled ops (same maths; Liger's Triton kernels need CUDA or TRITON_INTERPRET=1)")
-            run.log(f"[xhc] model.hc_kernels: liger: mHC coefficients by {where}")
+        note = liger_note(run.preset.hc.kernels, run.device) if run.preset.hc.enabled else None
+        if note:
+            run.log(f"[xhc] {note}")
 
     def run_dir(self) -> None:
         """``run.dir`` (one timestamp for every rank), the lifecycle's pre-flight and lock."""

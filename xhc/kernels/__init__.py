@@ -571,6 +571,16 @@ def liger_runs(kernels: str, device) -> bool:
     return liger.runnable(torch.device(device) if not isinstance(device, torch.device) else device)
 
 
+def liger_note(kernels: str, device) -> Optional[str]:
+    """What ``kernels: liger`` computes the mHC coefficients with on ``device`` (a line for the run's
+    log), or None for the other backends."""
+    if kernels != "liger":
+        return None
+    where = ("Liger-Kernel's fused op" if liger_runs(kernels, device) else
+             "the compiled ops (same maths; Liger's Triton kernels need CUDA or TRITON_INTERPRET=1)")
+    return f"model.hc_kernels: liger: mHC coefficients by {where}"
+
+
 def mhc_coefficients(X: torch.Tensor, W: torch.Tensor, b: torch.Tensor, alphas, t_max: int, norm_eps: float,
                      gain: Optional[torch.Tensor] = None):
     """Dynamic mHC coefficients (h_pre, h_post, H_res) by Liger-Kernel's fused op (``kernels: liger``;
