@@ -171,6 +171,15 @@ def _whole(directory):
     return sd
 
 
+def _one_process_worker(worker: str, *args: str) -> None:
+    """Run a tests/dist worker as one plain process (world size 1) and require exit 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run([sys.executable, worker, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.cpu_gloo  # CPU stand-ins for Megatron's CUDA-only corners (with CUDA: a child pytest with CUDA hidden)
@@ -182,11 +191,7 @@ def test_distributed_optimizer_dp2_to_1(tmp_path, run_torchrun):
     root = str(tmp_path)
     worker = os.path.join("tests", "dist", "distopt_reshard_worker.py")
     run_torchrun(worker, nproc=2, args=["save", root], timeout=600)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, worker, "load", root], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _one_process_worker(worker, "load", root)
     straight = torch.load(os.path.join(root, "straight.pt"))
     for sharding in ("fully_reshardable", "dp_reshardable"):
         resumed = torch.load(os.path.join(root, f"dp1-{sharding}.pt"))
@@ -214,11 +219,7 @@ def test_gpu_muon_state_reshards_and_converts(tmp_path, run_torchrun):
     root = str(tmp_path)
     worker = os.path.join("tests", "dist", "muon_reshard_worker.py")
     run_torchrun(worker, nproc=2, args=["save", root], timeout=600)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, worker, "shrink", root], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _one_process_worker(worker, "shrink", root)
     run_torchrun(worker, nproc=2, args=["grow", root], timeout=600)
     saved = _whole(os.path.join(root, "dp2-sharded"))
     kinds = {".".join(k.split(".")[1:3]) for k in saved if k.startswith("optimizer.")}

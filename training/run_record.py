@@ -126,6 +126,14 @@ class RunRecord:
     def _fail(self, what: str, found: str, flag: str) -> RecordError:
         return RecordError(f"run record {self.where}: {what} {found}; {flag}")
 
+    def _present(self, entry: dict, override: Optional[str], noun: str, option: str, flag: str, exists):
+        """(path, how the error names it) of a recorded file, or of ``override`` (``option``), which must exist."""
+        path = entry["path"] if override is None else os.path.abspath(override)
+        where = f"{noun} {path}" if override is None else f"{option} {override}"
+        if not exists(path):
+            raise self._fail(where, "is missing", flag)
+        return path, where
+
     def tokenizer(self, override: Optional[str] = None) -> Optional[str]:
         """The tokenizer the run trained with (None: mock data or raw ids), checked; ``override``:
         ``--tokenizer PATH``, which must hold the same tokenizer (same hash)."""
@@ -133,10 +141,7 @@ class RunRecord:
         if not entry:
             return None
         flag = "pass --tokenizer PATH to a copy of the tokenizer the run trained with"
-        path = entry["path"] if override is None else os.path.abspath(override)
-        where = f"tokenizer {path}" if override is None else f"--tokenizer {override}"
-        if not os.path.exists(path):
-            raise self._fail(where, "is missing", flag)
+        path, where = self._present(entry, override, "tokenizer", "--tokenizer", flag, os.path.exists)
         found = _tokenizer_entry(path, entry.get("kind"))
         if found["sha256"] != entry["sha256"]:
             raise self._fail(where, f"is not the tokenizer the run trained with (sha256 {found['sha256'][:12]} "
@@ -182,10 +187,7 @@ class RunRecord:
         if not entry:
             return None
         flag = "pass --corpus FILE to a copy of the corpus the run trained on"
-        path = entry["path"] if override is None else os.path.abspath(override)
-        where = f"corpus {path}" if override is None else f"--corpus {override}"
-        if not os.path.isfile(path):
-            raise self._fail(where, "is missing", flag)
+        path, where = self._present(entry, override, "corpus", "--corpus", flag, os.path.isfile)
         got = sha256_file(path)
         if got != entry["sha256"]:
             raise self._fail(where, f"has changed since training (sha256 {got[:12]} found, {entry['sha256'][:12]} "
