@@ -65,7 +65,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def state_bytes(overrides=(), world: int = 64) -> None:
     """Optimizer state per rank, replicated and sharded: :func:`training.plan.state_bytes` on the planner's
-    tensor inventory, whose sharded figure takes the owners of :func:`training.optim.shard_owner_ranks`
+    tensor inventory, whose sharded figure takes the owners of :func:`training.param_shards.shard_owner_ranks`
     (so ``tools.plan`` and this benchmark print the same bytes; tests/test_plan.py holds both to the
     real optimizer's tensors)."""
     import dataclasses

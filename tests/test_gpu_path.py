@@ -1,4 +1,4 @@
-"""The GPU training path's mechanisms, reached on CPU (training/optim.py, training/pretrain.py,
+"""The GPU training path's mechanisms, reached on CPU (training/optim.py, training/optim_megatron.py, training/pretrain.py,
 models/hc_layer.py; bench/gpu_check.sh runs the real thing on a GPU, see docs/gpu.md).
 
 - A bf16 model with fp32 HC parameters under Megatron DDP and the Megatron optimiser backend
@@ -117,7 +117,7 @@ def params(model):
     # tier, so CI's Python 3.12 stage runs it against the newest megatron-core)
     pytest.param("muon", None, marks=pytest.mark.slow), pytest.param("adamw", None, marks=pytest.mark.slow),
     ("adamw", "dp_reshardable"), pytest.param("adamw", "fully_reshardable", marks=pytest.mark.slow),
-    ("muon", "layer_wise")])  # Muon's GPU default: its state sharded by training.optim.ShardedLayerWiseOptimizer
+    ("muon", "layer_wise")])  # Muon's GPU default: its state sharded by training.optim_megatron.ShardedLayerWiseOptimizer
 def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
                                                        opt_name, sharding):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
@@ -147,7 +147,7 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
         in_fp32 = {id(p) for o in subs if isinstance(o, FP32Optimizer) for p in o.get_parameters()}
         assert hc_ids <= in_fp32
     for o in subs:  # every parameter's optimizer entry is its own shard (Megatron mis-indexed
-        # groups that mix fp32 and bf16 parameters; training.optim._fix_param_group_index_map)
+        # groups that mix fp32 and bf16 parameters; training.optim_megatron._fix_param_group_index_map)
         for model_param, (gi, order) in getattr(o, "model_param_group_index_map", {}).items():
             main = o.optimizer.param_groups[gi]["params"][order]
             ranges = [b["param_map"][model_param]["param"] for maps in o.gbuf_ranges for m in maps.values()

@@ -29,11 +29,10 @@ from training.optim import (
     clip_grad_norm,
     grad_norm,
     hc_defaults_for_optimizer,
-    megatron_config_overrides,
-    megatron_optimizer_config,
     newton_schulz,
     param_groups,
 )
+from training.optim_megatron import megatron_config_overrides, megatron_optimizer_config
 from training.schedule import ScheduleConfig, build_scheduler
 from xhc.config import HCConfig
 

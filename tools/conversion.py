@@ -32,24 +32,18 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-import models.hf.export as _export
-import xhc as _xhc
 from models.hf.export import mapping as M
 from models.zoo import CONFIG_DIR, ModelPreset, ZooError, _read_yaml, build_model, build_transformer_config, load_preset
-from xhc.config import FLASH_FAMILY, XHC_FAMILY, HCConfig, HCConfigError
-from xhc.flash import XHCFlashLayer
+from tools._errors import ConversionError
+from tools.hf_model_card import hc_speed_lines, write_model_card  # noqa: F401 (re-exported)
+from tools.hf_remote_code import EXPORT_KERNELS, NOT_SHIPPED, REMOTE_DIR, export_remote_code  # noqa: F401 (re-exported)
+from xhc.config import XHC_FAMILY, HCConfig, HCConfigError
 from xhc.head import LearnedHead
 from xhc.hyper_connection import HyperConnection, logit
-from xhc.xhc import PostMapping, ReadMapping, ResMapping, XHCSublayer
+from xhc.xhc import PostMapping, ReadMapping, ResMapping
 
-REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
-XHC_DIR = os.path.dirname(os.path.abspath(_xhc.__file__))
 MODEL_TYPE_REMOTE = "xhc_moe"
 SAFE_INDEX = "model.safetensors.index.json"
-
-
-class ConversionError(RuntimeError):
-    """Bad input for a conversion (the one-line message names the file or flag and the fix)."""
 
 
 # ================================================================================================
@@ -304,133 +298,6 @@ def hf_config_kwargs(preset, vocab_size: int, seq_length: int) -> dict:
         norm_topk_prob=topk > 1,  # Megatron renormalises sigmoid scores over the selected experts when k > 1
         use_qk_norm=bool(b.get("qk_layernorm", False)), num_nextn_predict_layers=0,
     )
-
-
-# The exported model runs the HC maths on the ``eager`` backend (the readable reference functions,
-# plain PyTorch): inference needs no hand-written backward, no Triton and no Liger-Kernel, so these
-# modules are not shipped.  An import of one of them in the shipped code becomes a placeholder that
-# raises (with the reason) if it is ever used; it never is with ``hc.kernels: eager``.
-EXPORT_KERNELS = "eager"
-# every module of xhc/kernels/ but the package itself, torch_ops (the eager and compile ops) and runtime
-# (whether Triton imports; the package imports it): a kernel module added later is left out without
-# being listed here
-NOT_SHIPPED = tuple(sorted(f"xhc.kernels.{f[:-3]}" for f in os.listdir(os.path.join(os.path.dirname(_xhc.__file__),
-                                                                                      "kernels"))
-                           if f.endswith(".py") and f not in ("__init__.py", "torch_ops.py", "runtime.py")))
-NOT_SHIPPED_FILE = "xhc_not_shipped.py"
-_NOT_SHIPPED_SRC = '''"""Placeholder for the xhc modules an exported folder does not ship (it runs the eager HC path)."""
-
-
-class NotShipped:
-    def __init__(self, module):
-        self._module = module
-
-    def __getattr__(self, name):
-        raise RuntimeError(f"{self._module}.{name}: this exported folder runs the hyper-connection maths on the "
-                           "eager backend only (config.json hc.kernels = 'eager'); the fused backends ship with "
-                           "the xhc package (pip install xhc), not with exported models")
-'''
-
-
-def export_remote_code(out_dir: str) -> List[str]:
-    """Copy the remote code and the xhc modules it uses into ``out_dir``, flat, with relative imports.
-
-    ``xhc.a`` becomes ``a.py`` and ``xhc.a.b`` (a module of the package ``xhc/a/``) becomes
-    ``a_b.py``: transformers' remote-code loader resolves ``from .name import`` against files in
-    the same folder only.  The modules in :data:`NOT_SHIPPED` (GPU kernels) are left out.
-    """
-    sources = [(os.path.join(REMOTE_DIR, n), n) for n in ("configuration_xhc_moe.py", "modeling_xhc_moe.py")]
-    sources += [(xhc_module_file(mod), flat_module_name(mod) + ".py")
-                for mod in xhc_modules_needed([p for p, _ in sources])]
-    written = []
-    for path, name in sources:
-        with open(path, encoding="utf-8") as f:
-            text = relative_imports(f.read())
-        left = re.findall(r"^\s*(?:from|import)\s+(xhc|models|training)\b", text, re.M)
-        if left:
-            raise ConversionError(f"remote code {name}: still imports {left[0]} after the rewrite")
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            f.write(text)
-        written.append(name)
-    with open(os.path.join(out_dir, NOT_SHIPPED_FILE), "w", encoding="utf-8") as f:
-        f.write(_NOT_SHIPPED_SRC)
-    return written + [NOT_SHIPPED_FILE]
-
-
-_FROM_XHC = re.compile(r"^(\s*)from xhc((?:\.\w+)*) import (.+)$", re.M)
-
-
-def xhc_module_file(dotted: str) -> str:
-    """The source file of ``xhc.a`` / ``xhc.a.b`` (a package's ``__init__.py``), or '' if none."""
-    parts = dotted.split(".")[1:]
-    base = os.path.join(XHC_DIR, *parts)
-    if os.path.isfile(base + ".py"):
-        return base + ".py"
-    return os.path.join(base, "__init__.py") if os.path.isfile(os.path.join(base, "__init__.py")) else ""
-
-
-def flat_module_name(dotted: str) -> str:
-    return "_".join(dotted.split(".")[1:])
-
-
-def _imported_names(names: str) -> List[Tuple[str, str]]:
-    """``a, b as c`` -> [(a, a), (b, c)]; [] for a parenthesised (multi-line) list."""
-    if "(" in names:
-        return []
-    out = []
-    for part in names.split("#")[0].split(","):
-        bits = part.split()
-        if bits:
-            out.append((bits[0], bits[2] if len(bits) == 3 and bits[1] == "as" else bits[0]))
-    return out
-
-
-def _imports_of(text: str) -> List[str]:
-    """Dotted xhc modules a source imports (``from xhc.a import f``, ``from xhc.a import submodule``)."""
-    mods = []
-    for _, pkg, names in _FROM_XHC.findall(text):
-        if pkg:
-            mods.append("xhc" + pkg)
-        for name, _ in _imported_names(names):
-            if xhc_module_file(f"xhc{pkg}.{name}"):
-                mods.append(f"xhc{pkg}.{name}")
-    return mods
-
-
-def xhc_modules_needed(files: List[str]) -> List[str]:
-    """The ``xhc`` modules (dotted) ``files`` import, transitively (module-level and lazy imports)."""
-    todo, seen = list(files), set()
-    while todo:
-        with open(todo.pop(), encoding="utf-8") as f:
-            for mod in _imports_of(f.read()):
-                if mod not in seen and mod not in NOT_SHIPPED and xhc_module_file(mod):
-                    seen.add(mod)
-                    todo.append(xhc_module_file(mod))
-    return sorted(seen)
-
-
-def relative_imports(text: str) -> str:
-    """Rewrite ``from xhc...`` imports for the flat export folder (see :func:`export_remote_code`)."""
-
-    def one(m: "re.Match") -> str:
-        indent, pkg, names = m.group(1), m.group(2), m.group(3)
-        pairs = _imported_names(names)
-        if pairs and all(xhc_module_file(f"xhc{pkg}.{n}") for n, _ in pairs):  # importing modules
-            # transformers copies a remote module's files by matching ``from .x import`` lines, so
-            # a module import also names one attribute of the module in that form.
-            lines = []
-            for n, alias in pairs:
-                if f"xhc{pkg}.{n}" in NOT_SHIPPED:
-                    lines.append(f"{indent}from .{NOT_SHIPPED_FILE[:-3]} import NotShipped as _NotShipped  # noqa: E402")
-                    lines.append(f"{indent}{alias} = _NotShipped({'xhc' + pkg + '.' + n!r})")
-                    continue
-                flat = flat_module_name(f"xhc{pkg}.{n}")
-                lines.append(f"{indent}from .{flat} import __name__ as _{flat}_name  # noqa: F401 (listed for transformers)")
-                lines.append(f"{indent}from . import {flat} as {alias}")
-            return "\n".join(lines)
-        return f"{indent}from .{flat_module_name('xhc' + pkg)} import {names}"
-
-    return _FROM_XHC.sub(one, text)
 
 
 class ShardWriter:
@@ -801,93 +668,6 @@ def sentencepiece_to_hf(model_path: str, out_dir: str, model_max_length: Optiona
     tok.save_pretrained(out_dir)
     _name_tokenizer_class(out_dir, "PreTrainedTokenizerFast")
     return ["tokenizer.model", "tokenizer.json"]
-
-
-def write_model_card(out_dir: str, preset, native: bool, info: dict, n_params: int, n_hc: int, dtype: str, src) -> None:
-    hc = preset.hc
-    variant = "none (vanilla)" if not hc.enabled else hc.variant
-    shape = "" if not hc.enabled else f" N={hc.n}" + (f", k={hc.k}, m={hc.m}" if hc.is_xhc else "")
-    b = preset.backbone
-
-    def f(x):
-        return "n/a" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))
-
-    load = ("AutoModelForCausalLM.from_pretrained(path)" if native
-            else "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
-    lines = [
-        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [xhc, hyper-connections, moe]", "---",
-        f"# {preset.name}", "",
-        f"Exported by `xhc-convert to-hf` from `{src.checkpoint}`.", "",
-        "| | |", "|---|---|",
-        f"| preset | `{preset.name}` ({preset.description}) |",
-        f"| hyper-connection variant | {variant}{shape} |",
-        f"| architecture | {'`Glm4MoeForCausalLM` (native transformers)' if native else '`XHCMoeForCausalLM` (remote code, GLM-4.5-MoE layers + xhc hyper-connections)'} |",
-        f"| layers / hidden / heads / KV groups | {b['num_layers']} / {b['hidden_size']} / {b['num_attention_heads']} / {b.get('num_query_groups')} |",
-        f"| experts | {b.get('num_moe_experts')} routed top-{b.get('moe_router_topk')} + shared, {b.get('first_dense_layers', 0)} leading dense layer(s) |",
-        f"| parameters | {n_params:,} (hyper-connection: {n_hc:,}) |",
-        f"| weights dtype | {dtype} (hyper-connection tensors and the router in fp32) |",
-        f"| training step | {f(info.get('step'))} |",
-        f"| tokens seen | {f(info.get('tokens_seen'))} |",
-        f"| final train loss | {f(info.get('train_loss'))} |",
-        f"| final validation loss | {f(info.get('valid_loss'))} |",
-        "", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f"model = {load}", "tokenizer = AutoTokenizer.from_pretrained(path)", "```", "",
-    ]
-    if not native:
-        lines += ["## Hyper-connection implementation", "",
-                  "The remote code runs the hyper-connection maths with xhc's `eager` backend: the readable "
-                  "reference functions, plain PyTorch, forward only (no Triton, no custom autograd; "
-                  "`config.json` → `hc.kernels: eager`). Training used the same equations through fused ops, "
-                  "so logits agree to fp32 round-off.", ""]
-        lines += hc_speed_lines(preset)
-    with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as fh:
-        fh.write("\n".join(lines))
-
-
-def hc_speed_lines(preset, tokens: int = 128, reps: int = 3) -> List[str]:
-    """Model-card lines: the measured time of one layer's hyper-connection read + write on the eager
-    path this folder runs, beside the fused ops of the xhc package, forward only, on this machine's CPU.
-    Built from a private generator inside ``fork_rng`` (the caller's RNG is untouched)."""
-    import statistics
-
-    C, hc = int(preset.backbone["hidden_size"]), preset.hc
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(tokens, 1, hc.n, C, generator=g)
-    y = torch.randn(tokens, 1, C, generator=g)
-    ms = {}
-    for backend in ("eager", "compile"):
-        cfg = dataclasses.replace(hc, kernels=backend)
-        with torch.random.fork_rng(devices=[]):
-            if hc.variant in FLASH_FAMILY:
-                mod = XHCFlashLayer(cfg, C, layer_index=1)
-            elif hc.is_xhc:
-                mod = XHCSublayer(cfg, C, is_mlp=True, layer_index=1)
-            else:
-                mod = HyperConnection(cfg, C, layer_index=1)
-
-        def run(mod=mod):
-            with torch.inference_mode():
-                if isinstance(mod, XHCFlashLayer):
-                    st = mod.begin(X)
-                    st = mod.attn_write(st, y + 0.0 * mod.attn_read(st), None)
-                    mod.mlp_write(st, y + 0.0 * mod.mlp_read(st), None)
-                else:
-                    u, ctx = mod.read(X)
-                    mod.write(X, y + 0.0 * u, ctx)
-
-        run()  # warm-up
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(1e3 * (time.perf_counter() - t0))
-        ms[backend] = statistics.median(times)
-    what = "one layer (attention + MLP window)" if hc.variant in FLASH_FAMILY else "one sublayer"
-    return [f"Speed, measured at export on this machine's CPU ({torch.get_num_threads()} threads), {what}'s "
-            f"read + write for {tokens} tokens at C = {C}, N = {hc.n}, forward only, median of {reps}:", "",
-            "| path | ms |", "|---|---|",
-            f"| eager (this folder) | {ms['eager']:.2f} |",
-            f"| fused ops (`kernels: compile`, the xhc package) | {ms['compile']:.2f} |", ""]
 
 
 # ================================================================================================

@@ -70,23 +70,22 @@ one part that does not reshard: a resume on another layout reseeds them).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import queue
-import random
 import re
 import shutil
-import signal
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from training.data._util import sha256_file as _sha256  # hex sha256 of a file's bytes
+from training.rng_state import capture_rng_state, restore_rng_state  # noqa: F401 (re-exported)
+from training.save_safety import (deferred_signals, describe_os_error, explain_save_error,  # noqa: F401 (re-exported)
+                                  inprocess_results_queue, is_no_space, mount_point)
 
 __all__ = [
     "CheckpointError",
@@ -385,180 +384,6 @@ def check_compatible(directory: str, body: dict, expected: dict, load_optimizer:
                               "saved layout to resume exactly, or load the (reshardable) weights only with "
                               "checkpoint.load_optimizer=false checkpoint.load_rng=false")
     return f"resharding {where} from {old} to {new}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Saving safely: held signals, no helper server process, one-line disk errors
-# ------------------------------------------------------------------------------------------------
-_HELD_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
-
-
-@contextlib.contextmanager
-def deferred_signals():
-    """Hold SIGTERM / SIGINT / SIGUSR1 / SIGHUP for the duration of the block, then re-deliver them.
-
-    Processes forked inside the block (``torch_dist``'s writers) inherit the holding handler, so a
-    signal sent to the whole process group does not kill them mid-write.  Off the main thread
-    (where Python cannot set handlers) it does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield []
-        return
-    received: List[int] = []
-
-    def hold(signum, _frame):
-        received.append(signum)
-
-    previous = {}
-    for name in _HELD_SIGNALS:
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            previous[sig] = signal.signal(sig, hold)
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for signum in dict.fromkeys(received):
-            signal.raise_signal(signum)
-
-
-@contextlib.contextmanager
-def _inprocess_results_queue():
-    """A plain queue for the write results of a *synchronous* ``torch_dist`` save.
-
-    Megatron creates a ``multiprocessing.Manager`` (a spawned server process that re-imports the
-    main module) for the results of async saves and uses it for synchronous ones too; in a
-    synchronous save the results are put and read by this process, so a ``queue.Queue`` is enough.
-    """
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    except ImportError:  # another Megatron layout: keep its default
-        yield
-        return
-    if not hasattr(fa, "_results_queue"):
-        yield
-        return
-    previous = fa._results_queue
-    fa._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        fa._results_queue = previous
-
-
-_DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-                errno.EPERM: "operation not permitted"}
-
-
-def _causes(e: BaseException):
-    seen, todo = set(), [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        yield x
-        todo += [x.__cause__, x.__context__]
-        for v in getattr(x, "failures", {}).values() if isinstance(getattr(x, "failures", None), dict) else ():
-            todo += list(v) if isinstance(v, (list, tuple)) else [v]
-        todo += [a for a in getattr(x, "args", ()) if isinstance(a, BaseException)]
-
-
-def describe_os_error(e: BaseException) -> str:
-    """One line for an exception from a save: names disk-full / read-only / permission errors plainly."""
-    for x in _causes(e):
-        code = getattr(x, "errno", None)
-        if isinstance(x, OSError) and code in _DISK_ERRNOS:
-            return f"{_DISK_ERRNOS[code]} ({errno.errorcode.get(code, code)}{': ' + x.filename if x.filename else ''})"
-    text = str(e).splitlines()[0] if str(e) else ""
-    if "No space left on device" in str(e):
-        return f"no space left on device (ENOSPC): {text}"
-    return f"{type(e).__name__}: {text}"
-
-
-_NO_SPACE_WORDS = ("no space left", "unexpected pos", "pytorchstreamwriter failed", "basic_ios::clear",
-                   "short write", "disk quota exceeded", "file write failed")
-"""How writers report a full disk besides ENOSPC: torch's zip writer (``inline_container.cc ...
-unexpected pos N vs M``, ``PytorchStreamWriter failed writing file``), its C++ streams
-(``basic_ios::clear``) and short writes."""
-
-
-def mount_point(path: str) -> str:
-    """The mount point of the filesystem holding ``path`` (the disk a message should name)."""
-    path = os.path.realpath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    while not os.path.ismount(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
-def is_no_space(e: BaseException, directory: str) -> bool:
-    """True when the save error ``e`` means the disk holding ``directory`` is full, whatever the
-    writer's exception looks like (ENOSPC / EDQUOT, ``CheckpointException`` wrapping a worker's
-    ``inline_container`` error, a short write), or the disk is nearly full after it."""
-    for x in _causes(e):
-        if isinstance(x, OSError) and getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(x).lower()
-        if any(w in text for w in _NO_SPACE_WORDS):
-            return True
-    try:
-        usage = shutil.disk_usage(directory)
-    except OSError:
-        return False
-    return usage.free < max(64 << 20, usage.total // 100)
-
-
-def _explain_save_error(e: BaseException, directory: str) -> str:
-    """:func:`describe_os_error`, plus the free space when the disk is (nearly) full: torch's C++
-    writer reports a full disk as ``basic_ios::clear: iostream error``."""
-    text = describe_os_error(e)
-    if "no space" in text or "quota" in text:
-        return text
-    try:
-        usage = shutil.disk_usage(directory)
-    except OSError:
-        return text
-    if usage.free < max(64 << 20, usage.total // 100):
-        return (f"{text}; the disk holding it has only {usage.free / 2**20:.1f} MiB free of "
-                f"{usage.total / 2**20:.0f} MiB: most likely no space left on device")
-    return text
-
-
-# ------------------------------------------------------------------------------------------------
-# RNG
-# ------------------------------------------------------------------------------------------------
-def capture_rng_state() -> Dict[str, Any]:
-    """python / numpy / torch (CPU and CUDA) generators and Megatron's RNG-tracker states."""
-    from megatron.core import tensor_parallel
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() if torch.is_tensor(v) else v
-                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng_state(state: Dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -927,7 +752,7 @@ class Checkpointer:
             space = (f", {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB" if usage else "")
             return (f"no space left on device (disk {disk}{space}); the partial save was removed and {kept}: free "
                     f"space or point checkpoint.dir at a larger disk, then rerun the same command to resume")
-        why = e if isinstance(e, CheckpointError) else _explain_save_error(e, self.root)
+        why = e if isinstance(e, CheckpointError) else explain_save_error(e, self.root)
         return f"{why}; the partial save was removed and {kept}"
 
     def _save(self, step: int, state: dict, info: Optional[dict]) -> str:
@@ -937,7 +762,7 @@ class Checkpointer:
         final, tmp = self._begin(step)
         error = None
         try:
-            with _inprocess_results_queue():
+            with inprocess_results_queue():
                 dist_checkpointing.save(state, tmp)
         except _SAVE_ERRORS as e:
             error = e
@@ -999,7 +824,7 @@ class Checkpointer:
             final, tmp = self._begin(step)
             error, request, args = None, None, []
             try:
-                with _inprocess_results_queue():
+                with inprocess_results_queue():
                     request = dist_checkpointing.save(state, tmp, async_sharded_save=True)
                 args = list(request.async_fn_args)
                 if request.async_fn is not None and len(args) >= 2:
@@ -1045,7 +870,7 @@ class Checkpointer:
                 p.thread.join()
             error = None
             try:
-                with _inprocess_results_queue():
+                with inprocess_results_queue():
                     for fn in p.request.finalize_fns:  # Megatron's: gather the write results, write .metadata
                         fn()
                 _barrier()

@@ -34,12 +34,10 @@ TP / EP / DP / PP communication over link bandwidths, and the pipeline bubble.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -446,7 +444,7 @@ def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layou
 
 def _ns_shape(tensor: Tuple[ParamSpec, Tuple[int, ...]], lay: Layout) -> Tuple[int, ...]:
     """The matrix Newton–Schulz runs on for a rank's ``(spec, local shape)``: the TP-gathered one, as
-    :func:`training.optim.muon_matrix_shape` gives the optimizer (so both pick the same owners)."""
+    :func:`training.param_shards.muon_matrix_shape` gives the optimizer (so both pick the same owners)."""
     spec, shape = tensor
     split = lay.expert_tp if spec.expert else lay.tp
     if spec.tp_dim is None or split == 1:
@@ -457,7 +455,7 @@ def _ns_shape(tensor: Tuple[ParamSpec, Tuple[int, ...]], lay: Layout) -> Tuple[i
 def _owned_bytes(tensors, per: Sequence[int], opt: Sequence[str], lay: Layout, dp_rank: Optional[int]) -> int:
     """Optimizer state sharded over data parallelism (issue #44; ``per``: each tensor's bytes of state and
     fp32 master): each tensor on one rank of its DP group (expert-DP for routed experts), chosen by
-    :func:`training.shard_owners.assign_owners` as :func:`training.optim.shard_owner_ranks` chooses (Muon
+    :func:`training.shard_owners.assign_owners` as :func:`training.param_shards.shard_owner_ranks` chooses (Muon
     matrices by Newton–Schulz cost on the TP-gathered matrix, AdamW parameters by numel, two passes per
     group).  ``dp_rank``: the dense DP rank (TP rank 0) whose bytes to return; None: the fullest rank.
     Dense DP rank ``r`` is the stage's rank ``tp·cp·r``; Megatron orders the expert groups etp-ep-dp, so
@@ -982,111 +980,6 @@ def plan_block(cfg, gpus: int, cuda: bool, gpu_name: Optional[str] = None) -> st
     """The block training prints at start-up: :func:`make_plan` for this run (the device kind named by
     ``gpu_name``, e.g. ``torch.cuda.get_device_name()``; an unknown GPU is planned as an H100)."""
     return make_plan(cfg, gpus, _gpu_of(gpu_name) if cuda else None).format()
-
-
-# ================================================================================================
-# The check every run makes (training start-up and first step)
-# ================================================================================================
-class LiveSavedMeter:
-    """The peak of the bytes autograd holds saved for backward inside the block (unique storages, parameters
-    excluded): a storage counts from the first tensor that saves it until the last such tensor is freed."""
-
-    def __init__(self, exclude=()):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live: Dict[int, List[int]] = {}
-        self.current = 0
-        self.peak = 0
-        self._ctx = None
-
-    def _release(self, key: int) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self.live[key]
-
-    def _pack(self, t):
-        import weakref
-
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key in self.exclude or st.nbytes() == 0:
-            return t
-        if key in self.live:
-            self.live[key][1] += 1
-        else:
-            self.live[key] = [st.nbytes(), 1]
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-        weakref.finalize(t, self._release, key)
-        return t
-
-    __enter__ = SavedTensorMeter.__enter__  # the same hooks around the block, with this class's _pack
-    __exit__ = SavedTensorMeter.__exit__
-
-
-def _tensor_bytes(tensors) -> int:
-    import torch
-
-    seen, total = set(), 0
-    for t in tensors:
-        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-class PlanCheck:
-    """Training's side of the planner: print the plan at start-up (:func:`plan_block`, the tool's output) and
-    put the planned and measured peak memory of this rank into the first step's ``metrics.jsonl`` record
-    (``plan_peak_gib``, ``measured_peak_gib``, ``measured_peak_source``).  GPU: ``torch.cuda.max_memory_allocated``;
-    CPU: the parameters, gradients and optimizer state held after the step plus the peak of the activations
-    autograd held saved during it (:class:`LiveSavedMeter`)."""
-
-    def __init__(self, run):
-        import torch
-        from megatron.core import parallel_state as ps
-
-        self.run = run
-        name = torch.cuda.get_device_name() if run.cuda else None
-        self.plan = None
-        try:
-            self.plan = make_plan(run.cfg, run.world, _gpu_of(name) if run.cuda else None)
-            run.log(self.plan.format())
-        except Exception as e:  # noqa: BLE001  the planner does not cover this run: say so, train anyway
-            run.log(f"[plan] not planned: {type(e).__name__}: {e}")
-        self.stage = ps.get_pipeline_model_parallel_rank()
-        self.meter = None
-        if self.plan is not None and not run.cuda:
-            params = [p for c in run.chunks for p in c.parameters()]
-            self.meter = LiveSavedMeter(exclude=params).__enter__()
-
-    def record(self, rec: dict) -> None:
-        """Add the planned and measured peak to ``rec`` (the first step's record), once."""
-        if self.plan is None:
-            return
-        run, plan = self.run, self.plan
-        rec["plan_peak_gib"] = plan.stages[self.stage].total / GIB
-        if run.cuda:
-            import torch
-
-            rec["measured_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-            rec["measured_peak_source"] = "torch.cuda.max_memory_allocated"
-        else:
-            self.meter.__exit__(None, None, None)
-            params = [p for c in run.chunks for p in c.parameters()]
-            opt = getattr(run.optimizer, "optimizers", {}) or {}
-            state = [t for o in opt.values() for st in o.state.values() for t in st.values()]
-            held = _tensor_bytes(params) + _tensor_bytes([p.grad for p in params if p.grad is not None]) \
-                + _tensor_bytes(state)
-            # .grad is freed by zero_grad(set_to_none) after the step: count it as the step held it
-            if not any(p.grad is not None for p in params):
-                held += _tensor_bytes(params)
-            rec["measured_peak_gib"] = (held + self.meter.peak) / GIB
-            rec["measured_peak_source"] = "cpu: parameters + gradients + optimizer state + peak saved activations"
-        self.plan = None
 
 
 def _gpu_of(name: Optional[str]) -> GPU:

@@ -113,7 +113,7 @@ class Trainer:
         build.datasets()  # after the checkpoint checks: a refused resume builds no index caches
         build.write_config()
         build.logging()
-        from training.plan import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
+        from training.plan_check import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
         self.plan_check = PlanCheck(self)
 
     def maybe_resume(self) -> None:
