@@ -670,6 +670,65 @@ def check_multi(ctx: Ctx) -> None:
             if tr is not None:
                 close(tr)
     check_overlap_param_gather_save(ctx)
+    check_muon_reshard(ctx)
+
+
+def _whole_checkpoint(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a ``torch_dist`` checkpoint, read whole by this process (torch's reader)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+def check_muon_reshard(ctx: Ctx) -> None:
+    """Muon with its state sharded over DP = 2, saved after 2 steps, resumed at TP = 2 + SP (DP = 1):
+    the state reshards (training.optim_megatron: one checkpoint entry per parameter).  The resumed run
+    saves again before its first step; every tensor of that checkpoint (weights, fp32 main copies,
+    momentum, AdamW moments), read whole, equals the DP = 2 save; its first step has a finite loss."""
+    import torch.distributed as dist
+
+    from training.checkpoint import list_checkpoints
+
+    muon = ["optimizer.name=muon", "optimizer.use_distributed_optimizer=true"]
+    first, again = os.path.join(ctx.workdir, "ckpt-muon-dp2"), os.path.join(ctx.workdir, "ckpt-muon-tp2")
+    try:
+        tr = make_trainer(ctx, overrides_for(ctx, "muon-dp2", extra=muon + [f"checkpoint.dir={first}"]))
+        try:
+            run_steps(tr, 2)
+            tr.save_checkpoint("gpu-check")
+        finally:
+            close(tr)
+        saved = list_checkpoints(first)[-1][1]
+        tr = make_trainer(ctx, overrides_for(ctx, "muon-tp2", extra=muon + [
+            "parallel.tp=2", "parallel.sp=true", f"checkpoint.dir={again}", f"checkpoint.load={saved}"]))
+        try:
+            resumed_at = tr.step
+            tr.save_checkpoint("gpu-check")
+            loss = float(run_steps(tr, 1)[0]["loss"])
+        finally:
+            close(tr)
+        verdict = [None]
+        if ctx.main:
+            a, b = _whole_checkpoint(saved), _whole_checkpoint(list_checkpoints(again)[-1][1])
+            differ = sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+            verdict = [(len(a), sum(k.startswith("optimizer.") for k in a), differ[:3], len(differ))]
+        if dist.is_initialized():
+            dist.broadcast_object_list(verdict, src=0)
+        n, n_opt, first_differ, n_differ = verdict[0]
+        ok = resumed_at == 2 and n_differ == 0 and n_opt > 0 and math.isfinite(loss)
+        ctx.report("PASS" if ok else "FAIL", "muon sharded dp2 -> tp2 resume",
+                   f"resumed at step {resumed_at}; {n} tensors ({n_opt} optimizer) of the re-saved checkpoint, "
+                   f"{n_differ} differ{' ' + str(first_differ) if n_differ else ''}; next loss {loss:.4f}")
+    except Exception as e:  # noqa: BLE001  reported, the other checks go on
+        if ctx.main:
+            traceback.print_exc()
+        ctx.report("FAIL", "muon sharded dp2 -> tp2 resume", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
 
 def check_overlap_param_gather_save(ctx: Ctx) -> None:
