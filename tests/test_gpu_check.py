@@ -246,6 +246,24 @@ def test_python_checks_run_shrunk_on_cpu(tmp_path):
     assert [f"{r['status']} {r['name']}" for r in rows] == names
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.extended  # two CPU ranks, ~30 s (CONTRIBUTING.md, "Test tiers": the extended tier)
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke form (--device cpu)")
+def test_multi_checks_run_shrunk_on_two_cpu_ranks(tmp_path, run_torchrun):
+    """``--nproc 2``'s Python half on two CPU ranks: the layouts that run without CUDA, the overlapped
+    save, and sharded Muon saved at DP = 2 and resumed at TP = 2 + SP (re-saved checkpoint equal)."""
+    js = tmp_path / "rows.json"
+    out = run_torchrun("bench/gpu_checks.py", nproc=2, timeout=600, args=[
+        "--device", "cpu", "--smoke", "--workdir", str(tmp_path), "--json", str(js), "multi"]).stdout
+    lines = [line for line in out.splitlines() if re.match(r"^(PASS|FAIL|SKIP) ", line)]
+    assert [line.split(":")[0] for line in lines] == [
+        "PASS multi tp2+sp", "PASS multi pp2", "SKIP multi pp2-vpp2", "PASS multi ep2", "SKIP multi cp2",
+        "PASS multi dp2-muon", "PASS dp2 overlap_param_gather save", "PASS muon sharded dp2 -> tp2 resume"], lines
+    assert re.search(r"muon sharded dp2 -> tp2 resume: resumed at step 2; \d+ tensors \(\d+ optimizer\) .* 0 differ",
+                     out), lines
+
+
 # ------------------------------------------------------------------------------------------------
 # --perf (issue 35): the speed call
 # ------------------------------------------------------------------------------------------------
