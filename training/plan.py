@@ -152,8 +152,10 @@ class Layout:
 
     @property
     def uses_distributed_optimizer(self) -> bool:
-        """Megatron's distributed optimizer: AdamW on GPU unless ``optimizer.use_distributed_optimizer``."""
-        if not self.gpu:
+        """Megatron's distributed optimizer: AdamW on GPU unless ``optimizer.use_distributed_optimizer``
+        is false.  Never with Muon, whose state (its AdamW parameters' too) is sharded layer-wise or
+        replicated as a whole (:attr:`uses_sharded_muon`), as training.optim_megatron builds it."""
+        if not self.gpu or self.optimizer == "muon":
             return False
         if self.distributed_optimizer is not None:
             return bool(self.distributed_optimizer)
