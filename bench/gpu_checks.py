@@ -673,19 +673,6 @@ def check_multi(ctx: Ctx) -> None:
     check_muon_reshard(ctx)
 
 
-def _whole_checkpoint(path: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of a ``torch_dist`` checkpoint, read whole by this process (torch's reader)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata().state_dict_metadata
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-          if isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
-
-
 def check_muon_reshard(ctx: Ctx) -> None:
     """Muon with its state sharded over DP = 2, saved after 2 steps, resumed at TP = 2 + SP (DP = 1):
     the state reshards (training.optim_megatron: one checkpoint entry per parameter).  The resumed run
@@ -693,7 +680,7 @@ def check_muon_reshard(ctx: Ctx) -> None:
     momentum, AdamW moments), read whole, equals the DP = 2 save; its first step has a finite loss."""
     import torch.distributed as dist
 
-    from training.checkpoint import list_checkpoints
+    from training.checkpoint import list_checkpoints, read_whole_tensors
 
     muon = ["optimizer.name=muon", "optimizer.use_distributed_optimizer=true"]
     first, again = os.path.join(ctx.workdir, "ckpt-muon-dp2"), os.path.join(ctx.workdir, "ckpt-muon-tp2")
@@ -715,7 +702,7 @@ def check_muon_reshard(ctx: Ctx) -> None:
             close(tr)
         verdict = [None]
         if ctx.main:
-            a, b = _whole_checkpoint(saved), _whole_checkpoint(list_checkpoints(again)[-1][1])
+            a, b = read_whole_tensors(saved), read_whole_tensors(list_checkpoints(again)[-1][1])
             differ = sorted(set(a) ^ set(b)) + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
             verdict = [(len(a), sum(k.startswith("optimizer.") for k in a), differ[:3], len(differ))]
         if dist.is_initialized():

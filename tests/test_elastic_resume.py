@@ -160,15 +160,9 @@ def test_resume_on_another_layout(runs, transition):
 
 def _whole(directory):
     """Every tensor of a ``torch_dist`` checkpoint, read whole with torch's own checkpoint reader."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from training.checkpoint import read_whole_tensors
 
-    reader = dcp.FileSystemReader(directory)
-    meta = reader.read_metadata().state_dict_metadata
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-          if isinstance(m, TensorStorageMetadata)}
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
+    return read_whole_tensors(directory)
 
 
 def _one_process_worker(worker: str, *args: str) -> None:

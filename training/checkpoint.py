@@ -481,6 +481,21 @@ def build_state(chunks: Sequence[torch.nn.Module], optimizer=None, scheduler=Non
     return state
 
 
+def read_whole_tensors(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of the ``torch_dist`` checkpoint in ``path`` by its key, read whole by this process
+    with torch's own checkpoint reader (no process group needed): how two checkpoints of one run saved
+    on different layouts are compared."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata().state_dict_metadata
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+          if isinstance(m, TensorStorageMetadata)}
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpointer
 # ------------------------------------------------------------------------------------------------
