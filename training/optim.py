@@ -25,18 +25,17 @@ Backends (:func:`build_optimizer`):
   order, runs Newton–Schulz on the whole matrix and keeps its own slice (Newton–Schulz commutes
   with row/column permutations, so the rank-order layout of SwiGLU ``[gate; up]`` or GQA shards
   gives exactly the TP=1 result).
-- **megatron** (GPU with Megatron-DDP-wrapped chunks): Megatron's ``get_megatron_optimizer``
-  (distributed optimizer by default) for AdamW with this module's weight-decay rule passed as
-  ``config_overrides``; for Muon, this module's :class:`Muon` inside Megatron's
-  ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` chained with Megatron's Adam for the
-  rest (Megatron's own Muon needs ``emerging_optimizers``) when ``use_distributed_optimizer`` is false.
-  Without the distributed optimizer, the fp32 HC parameters of a bf16 model get their own
-  ``FP32Optimizer`` in the chain (``Float16OptimizerWithFloat16Params`` cannot checkpoint a mix
-  of bf16 and fp32 params).  One global grad norm per step, computed once.
+- **megatron** (GPU with Megatron-DDP-wrapped chunks; :mod:`training.optim_megatron`): Megatron's
+  ``get_megatron_optimizer`` (distributed optimizer by default) for AdamW with this module's
+  weight-decay rule passed as ``config_overrides``; without the distributed optimizer the fp32 HC
+  parameters of a bf16 model get their own ``FP32Optimizer`` in the chain
+  (``Float16OptimizerWithFloat16Params`` cannot checkpoint a mix of bf16 and fp32 params).  Muon:
+  ``ShardedLayerWiseOptimizer`` (below), its state sharded over DP or, with
+  ``use_distributed_optimizer`` false, replicated.  One global grad norm per step, computed once.
   Written against the 0.16.1 and 0.19.0 sources.  The wrappers allocate a few CUDA scalars (and
   check for CUDA tensor types); with those redirected to the CPU (test-only) the non-distributed
-  path, bf16 wrappers included, is checked against the torch backend and through a
-  ``dist_checkpointing`` round trip.  The distributed optimizer only runs on GPU.
+  paths, bf16 wrappers included, are checked against the torch backend and through
+  ``dist_checkpointing`` round trips.  The distributed optimizer only runs on GPU.
 
 State sharded over data parallelism (:attr:`OptimizerConfig.use_distributed_optimizer`; Muon's
 default on the Megatron backend, opt-in on the torch backend): each parameter is owned by one rank
@@ -47,8 +46,8 @@ matrix); :class:`ParamShards` then broadcasts the updated parameters.  Torch bac
 optimisers hold the owned parameters only; checkpoints stay ``torch-sharded`` (each tensor written
 by its owner), so they load into any layout, sharded or not.  Megatron backend:
 ``ShardedLayerWiseOptimizer`` (Megatron-Core's ``LayerWiseDistributedOptimizer`` with these owners,
-per-dtype exchange and the fp32 HC parameters in their own ``FP32Optimizer``; its checkpoints
-resume on the same layout only).
+per-dtype exchange and the fp32 HC parameters in their own ``FP32Optimizer``); its checkpoints are
+``torch-sharded`` too, with the fp32 main copies, so they reshard like the torch backend's.
 """
 
 from __future__ import annotations

@@ -130,18 +130,23 @@ def _layer_wise_optimizer_class():
 
     class ShardedLayerWiseOptimizer(LayerWiseDistributedOptimizer):
         """Megatron-Core's layer-wise distributed optimizer (each DP rank owns whole parameters, a
-        chained optimizer over Muon and AdamW, one global grad norm) with three changes:
+        chained optimizer over Muon and AdamW, one global grad norm) with five changes:
 
-        - the owners: :func:`shard_owner_ranks` (Newton–Schulz cost for the Muon matrices, element
+        - the owners: :func:`training.param_shards.shard_owner_ranks` (Newton–Schulz cost for the Muon matrices, element
           count for the AdamW ones, per DP / expert-DP group) instead of Megatron's ping-pong by
           element count, which balances neither the Newton–Schulz FLOPs nor, per optimizer, the state;
         - the wrappers: each sub-optimizer is wrapped after sharding by ``wrap(index, optimizer)``
           (bf16 parameters in ``Float16OptimizerWithFloat16Params``, the fp32 HC parameters in their own
           ``FP32Optimizer``), so fp32 main copies exist for the owned parameters only and no bf16
           wrapper holds an fp32 parameter (which it cannot checkpoint);
-        - the exchange: :meth:`ParamShards.sync` (per dtype, per owner), since Megatron's flattened
+        - the exchange: :meth:`training.param_shards.ParamShards.sync` (per dtype, per owner), since Megatron's flattened
           all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters), run by
-          ``step_with_ready_grads`` on 0.16.1 (whose base class gathers in ``step``) and 0.19 alike.
+          ``step_with_ready_grads`` on 0.16.1 (whose base class gathers in ``step``) and 0.19 alike;
+        - the checkpoint: one entry per parameter (:attr:`per_param_checkpoint`), which reshards, instead
+          of Megatron's per-rank sub-optimizer states, which load at the same DP size only;
+        - the replicated mode (``replicated``): every rank owns every parameter, for
+          ``optimizer.use_distributed_optimizer=false``, so that both states share one code path and
+          one checkpoint format.
 
         Written against 0.16.1 and read against 0.19.2 (whose ``__init__`` passes DDP buffer layouts to
         ``shard_params`` and gathers in ``step_with_ready_grads``; this class uses neither layout).
