@@ -173,6 +173,8 @@ def test_perf_smoke_times_every_fused_kernel(monkeypatch, tmp_path):
 
 
 @pytest.mark.interp
+@pytest.mark.extended  # bench tooling, ~30 s interpreted (CONTRIBUTING.md, "Test tiers": run it when a kernel's
+# block sizes or bench.hc_kernels --autotune change)
 def test_autotune_smoke_writes_blocks_the_kernels_read(monkeypatch, tmp_path):
     from bench.hc_kernels import autotune_main
     from xhc.kernels import mhc_common as cm
