@@ -201,31 +201,24 @@ def test_distributed_optimizer_dp2_to_1(tmp_path, run_torchrun):
 @pytest.mark.dist
 @pytest.mark.cpu_gloo  # CPU stand-ins for Megatron's CUDA-only corners
 def test_gpu_muon_state_reshards_and_converts(tmp_path, run_torchrun):
-    """Muon on the GPU path (training.optim_megatron.ShardedLayerWiseOptimizer, bf16 weights with fp32 main
-    copies), on CPU (tests/dist/muon_reshard_worker.py): sharded and replicated states train bit for
-    bit alike and resume each other's checkpoints bit for bit at DP = 2; a DP = 2 checkpoint loaded at
-    DP = 1 (from either state), at TP = 2 + SP, and a DP = 1 checkpoint loaded at DP = 2 each save
-    again, at once, a checkpoint whose every tensor (weights, fp32 main copies, momentum, moments),
-    read back whole, equals the one loaded; one step after a change of DP stays within one bf16
-    rounding of the run that did not change."""
-    from tests.dist.muon_reshard_worker import close_to
-
+    """Muon on the GPU path (training.optim_megatron.ShardedLayerWiseOptimizer, bf16 weights with fp32
+    main copies), on CPU (tests/dist/muon_reshard_worker.py): sharded and replicated states train bit for
+    bit alike and resume each other's checkpoints bit for bit at DP = 2; each DP = 2 checkpoint loaded at
+    TP = 2 + SP (DP = 1), and that one loaded back at DP = 2, save again at once a checkpoint whose
+    every tensor (weights, fp32 main copies, momentum, moments), read back whole, equals the one loaded;
+    back at DP = 2 one step equals the uninterrupted run bit for bit."""
     root = str(tmp_path)
     worker = os.path.join("tests", "dist", "muon_reshard_worker.py")
     run_torchrun(worker, nproc=2, args=["save", root], timeout=600)
-    _one_process_worker(worker, "shrink", root)
     run_torchrun(worker, nproc=2, args=["grow", root], timeout=600)
     saved = _whole(os.path.join(root, "dp2-sharded"))
     kinds = {".".join(k.split(".")[1:3]) for k in saved if k.startswith("optimizer.")}
     assert kinds == {"muon.momentum_buffer", "muon.fp32_param", "adamw.exp_avg", "adamw.exp_avg_sq",
                      "adamw.fp32_param"}
-    for again in ("dp2-replicated", "dp1-sharded", "dp1-replicated", "tp2", "dp2-again"):
+    for again in ("dp2-replicated", "tp2-sharded", "tp2-replicated", "dp2-again"):
         other = _whole(os.path.join(root, again))
         assert set(other) == set(saved), again
         assert not [k for k in saved if not torch.equal(saved[k], other[k])], again
-    want = torch.load(os.path.join(root, "dp2.pt"))
-    for state in ("sharded", "replicated"):
-        close_to(torch.load(os.path.join(root, f"dp1-{state}.pt")), want, f"{state} at DP = 1 after the resume")
 
 
 # ------------------------------------------------------------------------------------------------
