@@ -62,7 +62,7 @@ setup(
         "console_scripts": [
             "xhc-pretrain=training.pretrain:main",
             "xhc-finetune=training.finetune:main",
-            "xhc-convert=tools.convert_checkpoint:main",
+            "xhc-convert=tools.hf:main",
             "xhc-sweep=tools.sweep:main",
             "xhc-inspect=tools.inspect:main",
             "xhc-plan=tools.plan:main",

@@ -133,7 +133,7 @@ def make_trainer(ctx: Ctx, overrides: List[str], before_wrap: Optional[Callable]
 
     from training.config import load_config
     from training.pretrain import Trainer
-    from training.step_runner import MegatronStepRunner
+    from training.run import MegatronStepRunner
 
     cfg = load_config(None, list(overrides))
     tr = Trainer(cfg)
@@ -675,7 +675,7 @@ def check_multi(ctx: Ctx) -> None:
 
 def check_muon_reshard(ctx: Ctx) -> None:
     """Muon with its state sharded over DP = 2, saved after 2 steps, resumed at TP = 2 + SP (DP = 1):
-    the state reshards (training.optim_megatron: one checkpoint entry per parameter).  The resumed run
+    the state reshards (training.optim.megatron: one checkpoint entry per parameter).  The resumed run
     saves again before its first step; every tensor of that checkpoint (weights, fp32 main copies,
     momentum, AdamW moments), read whole, equals the DP = 2 save; its first step has a finite loss."""
     import torch.distributed as dist

@@ -65,7 +65,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def state_bytes(overrides=(), world: int = 64) -> None:
     """Optimizer state per rank, replicated and sharded: :func:`training.plan.state_bytes` on the planner's
-    tensor inventory, whose sharded figure takes the owners of :func:`training.param_shards.shard_owner_ranks`
+    tensor inventory, whose sharded figure takes the owners of :func:`training.optim.param_shards.shard_owner_ranks`
     (so ``tools.plan`` and this benchmark print the same bytes; tests/test_plan.py holds both to the
     real optimizer's tensors)."""
     import dataclasses
@@ -98,7 +98,7 @@ def state_bytes(overrides=(), world: int = 64) -> None:
 
 
 def time_steps(shrink: int, steps: int) -> None:
-    import training.optim as optim
+    from training.optim import Muon, OptimizerConfig, build_optimizer
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -125,7 +125,7 @@ def time_steps(shrink: int, steps: int) -> None:
             return iter(named.values())
 
     ns_time = [0.0, 0.0]  # wall, CPU (this process: robust on a shared machine)
-    inner = optim.newton_schulz
+    inner = Muon.newton_schulz
 
     def timed(*a, **k):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -134,12 +134,12 @@ def time_steps(shrink: int, steps: int) -> None:
         ns_time[1] += time.process_time() - c0
         return out
 
-    optim.newton_schulz = timed
+    Muon.newton_schulz = staticmethod(timed)
     groups = {"dp": dist.group.WORLD, "expert_dp": dist.group.WORLD, "tp": None, "expert_tp": None}
     results = {}
     for sharded in (False, True):
-        cfg = optim.OptimizerConfig(name="muon", lr=1e-3, use_distributed_optimizer=sharded)
-        opt = optim.build_optimizer(Layer(), cfg, use_megatron=False, process_groups=groups)
+        cfg = OptimizerConfig(name="muon", lr=1e-3, use_distributed_optimizer=sharded)
+        opt = build_optimizer(Layer(), cfg, use_megatron=False, process_groups=groups)
         for (_, p), gr in zip(params, grads):  # warm-up step (allocates the state)
             p.grad = gr.clone()
         opt.step()
@@ -154,7 +154,7 @@ def time_steps(shrink: int, steps: int) -> None:
         dist.barrier()
         results[sharded] = ((time.perf_counter() - t0) / steps, ns_time[0] / steps, (opt.ns_calls() - calls0) // steps,
                             opt.state_bytes(), ns_time[1] / steps, (time.process_time() - c0) / steps)
-    optim.newton_schulz = inner
+    Muon.newton_schulz = staticmethod(inner)
     rows = [None] * world
     dist.all_gather_object(rows, results)
     if rank == 0:

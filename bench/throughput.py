@@ -35,7 +35,7 @@ mechanism with ``tiny-moe`` on CPU in seconds.
 
 ``--layers L`` keeps the preset's leading dense layers and shrinks the MoE part; ``--grouped-experts
 auto|true|false`` sets ``moe_grouped_gemm`` (auto: the preset's, i.e. grouped on CUDA).  MFU is
-model FLOPs per token (``training.metrics.model_flops_per_token``) x tokens/s over ``--peak-tflops``
+model FLOPs per token (``training.run.metrics.model_flops_per_token``) x tokens/s over ``--peak-tflops``
 (default: the device's data-sheet bf16 peak; the GPU check passes its measured GEMM rate).
 
 ``--profile``: after timing, one more training step per model under ``torch.profiler``: its top
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=msg)
     from models.parallel import destroy_parallel, initialize_parallel
     from models.zoo import backbone_shape  # noqa: F401  (import check: accounting available)
-    from training.metrics import model_flops_per_token
+    from training.run import model_flops_per_token
 
     cuda = torch.cuda.is_available()
     if args.threads and not cuda:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
             train_step(model, opt, tokens, pos)
         models[name] = (preset, model, opt)
     sync()
-    from training.metrics import peak_tflops
+    from training.run import peak_tflops
 
     peak, peak_note = peak_tflops(args.peak_tflops, cuda)
     tokens_per_step = args.micro_batch * args.seq

@@ -28,7 +28,7 @@ import time
 import pytest
 
 from training.checkpoint import list_checkpoints, verify_checkpoint
-from training.metrics import read_metrics
+from training.run import read_metrics
 from training.pretrain import SAVE_FAILED, main
 
 pytestmark = [pytest.mark.megatron, pytest.mark.train]
@@ -107,7 +107,7 @@ def test_no_space_during_a_save_leaves_a_clean_state_and_the_rerun_resumes(tmp_p
     """The second save (step 10) fails: one line naming the disk, its free space and the kept step-5
     checkpoint; exit 4; no partial left; status.json records it.  The rerun (the same command) after a
     kill -9 left another partial that fills the disk removes it, counts its space, and resumes at step 5."""
-    import training.checkpoint as tc
+    import training.checkpoint.checkpointer as tc
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     disk = tmp_path / "disk"

@@ -336,7 +336,7 @@ def test_too_little_space_for_a_checkpoint_is_found_at_start_up(tmp_path, monkey
     answer is replaced)."""
     import collections
 
-    import training.reliability as rel
+    import training.run.reliability as rel
     from training.pretrain import main
 
     usage = collections.namedtuple("usage", "total used free")

@@ -240,7 +240,7 @@ def test_metadata_checksum_covers_every_non_tensor_object(parallel, tmp_path):
 def test_crashed_save_leaves_previous_checkpoint_and_is_cleaned_up(parallel, tmp_path, monkeypatch):
     import errno
 
-    import training.checkpoint as tc
+    import training.checkpoint.checkpointer as tc
 
     model, opt, sched = _setup(seed=1)
     ck, first = _save(str(tmp_path), 1, model, opt, sched)

@@ -51,7 +51,7 @@ def _load_megatron(checkpoint, preset, vocab, seq):
     """The single-rank Megatron model loaded from ``checkpoint`` by dist_checkpointing."""
     from megatron.core import dist_checkpointing
 
-    from tools.conversion import build_single_rank_model
+    from tools.hf import build_single_rank_model
 
     model = build_single_rank_model(preset, vocab, seq, device="cpu")
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint)
@@ -204,7 +204,7 @@ def test_isolation_without_xhc_models_training(exported, tmp_path):
 def test_upcycling_keeps_vanilla_logits(exported, variant, hc, tmp_path):
     """from-hf --to-variant (--hc): the hyper-connection model computes the vanilla model (≤ 1e-5),
     also with DeepSeek-V4's convention (its + ε terms compensated) and its learned head."""
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.zoo import load_preset
     from xhc.head import LearnedHead
 
@@ -229,7 +229,7 @@ def test_upcycling_keeps_vanilla_logits(exported, variant, hc, tmp_path):
 def test_round_trip_to_from_to_is_byte_identical(exported, tmp_path):
     from safetensors import safe_open
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
 
     first = exported["xhc-flash4"]["hf"]
     back = C.from_hf(first, str(tmp_path / "back"), progress=False)
@@ -249,7 +249,7 @@ def test_round_trip_to_from_to_is_byte_identical(exported, tmp_path):
 def test_bf16_export_keeps_hc_fp32(exported, tmp_path):
     from safetensors import safe_open
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
 
     C.to_hf(C.resolve_source(run=exported["xhc"]["run"]), str(tmp_path / "bf16"), max_shard_size="100KB",
             progress=False)
@@ -280,7 +280,7 @@ def parallel_sources(tmp_path_factory, run_torchrun, megatron):
 @pytest.mark.slow
 def test_parity_from_parallel_checkpoints(parallel_sources, mode, tmp_path):
     """Checkpoints saved by 2 ranks under TP=2+SP, EP=2, PP=2, PP=2+VPP=2 export on one process with parity."""
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.zoo import load_preset
     from tests.dist import convert_worker as W
 
@@ -336,7 +336,7 @@ def _cli_batch(tmp_path, **commands):
 def test_bad_inputs_one_line_errors_nothing_overwritten(exported, tmp_path):
     import shutil
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
 
     # missing checkpoint
     with pytest.raises(C.ConversionError, match="no such directory"):
@@ -413,7 +413,7 @@ def _metrics(run, kind="train"):
 
 
 def _trained_parity(run, tmp_path, label: str, steps: int = TRAIN_STEPS) -> None:
-    from tools import conversion as C
+    from tools.hf import conversion as C
 
     ckpt = os.path.join(run, "checkpoints", f"step_{steps:08d}")
     src = C.resolve_source(checkpoint=ckpt)
@@ -492,7 +492,7 @@ def exported_with_tokenizer(tmp_path_factory, megatron):
 
     import yaml
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.zoo import build_model, build_transformer_config, load_preset
     from training.data.tokenizer import train_sentencepiece
 
@@ -551,7 +551,7 @@ def test_bf16_checkpoint_source(megatron, tmp_path):
     """GPU runs save the backbone in bf16 (HC in fp32): both read back exactly."""
     from safetensors.torch import load_file
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.zoo import build_model, build_transformer_config, load_preset
 
     preset = load_preset("tiny-moe:mhc")
@@ -573,7 +573,7 @@ def test_streaming_reads_one_group_at_a_time(exported, monkeypatch, tmp_path):
     """to-hf asks dist_checkpointing for one group (embedding, one layer, head) per read, in order."""
     from megatron.core import dist_checkpointing
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.hf.export import mapping as M
 
     calls, real = [], dist_checkpointing.load
@@ -593,7 +593,7 @@ def test_streaming_holds_one_group_at_a_time(exported):
     import gc
     import weakref
 
-    from tools import conversion as C
+    from tools.hf import conversion as C
 
     src = C.resolve_source(run=exported["xhc"]["run"])
     with C.single_rank():

@@ -238,9 +238,9 @@ def test_learned_head_init_and_readout():
 
 
 def _upcycled_stack(compensate: bool, L: int = 12):
-    """L DeepSeek-V4 mHC sublayers and the learned head in the upcycling state (tools.conversion),
+    """L DeepSeek-V4 mHC sublayers and the learned head in the upcycling state (tools.hf.conversion),
     driven by pre-norm branches y = tanh(RMSNorm(u) W_l), against the vanilla residual stack."""
-    from tools.conversion import upcycle_init, upcycle_overrides
+    from tools.hf import upcycle_init, upcycle_overrides
     from xhc.hyper_connection import expand_streams
 
     cfg = HCConfig(variant="mhc", n=4, kernels="eager",
@@ -263,7 +263,7 @@ def _upcycled_stack(compensate: bool, L: int = 12):
 
 
 def test_upcycling_state_computes_the_vanilla_stack():
-    """tools.conversion.upcycle_init: with DeepSeek-V4's + ε terms compensated (h_pre = 1/N, h_post =
+    """tools.hf.conversion.upcycle_init: with DeepSeek-V4's + ε terms compensated (h_pre = 1/N, h_post =
     γ_0⋯γ_l, head weights 1/N) the normalised output equals the vanilla residual stack's in float64
     (up to the final norm's own eps acting on the stream's overall scale, ~1e-11); without it the
     ε terms shift it by ~L·ε (12 sublayers: ~1e-5)."""
@@ -320,7 +320,7 @@ def test_export_logits_equal_megatron(variant, hc, tmp_path):
     from models.zoo import build_model, build_transformer_config, load_preset
     from tests.test_convert_hf import PARITY_TOL, _hf, _hf_logits
     from tests.tiny_zoo import SEQ, VOCAB, megatron_logits, perturb, tokens, write_run
-    from tools import conversion
+    from tools.hf import conversion
 
     torch.set_num_threads(1)
     initialize_parallel()

@@ -201,7 +201,7 @@ def test_distributed_optimizer_dp2_to_1(tmp_path, run_torchrun):
 @pytest.mark.dist
 @pytest.mark.cpu_gloo  # CPU stand-ins for Megatron's CUDA-only corners
 def test_gpu_muon_state_reshards_and_converts(tmp_path, run_torchrun):
-    """Muon on the GPU path (training.optim_megatron.ShardedLayerWiseOptimizer, bf16 weights with fp32
+    """Muon on the GPU path (training.optim.megatron.ShardedLayerWiseOptimizer, bf16 weights with fp32
     main copies), on CPU (tests/dist/muon_reshard_worker.py): sharded and replicated states train bit for
     bit alike and resume each other's checkpoints bit for bit at DP = 2; each DP = 2 checkpoint loaded at
     TP = 2 + SP (DP = 1), and that one loaded back at DP = 2, save again at once a checkpoint whose

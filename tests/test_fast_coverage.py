@@ -1,6 +1,6 @@
 """Fast tests for the modules the fast tier did not otherwise exercise (coverage of
 `pytest -m "not slow"`: bench/kernel_choice.py, bench/throughput.py, bench/gpu_checks.py,
-tools/convert_checkpoint.py, tools/evaluate.py, tools/peft_experiment.py, tools/triton_aot.py and the
+tools/hf/cli.py, tools/evaluate.py, tools/peft_experiment.py, tools/triton_aot.py and the
 exported remote model code).  Each checks real behaviour, on tiny inputs."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_gpu_checks_l2_diff():
     (["from-hf", "--hf", "/nonexistent/hf", "--output", "/tmp/xhc-never-written"], "/nonexistent/hf"),
 ])
 def test_convert_checkpoint_bad_paths_are_one_line_errors(argv, needle, capsys):
-    from tools.convert_checkpoint import main
+    from tools.hf import main
 
     rc = main(argv)
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,4 +1,4 @@
-"""The GPU training path's mechanisms, reached on CPU (training/optim.py, training/optim_megatron.py, training/pretrain.py,
+"""The GPU training path's mechanisms, reached on CPU (training/optim/core.py, training/optim/megatron.py, training/pretrain.py,
 models/hc_layer.py; bench/gpu_check.sh runs the real thing on a GPU, see docs/gpu.md).
 
 - A bf16 model with fp32 HC parameters under Megatron DDP and the Megatron optimiser backend
@@ -31,7 +31,7 @@ from tests.test_optim import SEQ, TINY, VOCAB, megatron_scalars_on_cpu, parallel
 from training.config import CheckpointConfig
 from training.optim import OptimizerConfig, build_optimizer
 from training.pretrain import Trainer, float16_module_keep_hc_fp32, params_synced
-from training.step_runner import CpuStepRunner, MegatronStepRunner
+from training.run import CpuStepRunner, MegatronStepRunner
 
 pytestmark = pytest.mark.megatron  # the Python 3.12 / newest megatron-core CI stage runs these
 
@@ -117,7 +117,7 @@ def params(model):
     # tier, so CI's Python 3.12 stage runs it against the newest megatron-core)
     pytest.param("muon", None, marks=pytest.mark.slow), pytest.param("adamw", None, marks=pytest.mark.slow),
     ("adamw", "dp_reshardable"), pytest.param("adamw", "fully_reshardable", marks=pytest.mark.slow),
-    ("muon", "layer_wise")])  # Muon's GPU default: its state sharded by training.optim_megatron.ShardedLayerWiseOptimizer
+    ("muon", "layer_wise")])  # Muon's GPU default: its state sharded by training.optim.megatron.ShardedLayerWiseOptimizer
 def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
                                                        opt_name, sharding):
     """2 steps, dist_checkpointing save of model + optimiser, fresh model and optimiser, load,
@@ -147,7 +147,7 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
         in_fp32 = {id(p) for o in subs if isinstance(o, FP32Optimizer) for p in o.get_parameters()}
         assert hc_ids <= in_fp32
     for o in subs:  # every parameter's optimizer entry is its own shard (Megatron mis-indexed
-        # groups that mix fp32 and bf16 parameters; training.optim_megatron._fix_param_group_index_map)
+        # groups that mix fp32 and bf16 parameters; training.optim.megatron._fix_param_group_index_map)
         for model_param, (gi, order) in getattr(o, "model_param_group_index_map", {}).items():
             main = o.optimizer.param_groups[gi]["params"][order]
             ranges = [b["param_map"][model_param]["param"] for maps in o.gbuf_ranges for m in maps.values()
@@ -188,7 +188,7 @@ def test_bf16_megatron_optimizer_checkpoint_round_trip(parallel, bf16_megatron_o
 def test_stop_flags_ride_on_the_step_all_reduce():
     """Finding 6 (host syncs): the stop check before a step reuses the flags agreed in the previous
     step's loss all-reduce; only after a save / evaluation (flags cleared) does it all-reduce."""
-    from training.lifecycle import Lifecycle
+    from training.run import Lifecycle
 
     calls = []
     life = Lifecycle(types.SimpleNamespace(run=types.SimpleNamespace(exit_at_step=None, train_steps=10,
@@ -241,7 +241,7 @@ def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_
 
     resumed = bf16_ddp_model()
     opt_r = build_optimizer(resumed, cfg, use_megatron=True)
-    import training.run_checkpoints as rc
+    import training.checkpoint.run as rc
 
     monkeypatch.setattr(rc, "trainer_state", lambda run: {"step": 0, "consumed_samples": 0, "skipped_steps": 0})
     monkeypatch.setattr(rc, "compat_info", lambda run: {})  # nothing to compare: tested in test_reliability
@@ -387,7 +387,7 @@ def test_params_synced_forces_the_all_gather_and_restores_the_hooks(parallel):  
 
 def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
     """Trainer.save_checkpoint: the forced sync precedes building and writing the state."""
-    import training.checkpoint as tc
+    import training.checkpoint.checkpointer as tc
     from training.config import ParallelConfig
 
     events = []
@@ -401,7 +401,7 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
         def enable_forward_pre_hook(self):
             events.append("hooks back")
 
-    import training.run_checkpoints as rc
+    import training.checkpoint.run as rc
 
     monkeypatch.setattr(tc, "build_state", lambda *a, **k: events.append("build_state") or {})
     monkeypatch.setattr(rc, "trainer_state", lambda run: {})

@@ -185,7 +185,7 @@ def test_health_is_recorded_once_per_forward_under_recompute(parallel):
     statistics equal those without recompute.  Records stay tensors until the summary (no host sync)."""
     from megatron.core import tensor_parallel
 
-    from training.hc_health import HCHealth
+    from training.run import HCHealth
 
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -366,7 +366,7 @@ def trained(trained_xhc, tmp_path_factory):
     """tiny-moe:xhc trained 201 AdamW steps on mock data, checkpoints at 100, 200 and 201, HC health
     every step: the session's shared run (``tests/trained_run.py``, also read by test_convert_hf),
     and an fp32 export of its last checkpoint."""
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from tests.trained_run import STEPS, checkpoint
 
     hf = str(tmp_path_factory.mktemp("inspect-trained") / "hf")
@@ -518,8 +518,8 @@ def test_checkpoint_stream_holds_one_group_at_a_time(zoo):
     import gc
     import weakref
 
-    from tools import conversion as C
-    from tools.inspect import _stream_groups, model_info_checkpoint, resolve
+    from tools.hf import conversion as C
+    from tools.inspect.cli import _stream_groups, model_info_checkpoint, resolve
 
     target = resolve(zoo["xhc"]["run"])
     info, src, preset = model_info_checkpoint(target, target.checkpoints[0][1], target.checkpoints[0][0])
@@ -541,8 +541,8 @@ def test_an_unnamed_default_corpus_is_never_taken_from_the_working_directory(tmp
     whose config names no data must not pick up the working directory's corpus or tokenizer: its
     checkpoint and its Hugging Face export would inspect other tokens.  Next to the run directory
     (runs/<name> in the checkout that trained it) the default corpus is still found."""
-    from tools import conversion as C
-    from tools.inspect import Target, _validation_tokens
+    from tools.hf import conversion as C
+    from tools.inspect.cli import Target, _validation_tokens
     from training.data.default import PREFIX_NAME, TOKENIZER_NAME
 
     checkout = tmp_path / "checkout"

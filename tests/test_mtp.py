@@ -145,7 +145,7 @@ def test_analytic_counts_match_the_built_depths(parallel, preset, hc):
     assert counts["params_hc"] == sum(p.numel() for p in params.values() if getattr(p, "is_hyper_connection", False))
     assert counts["flops_backbone"] > 6 * counts["params_activated"] - 6 * counts["params_hc"]  # + head GEMM
     # the training FLOPs of MFU and of the sweep's compute include the depths
-    from training.metrics import model_flops_per_token
+    from training.run import model_flops_per_token
 
     with_mtp = load_preset(preset, {**SMALL, "mtp_num_layers": 2}, hc)
     f0 = model_flops_per_token(load_preset(preset, SMALL, hc), 16, 64)

@@ -2,7 +2,7 @@
 ``e30daa9``, pinned: before the Trainer split, the config base and the moves of the conversion
 code) resumes under today's code bit-identically, and a Hugging Face folder that code exported
 still loads: in ``transformers`` with the same logits as today's export, and back into a
-checkpoint with today's ``from-hf``.  That checkpoint has no run record (training.run_record):
+checkpoint with today's ``from-hf``.  That checkpoint has no run record (training.run.run_record):
 today's to-hf and inspect read it through the earlier lookup and say so in one note.
 
 The old code is extracted from the git history (``git archive``) and run in a subprocess with
@@ -128,7 +128,7 @@ def test_hugging_face_folder_of_the_old_code_still_loads(runs):
     old_hf, new_hf, back = str(root / "old-hf"), str(root / "new-hf"), str(root / "back")
     _convert(old, "to-hf", "--checkpoint", checkpoint, "--output", old_hf, "--dtype", "fp32")
     out = _convert(REPO, "to-hf", "--checkpoint", checkpoint, "--output", new_hf, "--dtype", "fp32")
-    # made before run records: today's lookup, and one note saying so (training.run_record)
+    # made before run records: today's lookup, and one note saying so (training.run.run_record)
     assert f"note: {checkpoint} has no run record (made before run records): tokenizer none by its config.yaml" in out
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = []

@@ -1,4 +1,4 @@
-"""Optimisers (training/optim.py; docs/math.md §1.7, §3.1, §6.4, §8 #31).
+"""Optimisers (training/optim/core.py; docs/math.md §1.7, §3.1, §6.4, §8 #31).
 
 Single process: param-group membership and weight decay on real zoo models (every HC variant),
 the Megatron ``config_overrides`` mapping, Newton–Schulz against an SVD float64 reference and its
@@ -32,7 +32,7 @@ from training.optim import (
     newton_schulz,
     param_groups,
 )
-from training.optim_megatron import megatron_config_overrides, megatron_optimizer_config
+from training.optim import megatron_config_overrides, megatron_optimizer_config
 from training.schedule import ScheduleConfig, build_scheduler
 from xhc.config import HCConfig
 
@@ -645,7 +645,7 @@ def _fake(shape, tp_dim=None, expert=False):
 
 def test_shard_owners_balance_newton_schulz_on_the_full_matrix_and_adamw_by_numel_per_group():
     from training.optim import shard_owner_ranks
-    from training.shard_owners import newton_schulz_cost
+    from training.optim import newton_schulz_cost
 
     # a TP-sharded matrix whose full matrix (32 x 64 at TP = 4) costs more than the unsplit 16 x 64 one,
     # though its local 8 x 64 shard costs less: the full matrix is what Newton–Schulz runs on

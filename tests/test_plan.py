@@ -1,4 +1,4 @@
-"""The run planner (training/plan.py, tools/plan.py): memory per rank against the real tensors, activations
+"""The run planner (training/plan/model.py, tools/plan.py): memory per rank against the real tensors, activations
 against what autograd really saves, the CLI, the search and the start-up block."""
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_bad_input_is_one_line_exit_2(argv, fragment, capsys):
 
 
 def test_flops_and_bytes_come_from_the_accounting(capsys):
-    """The time model's FLOPs per token are training's MFU numerator (xhc.accounting via training.metrics),
+    """The time model's FLOPs per token are training's MFU numerator (xhc.accounting via training.run.metrics),
     which is tools.zoo's column at the same sequence and vocabulary; its HC term is the accounted traffic."""
     import dataclasses
 

@@ -238,7 +238,7 @@ def test_entry_points_do_not_switch_off_torch_compile_in_the_importing_process(m
     import subprocess
     import sys
 
-    import training.process_defaults as pd
+    import training.run.process_defaults as pd
 
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
     r = subprocess.run([sys.executable, "-c", "import os, training.pretrain, tools.convert_checkpoint; "

@@ -29,7 +29,7 @@ import pytest
 
 from tests.dist.launch import free_port
 from training.checkpoint import list_checkpoints, verify_checkpoint
-from training.metrics import dedupe_resumed, read_jsonl, read_metrics
+from training.run import dedupe_resumed, read_jsonl, read_metrics
 from training.pretrain import Trainer, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -440,7 +440,7 @@ def test_dedupe_resumed_keeps_one_timeline():
 def test_lock_reused_pid_is_stale_and_another_host_is_not(tmp_path):
     import socket
 
-    from training.reliability import RunLock, RunLocked
+    from training.run import RunLock, RunLocked
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

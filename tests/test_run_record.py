@@ -1,4 +1,4 @@
-"""The run record (training.run_record): what a run trained on, resolved and checked by every tool.
+"""The run record (training.run.run_record): what a run trained on, resolved and checked by every tool.
 
 Fast tests on small files written here: the record's paths are absolute, its sizes and hashes are
 the files' own (sha256 computed here with hashlib), it survives moving the run directory, a
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.run_record import RECORD_NAME, RecordError, build_run_record, read_run_record, write_record_file
+from training.run import RECORD_NAME, RecordError, build_run_record, read_run_record, write_record_file
 
 
 def _sha(path) -> str:
@@ -84,7 +84,7 @@ def test_the_fingerprint_names_the_content_not_the_place(run, tmp_path):
     """The sweep's ``data`` column: arms on the same data share it wherever the data lie."""
     import copy
 
-    from training.run_record import RunRecord
+    from training.run import RunRecord
 
     _, _, record = run
     moved = copy.deepcopy(record)
@@ -181,7 +181,7 @@ def _checkpointed_run(run_dir, record) -> str:
 
 def test_to_hf_stops_with_the_line_and_exit_2_before_reading_tensors(run, tmp_path, capsys):
     """The checkpoint has no tensors at all: the tokenizer check comes first."""
-    from tools.convert_checkpoint import main
+    from tools.hf import main
 
     root, run_dir, record = run
     _checkpointed_run(run_dir, record)

@@ -1,10 +1,10 @@
-"""training.shard_owners: the deterministic owner assignment of a sharded optimizer state."""
+"""training.optim.shard_owners: the deterministic owner assignment of a sharded optimizer state."""
 
 import random
 
 import pytest
 
-from training.shard_owners import assign_owners, newton_schulz_cost
+from training.optim import assign_owners, newton_schulz_cost
 
 
 @pytest.mark.parametrize("group_size", [1, 2, 3, 8])

@@ -320,7 +320,7 @@ def test_fit_report_marks_no_true_difference_within_noise(tmp_path):
     assert dl == {"base": None, "same": "within noise", "better": "significant"}
     saved = json.loads((tmp_path / "summary" / "fit.json").read_text())
     assert "commit" in saved and saved["arm_commits"] == ["abc123"] and saved["warnings"] == []
-    assert saved["arm_data"] == ["d474d474d474"]  # one data set (training.run_record): no warning
+    assert saved["arm_data"] == ["d474d474d474"]  # one data set (training.run.run_record): no warning
     md = (tmp_path / "summary" / "fit.md").read_text()
     assert "| base | same |" in md and "within noise" in md.split("| base | same |")[1].splitlines()[0]
     assert "± " in md  # the arms over seeds table

@@ -61,7 +61,7 @@ def write_run(root: str, preset: str, model, step: int = 1, hc: dict = None) -> 
 
 def build(root: str) -> None:
     """Write every variant under ``root`` (needs Megatron's parallel state initialised)."""
-    from tools import conversion as C
+    from tools.hf import conversion as C
     from models.zoo import build_model, build_transformer_config, load_preset
 
     toks = tokens()

@@ -42,7 +42,7 @@ def run_main(body: Callable[[], Optional[int]], *expected: type) -> int:
 def add_text_source_args(p: argparse.ArgumentParser) -> None:
     """The options that say how to read raw text (``training.data.raw.load_raw``), shared by
     ``tools.train_tokenizer`` and ``tools.preprocess_data`` (after their ``--input``)."""
-    from training.data.raw import BUILDERS
+    from training.data import BUILDERS
 
     p.add_argument("--text-key", default="text", help="the column holding the text")
     p.add_argument("--format", choices=list(BUILDERS) + ["hub"], default=None, help="force the input format")

@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from tools._cli import run_main
-from training.data._util import DataError
-from training.data.corpus import DEFAULT_MAX_DOC_CHARS, DEFAULT_SEED, DEFAULT_TARGET_MB, SOURCES, build_corpus
+from training.data import DataError
+from training.data import DEFAULT_MAX_DOC_CHARS, DEFAULT_SEED, DEFAULT_TARGET_MB, SOURCES, build_corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:

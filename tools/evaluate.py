@@ -11,7 +11,7 @@ perplexity, bits per byte) through ``lm_eval.simple_evaluate`` with the ``hf`` m
 ``lm_eval --model hf --model_args pretrained=hf/X,trust_remote_code=True --tasks xhc_heldout
 --include_path <dir>`` does.  The held-out documents are the validation and test splits of
 ``--corpus`` under ``--split``: the documents the run never trained on.  Both default to what the
-export's run record (``run_record.json``, training.run_record) says the run trained on: the embedded
+export's run record (``run_record.json``, training.run.run_record) says the run trained on: the embedded
 default corpus, wherever that run built it, and the run's ``data.split``; a recorded corpus that is
 missing or changed stops with one line naming it.  A folder exported before run records falls back
 to ``data/default/corpus.jsonl`` in the working directory, with a note.  Needs
@@ -39,14 +39,14 @@ class EvalError(RuntimeError):
 
 def heldout_documents(corpus: str, split: str = "969,30,1") -> list:
     """The validation and test splits' documents of a ``{"text": ...}`` JSONL corpus (never trained on)."""
-    from training.data.gpt import _split_ranges
+    from training.data import split_ranges
 
     if not os.path.isfile(corpus):
         raise EvalError(f"--corpus {corpus}: not found (build it with `python -m training.data.default` or pass a "
                         "JSONL file of {\"text\": ...} documents)")
     with open(corpus, encoding="utf-8") as f:
         docs = [json.loads(line)["text"] for line in f if line.strip()]
-    _, valid, test = _split_ranges(len(docs), split)
+    _, valid, test = split_ranges(len(docs), split)
     held = [d for rng in (valid, test) if rng is not None for d in docs[rng[0]:rng[1]]]
     if held:
         return held
@@ -84,7 +84,7 @@ LEGACY_CORPUS = "data/default/corpus.jsonl"
 
 def corpus_and_split(hf_dir: str, corpus=None, split=None, log=print):
     """(corpus, split) to evaluate ``hf_dir`` on: the flags where given, else the run record's."""
-    from training.run_record import RecordError, read_run_record
+    from training.run import RecordError, read_run_record
 
     try:
         record = read_run_record(hf_dir) if os.path.isdir(hf_dir) else None

@@ -166,7 +166,7 @@ def _sweep_rows(args, gpu, eff):
     """(label, cfg, gpus) per N of ``--n`` or per variant of ``--sweep``."""
     rows = []
     if args.sweep:
-        from tools.sweep.spec import load_sweep
+        from tools.sweep import load_sweep
 
         sw = load_sweep(args.sweep)
         seen = set()

@@ -14,8 +14,8 @@ import argparse
 import sys
 
 from tools._cli import add_text_source_args, run_main
-from training.data._util import DataError
-from training.data.indexed import preprocess
+from training.data import DataError
+from training.data import preprocess
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,9 +14,9 @@ import itertools
 import sys
 
 from tools._cli import add_text_source_args, run_main
-from training.data._util import DataError
-from training.data.raw import iter_texts, load_raw
-from training.data.tokenizer import DEFAULT_SAMPLE_LINES, DEFAULT_VOCAB_SIZE, train_sentencepiece
+from training.data import DataError
+from training.data import iter_texts, load_raw
+from training.data import DEFAULT_SAMPLE_LINES, DEFAULT_VOCAB_SIZE, train_sentencepiece
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -44,15 +44,15 @@ from models.zoo import ZooError, build_model, build_transformer_config, load_pre
 from training.checkpoint import MANIFEST, Checkpointer, check_compatible, remove_partial_saves
 from training.config import ConfigError, config_to_dict, pad_vocab_size, validate_runtime
 from training.data import DataConfig, NullTokenizer, Tokenizer, build_datasets, prepare_default_data
-from training.data.default import default_paths
-from training.data.gpt import check_indexed_pair
-from training.hc_health import HCHealth
-from training.metrics import MetricsLogger, model_flops_per_token, peak_tflops
+from training.data import default_paths
+from training.data import check_indexed_pair
+from training.run import HCHealth
+from training.run import MetricsLogger, model_flops_per_token, peak_tflops
 from training.optim import build_optimizer, hc_defaults_for_optimizer
-from training.reliability import check_free_space, exit_with_launcher, human_mb
-from training.run_record import write_run_record
+from training.run import check_free_space, exit_with_launcher, human_mb
+from training.run import write_run_record
 from training.schedule import build_scheduler
-from training.step_runner import make_step_runner, unwrap
+from training.run import make_step_runner, unwrap
 from xhc.kernels import backend_reason, liger_note
 
 __all__ = ["Builder", "barrier", "from_rank0"]
@@ -345,7 +345,7 @@ class Builder:
 
     def write_config(self) -> None:
         """``<run.dir>/config.yaml`` and ``run_record.json`` (what the run trains on, resolved:
-        training.run_record; every checkpoint carries it), once the set-up has succeeded (a refused
+        training.run.run_record; every checkpoint carries it), once the set-up has succeeded (a refused
         start changes nothing)."""
         run = self.run
         if run.is_main:

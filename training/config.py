@@ -549,7 +549,7 @@ def validate_config(cfg: PretrainConfig) -> None:
         if any(w < 0 for w in d.weights) or sum(d.weights) <= 0:
             raise _err("data.weights", f"{d.weights} must be >= 0 with a positive sum")
     try:
-        from training.data.gpt import parse_split
+        from training.data import parse_split
 
         parse_split(d.split)
     except ValueError as e:

@@ -43,7 +43,7 @@ import torch
 
 from configs import resolve_config
 from training.config import parse_overrides
-from training.metrics import MetricsLogger as _MetricsLogger
+from training.run import MetricsLogger as _MetricsLogger
 from xhc.config import HCConfig
 from xhc.config_base import ConfigBase, ConfigKeyError, set_dotted
 
@@ -328,8 +328,8 @@ def load_chat_dataset(args: DataArgs):
             fmt = "parquet" if files[0].endswith(".parquet") else "json"
         if fmt == "hub":
             raise FinetuneConfigError(f"data.format=hub but data.path={path} is a local path")
-        from training.data._util import DataError
-        from training.data.raw import check_text_file
+        from training.data import DataError
+        from training.data import check_text_file
 
         bars_were_off = datasets.are_progress_bars_disabled()
         datasets.disable_progress_bars()  # stderr carries errors only
@@ -572,7 +572,7 @@ def apply_peft(model, args: PeftArgs):
 # Logging
 # ================================================================================================
 class MetricsLogger(_MetricsLogger):
-    """:class:`training.metrics.MetricsLogger` (console, ``metrics.jsonl``, tensorboard under
+    """:class:`training.run.metrics.MetricsLogger` (console, ``metrics.jsonl``, tensorboard under
     ``tb/``) with finetuning's call style ``log(kind, step, **values)``."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, stream=None):

@@ -19,12 +19,12 @@ Where the rest lives:
 
 - :mod:`training.builder`: config -> the run's state (process groups, data, model chunks, optimizer,
   scheduler, checkpointer, logger).
-- :mod:`training.step_runner`: one global batch's forward and backward, chosen once at start-up:
+- :mod:`training.run.step_runner`: one global batch's forward and backward, chosen once at start-up:
   ``MegatronStepRunner`` (GPU: Megatron's pipeline schedules, DDP, the distributed optimizer, bf16
   with the HC parameters in fp32) or ``CpuStepRunner`` (gloo, fp32, GPipe for PP > 1).
-- :mod:`training.lifecycle`: signals and stop flags, non-finite handling and the rollback policy,
+- :mod:`training.run.lifecycle`: signals and stop flags, non-finite handling and the rollback policy,
   ``status.json``, the run-directory lock.
-- :mod:`training.run_checkpoints`: the run's checkpoints: save (now, or in the background), the
+- :mod:`training.checkpoint.run`: the run's checkpoints: save (now, or in the background), the
   save in flight, load and resume.
 
 Reliability (``docs/reliability.md``): a lock on ``run.dir``, writable / free-space checks at
@@ -49,25 +49,25 @@ from typing import Dict, List, Optional
 
 # Keep top-level imports light: dist_checkpointing's save starts a helper process that re-imports
 # the main module.  CPU machines: passive OpenMP waits (before torch loads) and, while main() runs,
-# no torch.compile (see training.process_defaults).
-from training.process_defaults import cpu_entry_point, set_omp_wait_policy  # noqa: E402
+# no torch.compile (see training.run.process_defaults).
+from training.run import cpu_entry_point, set_omp_wait_policy  # noqa: E402
 
 set_omp_wait_policy()
 
 from training.config import ConfigError, PretrainConfig, load_config  # noqa: E402
-from training.lifecycle import (Lifecycle, NonFiniteState, TrainingAborted,  # noqa: E402,F401
+from training.run import (Lifecycle, NonFiniteState, TrainingAborted,  # noqa: E402,F401
                                 first_nonfinite_parameter, write_status)
 
 __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
 
 
 def __getattr__(name: str):
-    """``float16_module_keep_hc_fp32`` and ``params_synced`` live in :mod:`training.step_runner`
+    """``float16_module_keep_hc_fp32`` and ``params_synced`` live in :mod:`training.run.step_runner`
     (imported on first use: this module's top stays light)."""
     if name in ("float16_module_keep_hc_fp32", "params_synced"):
-        from training import step_runner
+        import training.run
 
-        return getattr(step_runner, name)
+        return getattr(training.run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -113,7 +113,7 @@ class Trainer:
         build.datasets()  # after the checkpoint checks: a refused resume builds no index caches
         build.write_config()
         build.logging()
-        from training.plan_check import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
+        from training.plan import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
         self.plan_check = PlanCheck(self)
 
     def maybe_resume(self) -> None:
@@ -312,29 +312,29 @@ class Trainer:
     # Checkpoints
     # ----------------------------------------------------------------------------------------
     def save_checkpoint(self, reason: str) -> Optional[str]:
-        """Save this step: the path, or None when it writes in the background (:mod:`training.run_checkpoints`)."""
-        from training import run_checkpoints
+        """Save this step: the path, or None when it writes in the background (:mod:`training.checkpoint.run`)."""
+        from training.checkpoint import save_run
 
-        return run_checkpoints.save(self, reason)
+        return save_run(self, reason)
 
     def poll_checkpoint(self, blocking: bool = False) -> None:
         """Finalize the asynchronous save in flight once every rank's write is done (``blocking``: wait)."""
-        from training import run_checkpoints
+        from training.checkpoint import poll_run_save
 
-        run_checkpoints.poll(self, blocking)
+        poll_run_save(self, blocking)
 
     def wait_for_checkpoint(self) -> None:
         """Finish the asynchronous save in flight, if any."""
         self.poll_checkpoint(blocking=True)
 
     def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
-        """Resume from the checkpoint at ``path`` (:func:`training.run_checkpoints.load`)."""
-        from training import run_checkpoints
+        """Resume from the checkpoint at ``path`` (:func:`training.checkpoint.run.load`)."""
+        from training.checkpoint import load_run
 
-        run_checkpoints.load(self, path, body)
+        load_run(self, path, body)
 
     # ----------------------------------------------------------------------------------------
-    # Non-finite state: never saved; abort, or roll back (the policy: training.lifecycle)
+    # Non-finite state: never saved; abort, or roll back (the policy: training.run.lifecycle)
     # ----------------------------------------------------------------------------------------
     def check_parameters(self, context: str, window_end: Optional[int] = None) -> None:
         """Raise :class:`NonFiniteState` on every rank when any rank holds a non-finite parameter."""
@@ -374,7 +374,7 @@ class Trainer:
     def finish(self) -> None:
         """Loss plot and the summary of where everything went (rank 0)."""
         from training.checkpoint import list_checkpoints
-        from training.metrics import format_duration, plot_losses
+        from training.run import format_duration, plot_losses
 
         if self.metrics is None:
             return
@@ -468,8 +468,8 @@ class Trainer:
 
     @staticmethod
     def _unwrap(chunk):
-        """The GPT model inside a chunk's wrappers (:func:`training.step_runner.unwrap`)."""
-        from training.step_runner import unwrap
+        """The GPT model inside a chunk's wrappers (:func:`training.run.step_runner.unwrap`)."""
+        from training.run import unwrap
 
         return unwrap(chunk)
 

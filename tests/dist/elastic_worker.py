@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from training.process_defaults import cpu_entry_point
+from training.run import cpu_entry_point
 from training.config import load_config
 from training.pretrain import Trainer
 

@@ -2,7 +2,7 @@
 ``muon_reshard_worker.py PHASE ROOT`` under torchrun with 2 ranks (PHASE ``save``, then ``grow``).
 
 The model is tests/test_gpu_path.py's (bf16 weights, fp32 HC parameters, Megatron DDP) and the
-optimizer ``training.optim_megatron``'s ``ShardedLayerWiseOptimizer``, sharded over data parallelism
+optimizer ``training.optim.megatron``'s ``ShardedLayerWiseOptimizer``, sharded over data parallelism
 (``optimizer.use_distributed_optimizer=true``, GPU's default) or replicated (``false``); every step
 reads the same batch on every rank, clipping active.  The CUDA-only corners of Megatron's optimizer
 run through the CPU stand-ins of tests/dist/distopt_reshard_worker.py.

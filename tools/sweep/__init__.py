@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                            help="model FLOPs utilisation assumed for the GPU-hours column (default %(default)s)")
             s.add_argument("--peak-tflops", type=float, default=989.0,
                            help="per-GPU dense bf16 peak, TFLOP/s (default %(default)s: H100/H200, "
-                                "training.metrics.GPU_PEAK_TFLOPS)")
+                                "training.run.metrics.GPU_PEAK_TFLOPS)")
         if name == "fit":
             s.add_argument("--no-plots", action="store_true",
                            help="fit.json and fit.md only (the plots need matplotlib: pip install 'xhc[plot]')")

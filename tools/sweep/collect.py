@@ -105,9 +105,9 @@ def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
 
 
 def _data_fingerprint(run_dir: str):
-    """What the arm trained on, by content (training.run_record: tokenizer and data hashes); None for
+    """What the arm trained on, by content (training.run.run_record: tokenizer and data hashes); None for
     an arm not started, or run before run records."""
-    from training.run_record import RecordError, read_run_record
+    from training.run import RecordError, read_run_record
 
     try:
         record = read_run_record(run_dir) if os.path.isdir(run_dir) else None

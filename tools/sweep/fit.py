@@ -605,7 +605,7 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True) -> 
     for w in warnings:
         log(f"[fit] warning: {w['message']}; remedy: {w['remedy']}")
     arm_commits = sorted({r["commit"] for r in used if r.get("commit")})
-    arm_data = sorted({r["data"] for r in used if r.get("data")})  # training.run_record fingerprints
+    arm_data = sorted({r["data"] for r in used if r.get("data")})  # training.run.run_record fingerprints
     if len(arm_data) > 1:
         warnings.append({"variant": None, "kind": "data", "param": None,
                          "message": f"the fitted arms trained on {len(arm_data)} different data/tokenizers "

@@ -140,7 +140,7 @@ def load_sweep(path: str, out_dir: Optional[str] = None, extra_overrides: Sequen
     import yaml
 
     from models.zoo import ZooError, load_preset
-    from training.metrics import model_flops_per_token
+    from training.run import model_flops_per_token
     from xhc.accounting import backbone_params, hc_params_total
     from models.zoo import backbone_shape
 

@@ -6,39 +6,28 @@ deterministic, resumable micro-batches.  With no data of your own, :func:`prepar
 builds all of it from the Python standard library's text.
 
 Modules: ``corpus`` (stdlib corpus), ``raw`` (loading raw text), ``tokenizer``,
-``indexed`` (preprocessing into ``.bin``/``.idx``), ``gpt`` (datasets and iterator), ``default``.
+``indexed`` (preprocessing into ``.bin``/``.idx``), ``gpt`` (datasets and iterator), ``default``,
+``_util`` (errors, hashes, JSON writes).
 Names are imported lazily so that ``import training.data`` stays cheap (no torch/Megatron).
 """
 
 from __future__ import annotations
 
-import importlib
+from training.rooms import lazy_exports
 
 _EXPORTS = {
-    "DataError": "_util",
-    "build_corpus": "corpus",
-    "SOURCES": "corpus",
-    "load_raw": "raw",
-    "iter_texts": "raw",
-    "Tokenizer": "tokenizer",
-    "NullTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "train_sentencepiece": "tokenizer",
+    "DataError": "_util", "sha256_file": "_util", "write_json": "_util",
+    "build_corpus": "corpus", "DEFAULT_MAX_DOC_CHARS": "corpus", "DEFAULT_SEED": "corpus",
+    "DEFAULT_TARGET_MB": "corpus", "SOURCES": "corpus",
+    "default_paths": "default", "PREFIX_NAME": "default", "prepare_default_data": "default",
+    "build_datasets": "gpt", "check_indexed_pair": "gpt", "collate": "gpt", "DataConfig": "gpt",
+    "DataIterator": "gpt", "document_positions": "gpt", "make_data_iterator": "gpt", "parse_split": "gpt",
+    "split_ranges": "gpt",
     "preprocess": "indexed",
-    "DataConfig": "gpt",
-    "build_datasets": "gpt",
-    "DataIterator": "gpt",
-    "make_data_iterator": "gpt",
-    "collate": "gpt",
-    "document_positions": "gpt",
-    "prepare_default_data": "default",
-    "default_paths": "default",
+    "BUILDERS": "raw", "check_text_file": "raw", "iter_texts": "raw", "load_raw": "raw",
+    "DEFAULT_SAMPLE_LINES": "tokenizer", "DEFAULT_VOCAB_SIZE": "tokenizer", "folder_fingerprint": "tokenizer",
+    "load_tokenizer": "tokenizer", "NullTokenizer": "tokenizer", "Tokenizer": "tokenizer",
+    "train_sentencepiece": "tokenizer",
 }
-
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"training.data.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'training.data' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

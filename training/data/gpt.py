@@ -129,7 +129,7 @@ def parse_split(split: str) -> list[float]:
     return [v / sum(values) for v in values]
 
 
-def _split_ranges(n_docs: int, split: str) -> list[Optional[tuple[int, int]]]:
+def split_ranges(n_docs: int, split: str) -> list[Optional[tuple[int, int]]]:
     """Document index ranges per split (None for a split with share 0), as Megatron's builder computes them."""
     from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
 
@@ -195,7 +195,7 @@ def _check_splits_nonempty(cfg: DataConfig) -> None:
         return  # each split is a whole dataset
     for prefix in cfg.prefixes:
         count = len(IndexedDataset(prefix, mmap=False))
-        for name, rng in zip(SPLIT_NAMES, _split_ranges(count, cfg.split)):
+        for name, rng in zip(SPLIT_NAMES, split_ranges(count, cfg.split)):
             if rng is not None and rng[1] <= rng[0]:
                 raise DataError(
                     f"data config: split {cfg.split!r} leaves the {name} split of {prefix!r} ({count} documents) "

@@ -68,7 +68,7 @@ class Tokenizer:
                 raise DataError(f"tokenizer: cannot load a Hugging Face tokenizer from {path!r}: {first}") from err
             if self._hf.eos_token_id is None:
                 raise DataError(f"tokenizer: Hugging Face tokenizer {path!r} has no eos token to use as EOD; set eos_token")
-            self._fingerprint = _folder_fingerprint(path)
+            self._fingerprint = folder_fingerprint(path)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -219,7 +219,7 @@ class NullTokenizer:
     )
 
 
-def _folder_fingerprint(path: str) -> str:
+def folder_fingerprint(path: str) -> str:
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)

@@ -82,9 +82,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from training.data._util import sha256_file as _sha256  # hex sha256 of a file's bytes
-from training.rng_state import capture_rng_state, restore_rng_state  # noqa: F401 (re-exported)
-from training.save_safety import (deferred_signals, describe_os_error, explain_save_error,  # noqa: F401 (re-exported)
+from training.data import sha256_file as _sha256  # hex sha256 of a file's bytes
+from training.checkpoint.rng_state import capture_rng_state, restore_rng_state  # noqa: F401 (re-exported)
+from training.checkpoint.save_safety import (deferred_signals, describe_os_error, explain_save_error,  # noqa: F401 (re-exported)
                                   inprocess_results_queue, is_no_space, mount_point)
 
 __all__ = [

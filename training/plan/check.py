@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from training.plan import GIB, SavedTensorMeter, _gpu_of, make_plan
+from training.plan.model import GIB, SavedTensorMeter, _gpu_of, make_plan
 
 class LiveSavedMeter:
     """The peak of the bytes autograd holds saved for backward inside the block (unique storages, parameters

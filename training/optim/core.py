@@ -25,7 +25,7 @@ Backends (:func:`build_optimizer`):
   order, runs Newton–Schulz on the whole matrix and keeps its own slice (Newton–Schulz commutes
   with row/column permutations, so the rank-order layout of SwiGLU ``[gate; up]`` or GQA shards
   gives exactly the TP=1 result).
-- **megatron** (GPU with Megatron-DDP-wrapped chunks; :mod:`training.optim_megatron`): Megatron's
+- **megatron** (GPU with Megatron-DDP-wrapped chunks; :mod:`training.optim.megatron`): Megatron's
   ``get_megatron_optimizer`` (distributed optimizer by default) for AdamW with this module's
   weight-decay rule passed as ``config_overrides``; without the distributed optimizer the fp32 HC
   parameters of a bf16 model get their own ``FP32Optimizer`` in the chain
@@ -40,7 +40,7 @@ Backends (:func:`build_optimizer`):
 State sharded over data parallelism (:attr:`OptimizerConfig.use_distributed_optimizer`; Muon's
 default on the Megatron backend, opt-in on the torch backend): each parameter is owned by one rank
 of its DP group (expert-DP group for routed experts; :func:`shard_owner_ranks`, Newton–Schulz cost
-for Muon matrices and element count for AdamW, ``training.shard_owners``).  Only the owner holds its
+for Muon matrices and element count for AdamW, ``training.optim.shard_owners``).  Only the owner holds its
 state and updates it (one Newton–Schulz per matrix across the group, with its TP peers for the full
 matrix); :class:`ParamShards` then broadcasts the updated parameters.  Torch backend: the inner
 optimisers hold the owned parameters only; checkpoints stay ``torch-sharded`` (each tensor written
@@ -60,7 +60,7 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optio
 import torch
 import torch.distributed as dist
 
-from training.param_shards import (ParamShards, build_param_shards, is_expert_dp_param,  # noqa: F401 (re-exported)
+from training.optim.param_shards import (ParamShards, build_param_shards, is_expert_dp_param,  # noqa: F401 (re-exported)
                                    muon_matrix_shape, shard_owner_ranks)
 from xhc.config import HCConfig
 from xhc.config_base import ConfigBase
@@ -143,7 +143,7 @@ class OptimizerConfig(ConfigBase):
     """Shard the optimizer state over data parallelism (None: on with the Megatron backend, off with the
     torch backend).  AdamW on the Megatron backend: Megatron's distributed optimizer.  Muon: every
     parameter is owned by one rank of its data-parallel group (the expert-data-parallel group for routed
-    experts, :func:`training.shard_owners.assign_owners`), which keeps its state (and fp32 main copy),
+    experts, :func:`training.optim.shard_owners.assign_owners`), which keeps its state (and fp32 main copy),
     runs its one Newton–Schulz and sends the updated parameter to the others (:class:`ParamShards`).
     The torch backend shards either optimizer this way when it is true."""
 
@@ -530,20 +530,22 @@ class Muon(torch.optim.Optimizer):
             return None
         return group
 
-    @staticmethod
-    def _orthogonalize(U: torch.Tensor, p: torch.Tensor, group: Dict[str, Any],
+    newton_schulz = staticmethod(newton_schulz)  # (a class attribute: bench.sharded_muon wraps it to time NS)
+
+    @classmethod
+    def _orthogonalize(cls, U: torch.Tensor, p: torch.Tensor, group: Dict[str, Any],
                        tp_group) -> Tuple[torch.Tensor, Tuple[int, int]]:
         """NS of the full matrix of which ``U`` is this rank's shard; returns (local slice, full shape)."""
         dtype = NS_DTYPES[group["ns_dtype"]]
         kw = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"], dtype=dtype)
         if tp_group is None or not getattr(p, "tensor_model_parallel", False):
-            return newton_schulz(U, **kw), tuple(U.shape)
+            return cls.newton_schulz(U, **kw), tuple(U.shape)
         dim = int(p.partition_dim)
         world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         parts = [torch.empty_like(U) for _ in range(world)]
         dist.all_gather(parts, U.contiguous(), group=tp_group)
         full = torch.cat(parts, dim=dim)
-        O = newton_schulz(full, **kw)
+        O = cls.newton_schulz(full, **kw)
         return O.narrow(dim, rank * U.size(dim), U.size(dim)), tuple(full.shape)
 
     @torch.no_grad()
@@ -586,7 +588,7 @@ def _muon_init_state(opt, config=None) -> None:
 def optimizer_shards(named: Sequence[Tuple[str, torch.Tensor]], cfg: OptimizerConfig,
                      process_groups: Optional[Mapping[str, Any]] = None,
                      kinds: Optional[Sequence[str]] = None) -> ParamShards:
-    """The :class:`training.param_shards.ParamShards` of the trainable parameters ``named`` (``(name,
+    """The :class:`training.optim.param_shards.ParamShards` of the trainable parameters ``named`` (``(name,
     param)``, every rank the same order); ``kinds``: each one's optimizer, default :func:`classify_param`'s."""
     if kinds is None:
         kinds = [classify_param(n, p, cfg.name).optimizer for n, p in named]
@@ -904,46 +906,6 @@ def _muon_kwargs(cfg: OptimizerConfig) -> Dict[str, Any]:
     return dict(lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                 ns_coefficients=cfg.muon_ns_coefficients, rms_scale=cfg.muon_rms, weight_decay=cfg.weight_decay,
                 eps=cfg.muon_eps, ns_dtype=cfg.muon_ns_dtype)
-
-
-def build_optimizer(model: Models, cfg: OptimizerConfig, use_megatron: Optional[bool] = None,
-                    process_groups: Optional[Mapping[str, Any]] = None) -> TrainOptimizer:
-    """The optimiser for ``model`` (a module or a list of pipeline chunks).
-
-    ``use_megatron``: None = Megatron's optimiser when CUDA is available and every chunk is
-    wrapped in Megatron's DDP, else the torch backend (which works on any device).
-    ``process_groups``: torch backend, Muon's ``{"tp": ..., "expert_tp": ...}`` (default:
-    Megatron's parallel_state).
-    """
-    chunks = _chunks(model)
-    wrapped = all(hasattr(c, "ddp_config") for c in chunks)
-    if use_megatron is None:
-        use_megatron = torch.cuda.is_available() and wrapped
-    if use_megatron:
-        if not wrapped:
-            raise OptimizerConfigError("build_optimizer(use_megatron=True) needs Megatron-DDP-wrapped model chunks "
-                                       "(megatron.core.distributed.DistributedDataParallel)")
-        from training.optim_megatron import build_megatron  # (imports Megatron's optimizer package: slow)
-
-        return build_megatron(chunks, cfg)
-    groups = param_groups(chunks, cfg)
-    params = [p for g in groups for p in g["params"]]
-    shards = None
-    if shards_state(cfg, "torch"):  # each rank's optimisers hold the parameters it owns (groups may be empty)
-        shards = optimizer_shards(named_trainable_parameters(chunks), cfg, process_groups)
-        for g in groups:
-            keep = [i for i, p in enumerate(g["params"]) if shards.owns(p)]
-            g["params"] = [g["params"][i] for i in keep]
-            g["param_names"] = [g["param_names"][i] for i in keep]
-    adamw_groups = [g for g in groups if g["optimizer"] == "adamw"]
-    muon_groups = [g for g in groups if g["optimizer"] == "muon"]
-    optimizers: Dict[str, torch.optim.Optimizer] = {}
-    if adamw_groups:
-        optimizers["adamw"] = torch.optim.AdamW(adamw_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                                weight_decay=cfg.weight_decay)
-    if muon_groups:
-        optimizers["muon"] = Muon(muon_groups, process_groups=process_groups, **_muon_kwargs(cfg))
-    return TrainOptimizer(cfg, optimizers, params, backend="torch", chunks=chunks, shards=shards)
 
 
 def _main_params(wrapper) -> List[Tuple[torch.Tensor, torch.Tensor]]:

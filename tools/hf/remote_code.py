@@ -9,7 +9,7 @@ from typing import List, Tuple
 
 import models.hf.export as _export
 import xhc as _xhc
-from tools._errors import ConversionError
+from tools.hf.errors import ConversionError
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(_export.__file__)), "remote")
 XHC_DIR = os.path.dirname(os.path.abspath(_xhc.__file__))

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from training.optim import (OptimizerConfig, OptimizerConfigError, Muon, TrainOptimizer, _main_params,
+from training.optim.core import (OptimizerConfig, OptimizerConfigError, Muon, TrainOptimizer, _main_params,
                             _muon_init_state, _muon_kwargs, _zero_state,
                             optimizer_shards, classify_param, named_trainable_parameters, param_groups,
                             shards_state)
@@ -132,14 +132,14 @@ def _layer_wise_optimizer_class():
         """Megatron-Core's layer-wise distributed optimizer (each DP rank owns whole parameters, a
         chained optimizer over Muon and AdamW, one global grad norm) with five changes:
 
-        - the owners: :func:`training.param_shards.shard_owner_ranks` (Newton–Schulz cost for the Muon matrices, element
+        - the owners: :func:`training.optim.param_shards.shard_owner_ranks` (Newton–Schulz cost for the Muon matrices, element
           count for the AdamW ones, per DP / expert-DP group) instead of Megatron's ping-pong by
           element count, which balances neither the Newton–Schulz FLOPs nor, per optimizer, the state;
         - the wrappers: each sub-optimizer is wrapped after sharding by ``wrap(index, optimizer)``
           (bf16 parameters in ``Float16OptimizerWithFloat16Params``, the fp32 HC parameters in their own
           ``FP32Optimizer``), so fp32 main copies exist for the owned parameters only and no bf16
           wrapper holds an fp32 parameter (which it cannot checkpoint);
-        - the exchange: :meth:`training.param_shards.ParamShards.sync` (per dtype, per owner), since Megatron's flattened
+        - the exchange: :meth:`training.optim.param_shards.ParamShards.sync` (per dtype, per owner), since Megatron's flattened
           all-gather assumes one dtype for all parameters (bf16 weights beside fp32 HC parameters), run by
           ``step_with_ready_grads`` on 0.16.1 (whose base class gathers in ``step``) and 0.19 alike;
         - the checkpoint: one entry per parameter (:attr:`per_param_checkpoint`), which reshards, instead

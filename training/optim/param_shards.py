@@ -1,10 +1,10 @@
 """Optimizer state sharded over data parallelism: which rank owns which parameter, and the exchange.
 
 Each parameter is owned by one rank of its data-parallel group (the expert-data-parallel group for
-routed experts): :func:`shard_owner_ranks` picks the owners (:mod:`training.shard_owners`'s rule:
+routed experts): :func:`shard_owner_ranks` picks the owners (:mod:`training.optim.shard_owners`'s rule:
 Muon matrices by their Newton–Schulz cost on the full, TP-gathered matrix, AdamW parameters by element
 count), and :class:`ParamShards` sends the owners' updated parameters to the rest of the group after a
-step.  Used by :mod:`training.optim` (torch backend) and :mod:`training.optim_megatron` (GPU), and by
+step.  Used by :mod:`training.optim` (torch backend) and :mod:`training.optim.megatron` (GPU), and by
 the planner for the same owners.
 """
 
@@ -35,10 +35,10 @@ def shard_owner_ranks(params: Sequence[Tuple[torch.Tensor, str]], dp_size: int, 
     Dense parameters are shared out over the DP group (``dp_size``), routed-expert parameters
     (:func:`is_expert_dp_param`) over the expert-DP group; in each, the Muon matrices by their
     Newton–Schulz cost on the full (TP-gathered) matrix and the AdamW parameters by their local
-    element count, in two passes of :func:`training.shard_owners.assign_owners` (pure and
+    element count, in two passes of :func:`training.optim.shard_owners.assign_owners` (pure and
     deterministic: every rank of a group computes the same owners from the same parameter order).
     """
-    from training.shard_owners import assign_owners, newton_schulz_cost
+    from training.optim.shard_owners import assign_owners, newton_schulz_cost
 
     owners = [0] * len(params)
     for expert in (False, True):

@@ -26,7 +26,7 @@ import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from training.config import ConfigError, PretrainConfig
-from training.reliability import RunLock, check_writable
+from training.run.reliability import RunLock, check_writable
 
 __all__ = ["Lifecycle", "NonFiniteState", "TrainingAborted", "first_nonfinite_parameter", "write_status"]
 

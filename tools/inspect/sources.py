@@ -148,7 +148,7 @@ def _remote_config_class():
 
 
 def _checkpoint_source(target: Target, ck: str):
-    from tools import conversion as C
+    import tools.hf as C
 
     cfg = target.run_config
     model = cfg.get("model") or {}
@@ -166,7 +166,7 @@ def _checkpoint_source(target: Target, ck: str):
 
 def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo, object, object]:
     """(ModelInfo, convert.Source, preset) of a checkpoint (nothing but metadata is read)."""
-    from tools import conversion as C
+    import tools.hf as C
 
     src = _checkpoint_source(target, ck)
     try:
@@ -194,7 +194,7 @@ def model_info_checkpoint(target: Target, ck: str, step: int) -> Tuple[ModelInfo
 
 
 def model_info_hf(target: Target) -> ModelInfo:
-    from tools import conversion as C
+    import tools.hf as C
     from xhc.config import HCConfigError
 
     try:
@@ -220,9 +220,9 @@ def model_info_hf(target: Target) -> ModelInfo:
 
 def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
     """``(group, {megatron name: tensor})`` for the embedding, each layer and the head, one group at a
-    time: the converter's :func:`tools.conversion.stream_checkpoint` (``dist_checkpointing``
+    time: the converter's :func:`tools.hf.conversion.stream_checkpoint` (``dist_checkpointing``
     reshards any saved layout; a dropped group is freed), with its errors as :class:`InspectError`."""
-    from tools.conversion import ConversionError, stream_checkpoint
+    from tools.hf import ConversionError, stream_checkpoint
 
     try:
         yield from stream_checkpoint(model, checkpoint, progress=False)
@@ -232,8 +232,8 @@ def _stream_groups(model, checkpoint: str) -> Iterator[Tuple[str, Dict]]:
 
 def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> Iterator[Tuple[str, Dict]]:
     """``(group, {hf name: tensor})``: the embedding, then each decoder layer, read one group at a time
-    from the checkpoint by ``dist_checkpointing`` (``tools.conversion.stream_checkpoint``)."""
-    from tools import conversion as C
+    from the checkpoint by ``dist_checkpointing`` (``tools.hf.conversion.stream_checkpoint``)."""
+    import tools.hf as C
     from models.hf.export import mapping as M
 
     arch = M.arch_of(preset.backbone)
@@ -252,7 +252,7 @@ def stream_checkpoint_layers(src, preset, info: ModelInfo, progress: bool) -> It
 def stream_hf_layers(hf_dir: str, info: ModelInfo) -> Iterator[Tuple[str, Dict]]:
     """``(group, {hf name: tensor})`` from an exported folder (safetensors, one group at a time), in the
     fused expert layout the remote model uses (the Hub's per-expert layout is converted)."""
-    from tools import conversion as C
+    import tools.hf as C
     from models.hf.export import mapping as M
 
     cfg = info.hf_config

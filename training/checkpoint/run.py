@@ -41,9 +41,9 @@ def compat_info(run) -> dict:
             "global_batch_size": run.cfg.batch.global_batch_size}
 
 
-def save(run, reason: str) -> Optional[str]:
+def save_run(run, reason: str) -> Optional[str]:
     """Save this step (all ranks); the path, or None for a save left writing in the background."""
-    from training import checkpoint
+    from training.checkpoint import checkpointer as checkpoint
 
     t0 = time.perf_counter()
     sharding = run.cfg.checkpoint.optimizer_sharding
@@ -51,7 +51,7 @@ def save(run, reason: str) -> Optional[str]:
             "optimizer_sharding": sharding,
             "optimizer_format": checkpoint.optimizer_checkpoint_format(run.optimizer),
             "optimizer_main_params": bool(getattr(run.optimizer, "has_main_params", False)),
-            **compat_info(run), "run_record": getattr(run, "run_record", None)}  # training.run_record
+            **compat_info(run), "run_record": getattr(run, "run_record", None)}  # training.run.run_record
     asynchronous = run.async_save and reason == "interval"  # a stop or the end would wait for it at once
     with run.runner.params_synced():  # overlap_param_gather: every shard at this step's values
         run.check_parameters(f"checkpoint at step {run.step} not saved")  # all ranks agree (before a snapshot)
@@ -71,7 +71,7 @@ def save(run, reason: str) -> Optional[str]:
     return path
 
 
-def poll(run, blocking: bool = False) -> None:
+def poll_run_save(run, blocking: bool = False) -> None:
     """The asynchronous save in flight: finalized when every rank's write is done (``blocking``:
     wait for it); a failed write raises its one-line CheckpointError here, at a step boundary."""
     if run.ckpt is None or not run.ckpt.in_flight:
@@ -87,9 +87,9 @@ def poll(run, blocking: bool = False) -> None:
                       f"{run.ckpt.snapshot_seconds:.2f}s for the snapshot)", checkpoint=path)
 
 
-def load(run, path: str, body: Optional[dict] = None) -> None:
+def load_run(run, path: str, body: Optional[dict] = None) -> None:
     """Resume ``run`` from the checkpoint at ``path`` (``body``: its verified manifest, if read already)."""
-    from training.checkpoint import (build_state, check_compatible, is_megatron_optimizer, optimizer_checkpoint_format,
+    from training.checkpoint.checkpointer import (build_state, check_compatible, is_megatron_optimizer, optimizer_checkpoint_format,
                                      restore_rng_state)
 
     ck = run.cfg.checkpoint
@@ -113,7 +113,7 @@ def load(run, path: str, body: Optional[dict] = None) -> None:
         missing, unexpected = run._unwrap(chunk).load_state_dict(loaded[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            from training.checkpoint import CheckpointError
+            from training.checkpoint.checkpointer import CheckpointError
 
             raise CheckpointError(f"checkpoint {path}: model keys do not match this model (missing "
                                   f"{missing[:3]}, unexpected {list(unexpected)[:3]}): is it the same preset?")
@@ -141,7 +141,7 @@ def load(run, path: str, body: Optional[dict] = None) -> None:
     run.load_seconds = time.perf_counter() - t0
     run.resume_layouts = None
     if resharding:
-        from training.checkpoint import _LAYOUT_KEYS
+        from training.checkpoint.checkpointer import _LAYOUT_KEYS
         from training.config import config_to_dict
 
         now = config_to_dict(run.cfg.parallel)

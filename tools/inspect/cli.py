@@ -33,11 +33,11 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from tools._cli import require, run_main
-from tools.inspect_figures import figures_compare, figures_curves, figures_one, figures_steps
-from tools.inspect_sources import (InspectError, ModelInfo, Target, _parse_steps, _stream_groups, build_layer,
+from tools.inspect.figures import figures_compare, figures_curves, figures_one, figures_steps
+from tools.inspect.sources import (InspectError, ModelInfo, Target, _parse_steps, _stream_groups, build_layer,
                                    model_info_checkpoint, model_info_hf, resolve, stream_checkpoint_layers,
                                    stream_hf_layers)  # noqa: F401 (re-exported)
-from training.process_defaults import cpu_entry_point, set_omp_wait_policy
+from training.run import cpu_entry_point, set_omp_wait_policy
 from xhc.config import FLASH_FAMILY
 
 set_omp_wait_policy()
@@ -52,10 +52,10 @@ FLASH = FLASH_FAMILY
 # Tokens
 # ================================================================================================
 def _validation_prefix(target: Target, ck: Optional[str]) -> Optional[Tuple[str, str]]:
-    """(prefix, split) of the run's validation documents, from its run record (training.run_record:
+    """(prefix, split) of the run's validation documents, from its run record (training.run.run_record:
     checked, one-line error where a recorded file is missing or changed), or for a run made before
     records by the lookup next to the run directory (with a one-line note)."""
-    from training.run_record import RecordError, read_run_record
+    from training.run import RecordError, read_run_record
 
     try:
         record = read_run_record(ck) if ck else None
@@ -93,11 +93,11 @@ def _validation_tokens(target: Target, count: int, ck: Optional[str] = None) -> 
     prefix, split = got
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from training.data.gpt import _split_ranges
+    from training.data import split_ranges
 
     ds = IndexedDataset(prefix, mmap=True)
     n_docs = len(ds.document_indices) - 1
-    rng = _split_ranges(n_docs, split)[1]
+    rng = split_ranges(n_docs, split)[1]
     if rng is None or rng[1] <= rng[0]:
         return None
     out: List[int] = []
@@ -121,7 +121,7 @@ def _lookup_validation_prefix(target: Target) -> Optional[Tuple[str, str]]:
     elif d.get("prefixes"):
         prefix, split = d["prefixes"][0], d.get("split") or "969,30,1"
     else:
-        from training.data.default import PREFIX_NAME
+        from training.data import PREFIX_NAME
 
         named = bool(d.get("default_dir")) and d.get("default_dir") != "data/default"
         prefix, split = os.path.join(d.get("default_dir") or "data/default", PREFIX_NAME), d.get("split") or "969,30,1"
@@ -587,7 +587,7 @@ def _mtp_tensors(src, preset, info: ModelInfo, depths: int) -> Dict[str, "object
 
     from megatron.core import dist_checkpointing
 
-    from tools import conversion as C
+    import tools.hf as C
     from models.zoo import load_preset
 
     bb = dict(src.backbone_overrides or {})
@@ -595,7 +595,7 @@ def _mtp_tensors(src, preset, info: ModelInfo, depths: int) -> Dict[str, "object
     with_mtp = dataclasses.replace(with_mtp, hc=preset.hc)
     with C.single_rank():
         model = C.build_single_rank_model(with_mtp, info.vocab_size, info.seq_length)
-        part = {k: C._materialise(v) for k, v in model.sharded_state_dict().items() if k.startswith("mtp.")}
+        part = {k: C.materialise(v) for k, v in model.sharded_state_dict().items() if k.startswith("mtp.")}
         part = {k: v for k, v in part.items() if v is not None}
         try:
             loaded = dist_checkpointing.load(part, src.checkpoint)
@@ -680,7 +680,7 @@ def read_curves(run_dir: Optional[str]) -> dict:
     """Loss curves and the logged HC health scalars of ``<run>/metrics.jsonl`` (empty when absent)."""
     if not run_dir or not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         return {}
-    from training.metrics import dedupe_resumed, read_jsonl
+    from training.run import dedupe_resumed, read_jsonl
 
     recs = dedupe_resumed(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
     out = {"train": {"step": [], "loss": []}, "eval": {"step": [], "loss": []}, "hc": {}}
@@ -791,7 +791,7 @@ def estimate(preset_name: str, tokens: int = DEFAULT_TOKENS) -> dict:
     components before and after Gram–Schmidt), and one sublayer's per-token mixing matrices in float64
     (T·N·N, with 3 buffers of that size).  The process adds the libraries (about 0.6 GB on CPU).
     """
-    from tools import conversion as C
+    import tools.hf as C
     from models.hf.export import mapping as M
     from models.zoo import ZooError, load_preset
 

@@ -20,7 +20,7 @@ Memory per rank, one pipeline stage at a time (the most loaded one is named):
   (Megatron)   grads (``grad_reduce_in_fp32``)              4 B + m, v 8 B) / DP (experts / expert-DP);
                                                              Muon replicated: master 4 B + momentum 4 B,
                                                              Adam rest master + m, v; Muon sharded
-                                                             (:func:`training.shard_owners.assign_owners`)
+                                                             (:func:`training.optim.shard_owners.assign_owners`)
   ===========  ==========================================  =============================================
 
 - **activations** of one micro-batch per layer (:func:`activation_bytes`), backbone and HC apart, times
@@ -154,7 +154,7 @@ class Layout:
     def uses_distributed_optimizer(self) -> bool:
         """Megatron's distributed optimizer: AdamW on GPU unless ``optimizer.use_distributed_optimizer``
         is false.  Never with Muon, whose state (its AdamW parameters' too) is sharded layer-wise or
-        replicated as a whole (:attr:`uses_sharded_muon`), as training.optim_megatron builds it."""
+        replicated as a whole (:attr:`uses_sharded_muon`), as training.optim.megatron builds it."""
         if not self.gpu or self.optimizer == "muon":
             return False
         if self.distributed_optimizer is not None:
@@ -446,7 +446,7 @@ def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layou
 
 def _ns_shape(tensor: Tuple[ParamSpec, Tuple[int, ...]], lay: Layout) -> Tuple[int, ...]:
     """The matrix Newton–Schulz runs on for a rank's ``(spec, local shape)``: the TP-gathered one, as
-    :func:`training.param_shards.muon_matrix_shape` gives the optimizer (so both pick the same owners)."""
+    :func:`training.optim.param_shards.muon_matrix_shape` gives the optimizer (so both pick the same owners)."""
     spec, shape = tensor
     split = lay.expert_tp if spec.expert else lay.tp
     if spec.tp_dim is None or split == 1:
@@ -457,12 +457,12 @@ def _ns_shape(tensor: Tuple[ParamSpec, Tuple[int, ...]], lay: Layout) -> Tuple[i
 def _owned_bytes(tensors, per: Sequence[int], opt: Sequence[str], lay: Layout, dp_rank: Optional[int]) -> int:
     """Optimizer state sharded over data parallelism (issue #44; ``per``: each tensor's bytes of state and
     fp32 master): each tensor on one rank of its DP group (expert-DP for routed experts), chosen by
-    :func:`training.shard_owners.assign_owners` as :func:`training.param_shards.shard_owner_ranks` chooses (Muon
+    :func:`training.optim.shard_owners.assign_owners` as :func:`training.optim.param_shards.shard_owner_ranks` chooses (Muon
     matrices by Newton–Schulz cost on the TP-gathered matrix, AdamW parameters by numel, two passes per
     group).  ``dp_rank``: the dense DP rank (TP rank 0) whose bytes to return; None: the fullest rank.
     Dense DP rank ``r`` is the stage's rank ``tp·cp·r``; Megatron orders the expert groups etp-ep-dp, so
     that rank's expert-DP rank is ``tp·cp·r // (etp·ep)``."""
-    from training.shard_owners import assign_owners, newton_schulz_cost
+    from training.optim import assign_owners, newton_schulz_cost
 
     loads = {False: [0] * lay.dp, True: [0] * lay.expert_dp}
     for expert in (False, True):
@@ -753,7 +753,7 @@ reads the forward's inputs and writes their gradients: about twice the forward).
 
 def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank: float, vocab: int) -> StepTime:
     """Predicted seconds per step on ``lay.gpus`` GPUs of kind ``gpu`` (each component in docs/planning.md)."""
-    from training.metrics import model_flops_per_token
+    from training.run import model_flops_per_token
     from xhc.accounting import memory_traffic_summary
 
     D = _dims(preset)
@@ -893,7 +893,7 @@ class Plan:
         else:
             wdesc, gdesc = "fp32", "fp32 .grad"
         if lay.optimizer == "muon":
-            odesc = ("Muon sharded over DP (training.shard_owners)" if lay.uses_sharded_muon and lay.dp > 1
+            odesc = ("Muon sharded over DP (training.optim.shard_owners)" if lay.uses_sharded_muon and lay.dp > 1
                      else "Muon + AdamW, replicated")
         else:
             odesc = (f"AdamW, distributed over DP {lay.dp * lay.cp} / expert-DP {lay.expert_dp}"

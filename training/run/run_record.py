@@ -14,7 +14,7 @@ recorded paths after checking that the files are still there and unchanged, or r
 points the tool elsewhere (``--tokenizer PATH``, ``--data PREFIX``, ``--corpus FILE``).
 
 Hashes (all sha256): a SentencePiece model file's bytes; an HF tokenizer folder's files (name and
-hash of each, :func:`training.data.tokenizer._folder_fingerprint`); the corpus file's bytes; a
+hash of each, :func:`training.data.tokenizer.folder_fingerprint`); the corpus file's bytes; a
 dataset prefix's ``<prefix>.meta.json`` (written by the data build: it records the ``.bin``/``.idx``
 sizes and the tokenizer's hash) where there is one, else its ``.idx`` file (document and sequence
 boundaries), always with the ``.bin``/``.idx`` sizes.  The ``.bin`` itself is never hashed: it may be
@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from training.data._util import sha256_file
+from training.data import sha256_file
 
 RECORD_NAME = "run_record.json"
 MANIFEST_KEY = "run_record"
@@ -43,13 +43,13 @@ class RecordError(RuntimeError):
 # Writing
 # ------------------------------------------------------------------------------------------------
 def _tokenizer_entry(path: str, kind: str) -> dict:
-    from training.data.tokenizer import _folder_fingerprint
+    from training.data import folder_fingerprint
 
     path = os.path.abspath(path)
     if os.path.isdir(path):
         size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
                    if os.path.isfile(os.path.join(path, n)))
-        return {"path": path, "kind": kind, "bytes": size, "sha256": _folder_fingerprint(path)}
+        return {"path": path, "kind": kind, "bytes": size, "sha256": folder_fingerprint(path)}
     return {"path": path, "kind": kind, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
@@ -78,7 +78,7 @@ def build_run_record(cfg, tokenizer_path: Optional[str], tokenizer_kind: Optiona
         data = {"source": "prefixes", "split": d.split, "weights": d.weights,
                 "prefixes": [prefix_entry(p) for p in d.prefixes]}
     else:
-        from training.data.default import default_paths
+        from training.data import default_paths
 
         paths = default_paths(d.default_dir)
         corpus = paths["corpus"]
@@ -101,7 +101,7 @@ def write_run_record(run) -> Optional[dict]:
 
 
 def write_record_file(path: str, record: dict) -> None:
-    from training.data._util import write_json
+    from training.data import write_json
 
     write_json(path, record)
 

@@ -34,9 +34,9 @@ import torch
 
 from models.hf.export import mapping as M
 from models.zoo import CONFIG_DIR, ModelPreset, ZooError, _read_yaml, build_model, build_transformer_config, load_preset
-from tools._errors import ConversionError
-from tools.hf_model_card import hc_speed_lines, write_model_card  # noqa: F401 (re-exported)
-from tools.hf_remote_code import EXPORT_KERNELS, NOT_SHIPPED, REMOTE_DIR, export_remote_code  # noqa: F401 (re-exported)
+from tools.hf.errors import ConversionError
+from tools.hf.model_card import hc_speed_lines, write_model_card  # noqa: F401 (re-exported)
+from tools.hf.remote_code import EXPORT_KERNELS, NOT_SHIPPED, REMOTE_DIR, export_remote_code  # noqa: F401 (re-exported)
 from xhc.config import XHC_FAMILY, HCConfig, HCConfigError
 from xhc.head import LearnedHead
 from xhc.hyper_connection import HyperConnection, logit
@@ -66,9 +66,9 @@ class Source:
 
     @property
     def record(self):
-        """The run record (training.run_record) of the checkpoint, else of its run directory; None for
+        """The run record (training.run.run_record) of the checkpoint, else of its run directory; None for
         a run made before records existed."""
-        from training.run_record import read_run_record
+        from training.run import read_run_record
 
         return read_run_record(self.checkpoint)
 
@@ -193,7 +193,7 @@ def vocab_size_of(checkpoint: str) -> int:
     raise ConversionError(f"checkpoint {checkpoint}: holds no embedding.word_embeddings.weight: not a GPT checkpoint")
 
 
-def _materialise(entry):
+def materialise(entry):
     """A *copy* of a sharded-state-dict entry with real (empty, CPU) storage, or None for non-tensor
     state.  The model's own entries stay on ``meta``: giving them the storage would keep every loaded
     group alive through the model's sharded state dict (memory growing by one layer per layer)."""
@@ -222,7 +222,7 @@ def stream_checkpoint(model, checkpoint: str, progress: bool = True) -> Iterator
     for g in bar:
         part = {}
         for name, entry in groups[g].items():
-            e = _materialise(entry)
+            e = materialise(entry)
             if e is not None:
                 part[name] = e
         try:
@@ -532,7 +532,7 @@ def source_tokenizer(src: Source, log: Optional[Callable[[str], None]] = None,
     one-line :class:`ConversionError`), ``--tokenizer PATH`` (checked against the record), or for a
     run made before records the lookup next to the run directory, with a one-line note.  None: the
     run has no tokenizer (mock data / raw ids).  Resolved once per source."""
-    from training.run_record import RecordError
+    from training.run import RecordError
 
     if src._tokenizer is not None:
         return src._tokenizer[0]
@@ -605,7 +605,7 @@ def export_tokenizer(src: Source, out_dir: str, log, model_max_length: Optional[
     path = source_tokenizer(src, log)
     record = src.record
     if record is not None:  # the export says what it was trained on, too (tools.evaluate reads it)
-        from training.run_record import RECORD_NAME, write_record_file
+        from training.run import RECORD_NAME, write_record_file
 
         write_record_file(os.path.join(out_dir, RECORD_NAME), record.body)
     if path is None:
@@ -861,7 +861,7 @@ def from_hf(hf_dir: str, out_dir: str, to_variant: Optional[str] = None, hc_over
     arch = M.arch_of(preset.backbone)
     training = (cfg.get("xhc") or {}).get("training") or {}
     step = 0 if to_variant else int(training.get("step") or 0)
-    from training.run_record import RECORD_NAME, RecordError, read_run_record, write_record_file
+    from training.run import RECORD_NAME, RecordError, read_run_record, write_record_file
 
     try:  # what the exported run trained on travels on (its tokenizer for the next to-hf, its data)
         record = read_run_record(hf_dir)

@@ -1,0 +1,19 @@
+"""The planner room: memory and time per GPU of a run, before it starts (``python -m tools.plan``).
+
+Modules: ``model`` (the plan: layouts, bytes per rank, activations, step time), ``check`` (the
+start-up block of a run: the plan beside what the run measures).
+"""
+
+from __future__ import annotations
+
+from training.rooms import lazy_exports
+
+_EXPORTS = {
+    "PlanCheck": "check",
+    "activation_bytes": "model", "Efficiencies": "model", "GPUS": "model", "HC_TRAINING_TRAFFIC": "model",
+    "Layout": "model", "layout_from_config": "model", "load_run_preset": "model", "make_plan": "model",
+    "param_specs": "model", "PlanError": "model", "planned_vocab": "model", "rank_tensors": "model",
+    "SavedTensorMeter": "model", "state_bytes": "model",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
