@@ -144,6 +144,15 @@ class ParallelConfig(_Section):
     overlap_param_gather: bool = False
     """GPU: overlap the distributed optimizer's parameter all-gather with the next forward (AdamW with
     Megatron's distributed optimizer only: sharded Muon gathers its updates at the end of the step)."""
+    grad_reduce_in_fp32: bool = True
+    """GPU: the DDP main-grad buffer and the DP reduce in fp32 (Megatron DDP ``grad_reduce_in_fp32``); false:
+    in bf16 (half the gradient bytes and reduce traffic)."""
+    tp_comm_overlap: bool = False
+    """GPU, TP > 1 with SP and Transformer Engine: overlap the TP all-gather / reduce-scatter with the GEMMs
+    (TE userbuffers, Megatron's ``tp_comm_overlap``)."""
+    ep_overlap: bool = False
+    """GPU, EP > 1 with the ``alltoall`` or ``flex`` dispatcher: overlap the expert all-to-all of one micro-batch
+    with the compute of another (Megatron's ``overlap_moe_expert_parallel_comm``, the 1F1B A2A overlap)."""
 
 
 @dataclass
@@ -312,6 +321,36 @@ class RunConfig(_Section):
     """Timeout of every collective."""
 
 
+@dataclass
+class ReliabilityConfig(_Section):
+    watchdog: bool = True
+    """A watchdog thread per rank: a section (start-up, data, forward-backward, gradient sync, optimizer, save or
+    load, evaluation) that makes no progress for its timeout ends the run with exit status 86 (retryable), the
+    hung rank's stacks in ``<run.dir>/hangs/`` and the verdict in ``status.json`` (docs/reliability.md, "Hangs")."""
+    startup_timeout_s: float = 900.0
+    """Timeout of the start-up (and of the first ``timeout_warmup_steps`` steps and the end of the run)."""
+    step_timeout_s: Optional[float] = None
+    """Timeout of each section of a training step once warmed up (null: ``step_timeout_factor`` times the median
+    step time of the warm-up steps, at least ``min_step_timeout_s``)."""
+    step_timeout_factor: float = 20.0
+    """The automatic step timeout in median step times."""
+    min_step_timeout_s: float = 120.0
+    """The automatic step timeout is at least this long."""
+    checkpoint_timeout_s: float = 1800.0
+    """Timeout of a checkpoint save or load."""
+    eval_timeout_s: Optional[float] = None
+    """Timeout of an evaluation (null: the step timeout times ``run.eval_iters``)."""
+    timeout_warmup_steps: int = 5
+    """Steps timed under ``startup_timeout_s`` before the step timeout applies (their median, the first step left
+    out, sets the automatic one)."""
+    straggler_interval: int = 100
+    """Every K steps the ranks share their step and section times (one small all-reduce) and ``metrics.jsonl`` gets a
+    ``straggler`` record (0: off)."""
+    straggler_threshold: float = 1.5
+    """A rank whose own work per step (data + forward/backward + optimizer) is this many times the median over ranks
+    is named in the log and the record."""
+
+
 def _optimizer_default():
     from training.optim import OptimizerConfig
 
@@ -340,6 +379,7 @@ class PretrainConfig(_Section):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
     # ---- derived helpers ----------------------------------------------------------------------
     @property
@@ -359,6 +399,7 @@ SECTION_TYPES = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "run": RunConfig,
+    "reliability": ReliabilityConfig,
 }
 
 
@@ -532,6 +573,12 @@ def validate_config(cfg: PretrainConfig) -> None:
     _positive("parallel.dp", p.dp, allow_none=True)
     if p.sp and p.tp == 1:
         raise _err("parallel.sp", "sequence parallelism needs parallel.tp > 1 (set sp: false or tp >= 2)")
+    if p.tp_comm_overlap and not (p.tp > 1 and p.sp and cfg.model.use_transformer_engine is not False):
+        raise _err("parallel.tp_comm_overlap", "true needs parallel.tp > 1, parallel.sp: true and Transformer Engine "
+                   "(model.use_transformer_engine not false): set parallel.tp_comm_overlap=false")
+    if p.ep_overlap and p.ep == 1:
+        raise _err("parallel.ep_overlap", "true needs parallel.ep > 1 (an expert all-to-all to overlap): set "
+                   "parallel.ep_overlap=false")
     if p.vpp is not None:
         _positive("parallel.vpp", p.vpp)
         if p.pp == 1:
@@ -612,6 +659,14 @@ def validate_config(cfg: PretrainConfig) -> None:
     _positive("run.exit_at_step", r.exit_at_step, allow_none=True)
     _positive("run.exit_after_minutes", r.exit_after_minutes, allow_none=True)
     _positive("run.dist_timeout_minutes", r.dist_timeout_minutes)
+    rl = cfg.reliability  # the watchdog and the straggler report (docs/reliability.md, "Hangs")
+    for key in ("startup_timeout_s", "step_timeout_factor", "min_step_timeout_s", "checkpoint_timeout_s",
+                "straggler_threshold"):
+        _positive(f"reliability.{key}", getattr(rl, key))
+    _positive("reliability.step_timeout_s", rl.step_timeout_s, allow_none=True)
+    _positive("reliability.eval_timeout_s", rl.eval_timeout_s, allow_none=True)
+    _positive("reliability.timeout_warmup_steps", rl.timeout_warmup_steps, allow_zero=True)
+    _positive("reliability.straggler_interval", rl.straggler_interval, allow_zero=True)
     if r.name is not None and (not r.name or "/" in r.name):
         raise _err("run.name", f"{r.name!r} must be a non-empty name without '/'")
     # ---- optimizer / schedule: their own validation, re-labelled with the section
@@ -658,6 +713,9 @@ def validate_runtime(cfg: PretrainConfig, world_size: int, preset=None, cuda: Op
             raise _err("parallel.cp", "context parallelism needs CUDA and Transformer Engine attention")
         if p.vpp is not None:
             raise _err("parallel.vpp", "the interleaved pipeline schedule needs CUDA (CPU pipelines run GPipe)")
+        for key in ("tp_comm_overlap", "ep_overlap"):
+            if getattr(p, key):
+                raise _err(f"parallel.{key}", "the overlap needs CUDA (TE userbuffers / CUDA streams): set it false")
     model_par = p.tp * p.pp * p.cp
     if world_size % model_par:
         raise _err("parallel", f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}")
@@ -688,6 +746,10 @@ def validate_runtime(cfg: PretrainConfig, world_size: int, preset=None, cuda: Op
             raise _err("parallel.ep", f"{p.ep} does not divide num_moe_experts={experts}")
         if not experts and p.ep > 1:
             raise _err("parallel.ep", f"{p.ep} > 1 but the preset has no experts")
+        dispatcher = bb.get("moe_token_dispatcher_type") or "allgather"
+        if p.ep_overlap and dispatcher not in ("alltoall", "flex"):
+            raise _err("parallel.ep_overlap", f"true needs the alltoall or flex dispatcher, the preset has "
+                       f"moe_token_dispatcher_type={dispatcher!r}: set parallel.ep_overlap=false")
         div = p.cp * (p.tp if p.sp else 1) * (2 if p.cp > 1 else 1)
         if seq % div:
             raise _err("batch.seq_length", f"{seq} is not divisible by {div} (cp{'·tp' if p.sp else ''}"
