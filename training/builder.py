@@ -218,6 +218,16 @@ class Builder:
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if p.vpp and run.hc.enabled and run.hc.n > 1:
             extra["variable_seq_lengths"] = True  # the interleaved schedule sizes p2p buffers inline
+        if p.tp_comm_overlap:  # TE userbuffers for the TP collectives of every [s·b/cp, C] GEMM input
+            extra["tp_comm_overlap"] = True
+            if run.cuda:
+                import transformer_engine.pytorch as te
+
+                te.module.base.initialize_ub(shape=[run.seq * cfg.batch.micro_batch_size // p.cp,
+                                                    run.preset.hidden_size], tp_size=p.tp, use_fp8=False,
+                                             dtype=torch.bfloat16 if bf16 else torch.float32)
+        if p.ep_overlap:  # the 1F1B all-to-all overlap of the expert dispatch / combine
+            extra["overlap_moe_expert_parallel_comm"] = True
         try:
             run.tf_config = build_transformer_config(run.preset, parallel=parallel, cpu=not run.cuda, **extra)
         except ZooError as e:

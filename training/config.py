@@ -576,9 +576,9 @@ def validate_config(cfg: PretrainConfig) -> None:
     if p.tp_comm_overlap and not (p.tp > 1 and p.sp and cfg.model.use_transformer_engine is not False):
         raise _err("parallel.tp_comm_overlap", "true needs parallel.tp > 1, parallel.sp: true and Transformer Engine "
                    "(model.use_transformer_engine not false): set parallel.tp_comm_overlap=false")
-    if p.ep_overlap and p.ep == 1:
-        raise _err("parallel.ep_overlap", "true needs parallel.ep > 1 (an expert all-to-all to overlap): set "
-                   "parallel.ep_overlap=false")
+    if p.ep_overlap and (p.ep == 1 or (p.pp > 1 and not p.vpp) or cfg.model.recompute == "full"):
+        raise _err("parallel.ep_overlap", "true needs parallel.ep > 1, parallel.vpp when parallel.pp > 1, and no "
+                   "full recompute (Megatron's overlap_moe_expert_parallel_comm): set parallel.ep_overlap=false")
     if p.vpp is not None:
         _positive("parallel.vpp", p.vpp)
         if p.pp == 1:

@@ -288,7 +288,7 @@ class MegatronStepRunner(StepRunner):
         # (training.optim), which reduces full gradients and needs DDP's distributed-optimizer options off
         use_dist = o.name == "adamw" and o.use_distributed_optimizer is not False
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=p.overlap_grad_reduce,
+            grad_reduce_in_fp32=p.grad_reduce_in_fp32, overlap_grad_reduce=p.overlap_grad_reduce,
             overlap_param_gather=p.overlap_param_gather and use_dist, use_distributed_optimizer=use_dist,
             # interleaved schedule: every stage launches its param all-gathers from param_sync_func
             align_param_gather=p.overlap_param_gather and use_dist and len(chunks) > 1,
