@@ -33,19 +33,19 @@ BASE = ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=64", "bat
         "model.backbone.hidden_dropout=0.1", "model.backbone.attention_dropout=0.1"]  # dropout: the RNG state matters
 
 
-def _extract_old_tree(dest: str) -> str:
+def _extract_old_tree(dest: str, commit: str = OLD_COMMIT) -> str:
     """The pinned commit's files under ``dest``; a clear failure where the git history is missing."""
     def git(*args, **kw):
         return subprocess.run(["git", "-C", REPO, *args], capture_output=True, **kw)
 
     try:
-        found = git("cat-file", "-e", f"{OLD_COMMIT}^{{commit}}")
+        found = git("cat-file", "-e", f"{commit}^{{commit}}")
     except FileNotFoundError:
-        pytest.fail(f"git is not installed: this test extracts commit {OLD_COMMIT} from the history (install git)")
+        pytest.fail(f"git is not installed: this test extracts commit {commit} from the history (install git)")
     if found.returncode != 0:
-        pytest.fail(f"commit {OLD_COMMIT} is not in the git history of {REPO}: run the tests from a full git clone "
+        pytest.fail(f"commit {commit} is not in the git history of {REPO}: run the tests from a full git clone "
                     f"(git fetch --unshallow)")
-    archive = git("archive", "--format=tar", OLD_COMMIT)
+    archive = git("archive", "--format=tar", commit)
     assert archive.returncode == 0, archive.stderr.decode()
     os.makedirs(dest)
     subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
