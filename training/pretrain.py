@@ -57,6 +57,7 @@ set_omp_wait_policy()
 from training.config import ConfigError, PretrainConfig, load_config  # noqa: E402
 from training.run import (Lifecycle, NonFiniteState, TrainingAborted,  # noqa: E402,F401
                                 first_nonfinite_parameter, write_status)
+from training.run import Watchdog, WatchdogSettings, fault_point  # noqa: E402  (stdlib only)
 
 __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
 
@@ -87,6 +88,10 @@ class Trainer:
         self.plan_check = None
         self.async_save = False  # checkpoint.async_save, resolved for this device (training.builder)
         self.pending_save = None  # (step, reason) of the asynchronous save in flight
+        # the rank's watchdog (training.run.watchdog): marks only until setup() starts the real one
+        self.watchdog = Watchdog("", 0, 1, WatchdogSettings(enabled=False))
+        self.straggler = None  # training.run.StragglerMonitor, from setup()
+        self.attempt = 1  # this launch's number in <run.dir>/attempts.jsonl
 
     # ----------------------------------------------------------------------------------------
     # The recipe: build, maybe resume, then step, log, evaluate and save until done
@@ -105,6 +110,7 @@ class Trainer:
         build = Builder(self)
         build.parallel()
         build.run_dir()
+        self.start_watchdog()
         build.data()
         build.model()
         build.optimizer()
@@ -115,6 +121,41 @@ class Trainer:
         build.logging()
         from training.plan import PlanCheck  # the plan, printed; checked against the first step (docs/planning.md)
         self.plan_check = PlanCheck(self)
+        fault_point("startup", self.step)
+
+    def start_watchdog(self) -> None:
+        """This rank's watchdog thread and the straggler report (docs/reliability.md, "Hangs"), once the
+        process group and the run directory exist."""
+        from training.run import StragglerMonitor, count_attempts, set_attempt
+
+        self.attempt = count_attempts(self.run_dir) + 1
+        set_attempt(self.attempt)
+        self.watchdog = Watchdog(self.run_dir, self.rank, self.world, WatchdogSettings.from_config(self.cfg),
+                                 attempt=self.attempt, status_base=self.status_dict, cleanup=self._remove_partial_saves)
+        self.watchdog.start()
+        r = self.cfg.reliability
+        self.straggler = StragglerMonitor(r.straggler_interval, r.straggler_threshold, self.rank, self.world,
+                                          self._all_reduce)
+
+    def _remove_partial_saves(self) -> None:
+        from training.checkpoint import remove_partial_saves
+
+        remove_partial_saves(self.paths["checkpoints"])
+
+    def train_iterators(self) -> list:
+        """The training data iterators from the current data position, one per model chunk; each fetch
+        is the watchdog's ``data`` section (and its fault point, once per step)."""
+        return [_DataSection(self.data_iterator(self.train_ds, self.consumed_samples, cycle=self.skipped_samples > 0),
+                             self) for _ in self.chunks]
+
+    def report_stragglers(self) -> None:
+        """All ranks: share the window's step and section times (one all-reduce); rank 0 records them."""
+        rec = self.straggler.report(self.step)
+        if rec is None or not self.is_main:
+            return
+        self.metrics.write("straggler", self.step, rec)
+        if rec["straggler"] is not None:
+            self.log(self.straggler.line(self.step, rec))
 
     def maybe_resume(self) -> None:
         """Load the checkpoint ``checkpoint.load`` selects (``auto``: the newest verified one in
@@ -160,14 +201,15 @@ class Trainer:
     def _train_loop(self, t_loop: float) -> Optional[str]:
         """Steps until ``run.train_steps`` (None) or a stop reason; raises :class:`NonFiniteState`."""
         r, ck, lg = self.cfg.run, self.cfg.checkpoint, self.cfg.logging
-        its = [self.data_iterator(self.train_ds, self.consumed_samples, cycle=self.skipped_samples > 0)
-               for _ in self.chunks]
+        its = self.train_iterators()
         while self.step < r.train_steps:
             stop_reason = self.life.should_stop(self.step)
             if stop_reason:
                 return stop_reason
             rec = self.train_step(its)
             self.steps_this_run += 1
+            if self.straggler is not None and self.straggler.due(self.step):
+                self.report_stragglers()
             self.poll_checkpoint()
             self.history.append({"step": self.step, "loss": rec["loss"]})
             self.metrics.write("train", self.step, rec)
@@ -192,12 +234,16 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
     def train_step(self, iterators) -> dict:
         t0 = time.perf_counter()
+        wd = self.watchdog
+        wd.enter("forward_backward", self.step + 1)
+        fault_point("forward_backward", self.step + 1)
         self.runner.zero_grad_buffers()
         self.optimizer.zero_grad()
         interval = self.cfg.logging.hc_health_every
         health_now = bool(interval) and (self.step + 1) % interval == 0 and self.health.num_wrapped > 0
         with self.health.recording() if health_now else contextlib.nullcontext():
             total, count = self.forward_backward(iterators)
+        wd.enter("grad_sync")
         self.runner.finalize_grads()  # CPU: DP / SP all-reduce, expert-bias update (GPU: in the schedule)
         mtp = self.runner.mtp_stats()  # [Σ loss_k per depth..., micro-batches], empty without MTP
         s, n, *rest = self._all_reduce([total, count, *mtp, *self.life.local_stop_flags()])
@@ -207,6 +253,8 @@ class Trainer:
         if not math.isfinite(loss):
             self.check_parameters(f"the loss of step {self.step + 1} is {loss}",
                                   self.consumed_samples + self.cfg.batch.global_batch_size)
+        wd.enter("optimizer")
+        fault_point("optimizer", self.step + 1)
         if math.isfinite(loss):
             result = self.optimizer.step()
             updated, gnorm = result.updated, result.grad_norm
@@ -219,6 +267,10 @@ class Trainer:
         self.step += 1
         self.consumed_samples += self.cfg.batch.global_batch_size
         dt = time.perf_counter() - t0
+        wd.enter("step_boundary")
+        wd.step_done(dt)
+        if self.straggler is not None:
+            self.straggler.record(self.step, dt, wd.take_section_times())
         tokens_per_s = self.tokens_per_step / dt
         rec = {"loss": loss, "lr": lr, "grad_norm": gnorm, "step_time_s": dt, "tokens_per_s": tokens_per_s,
                "mfu": tokens_per_s * self.flops["total"] / (self.peak * 1e12 * self.world),
@@ -274,6 +326,14 @@ class Trainer:
     # Evaluation
     # ----------------------------------------------------------------------------------------
     def run_eval(self) -> Optional[float]:
+        prev = self.watchdog.enter("evaluation", self.step)
+        fault_point("evaluation", self.step)
+        try:
+            return self._run_eval()
+        finally:
+            self.watchdog.enter(prev)
+
+    def _run_eval(self) -> Optional[float]:
         t0 = time.perf_counter()
         with self.runner.params_synced():  # overlap_param_gather: evaluate the weights of this step
             loss = self.evaluate()
@@ -315,13 +375,24 @@ class Trainer:
         """Save this step: the path, or None when it writes in the background (:mod:`training.checkpoint.run`)."""
         from training.checkpoint import save_run
 
-        return save_run(self, reason)
+        prev = self.watchdog.enter("checkpoint_save", self.step)
+        fault_point("checkpoint_save", self.step)
+        try:
+            return save_run(self, reason)
+        finally:
+            self.watchdog.enter(prev)
 
     def poll_checkpoint(self, blocking: bool = False) -> None:
         """Finalize the asynchronous save in flight once every rank's write is done (``blocking``: wait)."""
         from training.checkpoint import poll_run_save
 
-        poll_run_save(self, blocking)
+        if self.ckpt is None or not self.ckpt.in_flight:
+            return
+        prev = self.watchdog.enter("checkpoint_save")  # finalizing (or waiting for) a background save
+        try:
+            poll_run_save(self, blocking)
+        finally:
+            self.watchdog.enter(prev)
 
     def wait_for_checkpoint(self) -> None:
         """Finish the asynchronous save in flight, if any."""
@@ -329,9 +400,18 @@ class Trainer:
 
     def load_checkpoint(self, path: str, body: Optional[dict] = None) -> None:
         """Resume from the checkpoint at ``path`` (:func:`training.checkpoint.run.load`)."""
+        import re
+
         from training.checkpoint import load_run
 
-        load_run(self, path, body)
+        m = re.search(r"step_(\d+)$", os.path.normpath(path))
+        step = int(m.group(1)) if m else self.step
+        prev = self.watchdog.enter("checkpoint_load", step)
+        fault_point("checkpoint_load", step)
+        try:
+            load_run(self, path, body)
+        finally:
+            self.watchdog.enter(prev)
 
     # ----------------------------------------------------------------------------------------
     # Non-finite state: never saved; abort, or roll back (the policy: training.run.lifecycle)
@@ -378,10 +458,15 @@ class Trainer:
 
         if self.metrics is None:
             return
+        self.watchdog.enter("finish")
         self.metrics.flush()
         plot = None
         if self.is_main and self.cfg.logging.plot and self.metrics.jsonl_path:
+            from training.run import plot_rank_times, read_jsonl
+
             plot = plot_losses(self.metrics.jsonl_path, os.path.join(self.run_dir, "loss.png"), self.cfg.model.preset)
+            self.paths["rank_times"] = plot_rank_times(read_jsonl(self.metrics.jsonl_path),  # straggler reports
+                                                       os.path.join(self.run_dir, "rank_times.png"))
         self.paths["plot"] = plot
         if not self.is_main:
             return
@@ -416,17 +501,36 @@ class Trainer:
 
     def write_status(self, failed: Optional[dict] = None) -> None:
         """``<run.dir>/status.json``: where the run stands (tools/slurm_pretrain.sh requeues unfinished runs)."""
+        write_status(self.run_dir, self.status_dict(failed))
+
+    def status_dict(self, failed: Optional[dict] = None) -> dict:
+        """What ``status.json`` says now (also what the watchdog records a hang into)."""
         from training.checkpoint import list_checkpoints
 
         found = list_checkpoints(self.paths["checkpoints"])
-        status = {"step": self.step, "train_steps": self.cfg.run.train_steps,
-                  "finished": self.step >= self.cfg.run.train_steps,
-                  "stopped_early": getattr(self, "stopped_early", None),
-                  "latest_checkpoint": found[-1][1] if found else None,
-                  "last_train_loss": self.history[-1]["loss"] if self.history else None,
-                  "last_valid_loss": self.evals[-1]["loss"] if self.evals else None,
-                  "failed": failed}
-        write_status(self.run_dir, status)
+        return {"step": self.step, "train_steps": self.cfg.run.train_steps,
+                "finished": self.step >= self.cfg.run.train_steps,
+                "stopped_early": getattr(self, "stopped_early", None),
+                "latest_checkpoint": found[-1][1] if found else None,
+                "last_train_loss": self.history[-1]["loss"] if self.history else None,
+                "last_valid_loss": self.evals[-1]["loss"] if self.evals else None,
+                "failed": failed}
+
+    def record_attempt(self, code: int) -> None:
+        """Rank 0: one line in ``<run.dir>/attempts.jsonl`` saying how this launch ended (not for a refused
+        start; a hang writes its own line from the watchdog)."""
+        if not getattr(self, "is_main", False) or self.failed or self.metrics is None:
+            return
+        from training.run import append_attempt
+
+        finished = self.step >= self.cfg.run.train_steps
+        ended = "error" if code else ("finished" if finished else "stopped")
+        try:
+            append_attempt(self.run_dir, {"attempt": self.attempt, "ended": ended, "exit_code": code,
+                                          "step": self.step, "reason": getattr(self, "stopped_early", None),
+                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        except OSError:
+            pass
 
     def abandon_checkpoint(self) -> None:
         """A failing run: the asynchronous save in flight is never finalized; its partial directory is
@@ -448,6 +552,7 @@ class Trainer:
         from models.parallel import destroy_parallel
         from models.pipeline import uninstall_hc_p2p_shapes
 
+        self.watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
         self.life.release(self.failed)
@@ -472,6 +577,32 @@ class Trainer:
         from training.run import unwrap
 
         return unwrap(chunk)
+
+
+# ================================================================================================
+class _DataSection:
+    """A training data iterator whose fetches are the watchdog's ``data`` section (and the ``data`` fault
+    point, at the first fetch of each step); other attributes (``drawn``) are the iterator's."""
+
+    def __init__(self, it, trainer: "Trainer"):
+        self.it, self.trainer, self.fired = it, trainer, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t = self.trainer
+        prev = t.watchdog.enter("data")
+        try:
+            if self.fired != t.step + 1:
+                self.fired = t.step + 1
+                fault_point("data", t.step + 1)
+            return next(self.it)
+        finally:
+            t.watchdog.enter(prev)
+
+    def __getattr__(self, name):
+        return getattr(self.it, name)
 
 
 # ================================================================================================
@@ -539,6 +670,8 @@ def _main(argv=None, entry=None) -> int:
         from training.data import DataError
 
         if not isinstance(e, (CheckpointError, DataError)):
+            code = 1
+            trainer.watchdog.absorb_failure()  # a peer's announced hang broke a collective: exit 86 instead
             trainer.abandon_checkpoint()
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -548,6 +681,7 @@ def _main(argv=None, entry=None) -> int:
             trainer.record_failure(str(e), code)
     finally:
         trainer.abandon_checkpoint()
+        trainer.record_attempt(code)
         trainer.close()
     return code
 

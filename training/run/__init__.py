@@ -4,7 +4,9 @@ Modules: ``lifecycle`` (signals, stop flags, non-finite handling, ``status.json`
 ``reliability`` (lock, writable and free-space checks, exit with the launcher), ``process_defaults``
 (CPU thread and OpenMP defaults, set before torch loads), ``step_runner`` (one global batch's forward
 and backward: Megatron's schedules or the CPU runner), ``metrics`` (``metrics.jsonl``, FLOPs, plots),
-``hc_health`` (HC diagnostics during training), ``run_record`` (what a run trained on).
+``hc_health`` (HC diagnostics during training), ``run_record`` (what a run trained on), ``watchdog``
+(per-rank section timeouts, exit 86 on a hang), ``straggler`` (the slowest rank's work per step),
+``faults`` (``XHC_FAULT_INJECT``, for tests and the chaos run).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ _EXPORTS = {
     "CpuStepRunner": "step_runner", "float16_module_keep_hc_fp32": "step_runner",
     "make_step_runner": "step_runner", "MegatronStepRunner": "step_runner", "params_synced": "step_runner",
     "unwrap": "step_runner",
+    "fault_point": "faults", "faults_active": "faults", "FaultSpecError": "faults", "parse_faults": "faults",
+    "set_attempt": "faults",
+    "append_attempt": "watchdog", "count_attempts": "watchdog", "EXIT_HANG": "watchdog", "Watchdog": "watchdog",
+    "WatchdogSettings": "watchdog",
+    "plot_rank_times": "straggler", "StragglerMonitor": "straggler",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -418,7 +418,7 @@ class Watchdog:
     def absorb_failure(self) -> None:
         """The main thread failed (e.g. a collective broke because the hung rank left): when a hang was
         announced, end as the watchdog does (status 86) instead of with a traceback; else return."""
-        if self._thread is None and not self.expiring:
+        if (self._thread is None or self._store is None) and not self.expiring:
             return
         if self.expiring:
             while True:  # the watchdog thread is writing its records and exits the process
