@@ -892,7 +892,13 @@ class Plan:
             gdesc = "fp32 main grads"
         else:
             wdesc, gdesc = "fp32", "fp32 .grad"
-        if lay.optimizer == "muon":
+        # the torch backend (CPU) shards either optimizer's state with optimizer.use_distributed_optimizer=true
+        # (training.optim.shards_state), as state_bytes plans it
+        cpu_sharded = not lay.gpu and bool(lay.distributed_optimizer) and max(lay.dp, lay.expert_dp) > 1
+        if cpu_sharded:
+            odesc = (f"{'Muon + AdamW' if lay.optimizer == 'muon' else 'AdamW'}, state sharded over DP {lay.dp} / "
+                     f"expert-DP {lay.expert_dp} (training.optim.shard_owners)")
+        elif lay.optimizer == "muon":
             odesc = ("Muon sharded over DP (training.optim.shard_owners)" if lay.uses_sharded_muon and lay.dp > 1
                      else "Muon + AdamW, replicated")
         else:
@@ -967,6 +973,7 @@ def make_plan(cfg, gpus: int, gpu: Optional[GPU], eff: Efficiencies = Efficienci
             _SPECS_CACHE[tkey] = rank_tensors(specs, lay, st)
         tensors = _SPECS_CACHE[tkey]
         skey = (tkey, lay.gpu, lay.bf16, lay.optimizer, lay.uses_distributed_optimizer, lay.uses_sharded_muon,
+                lay.distributed_optimizer,  # the CPU path shards by it alone (state_bytes)
                 lay.dp, lay.cp, lay.expert_dp)
         if skey not in _SPECS_CACHE:
             _SPECS_CACHE[skey] = (state_bytes(tensors, lay), sum(math.prod(sh) for _, sh in tensors))
