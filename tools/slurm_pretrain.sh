@@ -22,6 +22,12 @@
 # exits 0.  With XHC_REQUEUE=1 (default) an unfinished run requeues itself and resumes from that
 # checkpoint (checkpoint.load: auto, and a fixed run.dir, as in the shipped GPU configs).
 #
+# Hangs: a rank whose watchdog finds a hang exits with status 86 (docs/reliability.md, "Hangs"); every
+# rank leaves within its section's timeout.  Such a job is requeued too (XHC_REQUEUE=1) and resumes from
+# the last verified checkpoint, up to XHC_MAX_HANG_RETRIES (default 3) hangs in a row (attempts.jsonl
+# in the run dir).  Any status counts when status.json records a hang of this launch (torchrun reports
+# a status of its own).
+#
 # Environment: XHC_VENV (the venv to activate; default .venv in the repository), XHC_MASTER_PORT
 # (29500), XHC_GPUS_PER_NODE (SLURM_GPUS_ON_NODE or 8), NCCL_* as your cluster needs.
 #SBATCH --job-name=xhc-pretrain
@@ -84,6 +90,7 @@ echo "[xhc] job ${SLURM_JOB_ID:-?}: $nodes node(s) x $gpus GPU(s), head $head:$p
 echo "[xhc] config $config ${overrides[*]:-}"
 
 status=0
+launched_at="$(date +%s)"
 case "${XHC_LAUNCHER:-srun}" in
   srun)
     # One task per GPU; each task maps SLURM's ids to torch.distributed's env:// variables.
@@ -99,6 +106,19 @@ case "${XHC_LAUNCHER:-srun}" in
     ;;
   *) echo "XHC_LAUNCHER must be srun or torchrun" >&2; exit 2 ;;
 esac
+
+# ---- requeue a run a hang stopped (exit 86, or status.json's "hang" of this launch)
+if [ "$status" -ne 0 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+  verdict="$(python -c "import sys; from training.run import hang_retry; ok, why = hang_retry(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])); print(('requeue ' if ok else 'stop ') + why if why else '')" \
+    "$run_dir" "$status" "$launched_at" "${XHC_MAX_HANG_RETRIES:-3}" || true)"
+  if [ -n "$verdict" ]; then
+    echo "[xhc] ${verdict#* }"
+    if [ "${verdict%% *}" = "requeue" ] && [ "${XHC_REQUEUE:-1}" = "1" ]; then
+      scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit 86
+  fi
+fi
 
 # ---- requeue an unfinished run (time limit / pre-emption); training.pretrain writes status.json
 if [ "$status" -eq 0 ] && [ "${XHC_REQUEUE:-1}" = "1" ] && [ -n "${SLURM_JOB_ID:-}" ] && [ -f "$run_dir/status.json" ]; then

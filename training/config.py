@@ -337,7 +337,9 @@ class ReliabilityConfig(_Section):
     min_step_timeout_s: float = 120.0
     """The automatic step timeout is at least this long."""
     checkpoint_timeout_s: float = 1800.0
-    """Timeout of a checkpoint save or load."""
+    """Timeout of a checkpoint save (and of a load, unless ``load_timeout_s`` is set)."""
+    load_timeout_s: Optional[float] = None
+    """Timeout of a checkpoint load (null: ``checkpoint_timeout_s``)."""
     eval_timeout_s: Optional[float] = None
     """Timeout of an evaluation (null: the step timeout times ``run.eval_iters``)."""
     timeout_warmup_steps: int = 5
@@ -665,6 +667,7 @@ def validate_config(cfg: PretrainConfig) -> None:
         _positive(f"reliability.{key}", getattr(rl, key))
     _positive("reliability.step_timeout_s", rl.step_timeout_s, allow_none=True)
     _positive("reliability.eval_timeout_s", rl.eval_timeout_s, allow_none=True)
+    _positive("reliability.load_timeout_s", rl.load_timeout_s, allow_none=True)
     _positive("reliability.timeout_warmup_steps", rl.timeout_warmup_steps, allow_zero=True)
     _positive("reliability.straggler_interval", rl.straggler_interval, allow_zero=True)
     if r.name is not None and (not r.name or "/" in r.name):

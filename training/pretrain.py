@@ -669,9 +669,9 @@ def _main(argv=None, entry=None) -> int:
         from training.checkpoint import CheckpointError
         from training.data import DataError
 
+        trainer.watchdog.absorb_failure(e)  # a hang announced by a rank broke a collective: exit 86 instead
         if not isinstance(e, (CheckpointError, DataError)):
             code = 1
-            trainer.watchdog.absorb_failure()  # a peer's announced hang broke a collective: exit 86 instead
             trainer.abandon_checkpoint()
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)

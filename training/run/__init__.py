@@ -32,7 +32,7 @@ _EXPORTS = {
     "fault_point": "faults", "faults_active": "faults", "FaultSpecError": "faults", "parse_faults": "faults",
     "set_attempt": "faults",
     "append_attempt": "watchdog", "count_attempts": "watchdog", "EXIT_HANG": "watchdog", "Watchdog": "watchdog",
-    "WatchdogSettings": "watchdog",
+    "WatchdogSettings": "watchdog", "hang_retry": "watchdog",
     "plot_rank_times": "straggler", "StragglerMonitor": "straggler",
 }
 __all__ = sorted(_EXPORTS)

@@ -4,8 +4,11 @@ section times (one small all-reduce) and the slowest rank is named when it is ov
 A synchronous step takes as long on every rank (each waits in the gradient all-reduce for the
 slowest), so the report compares each rank's own *work* per step: the time in its ``data``,
 ``forward_backward`` and ``optimizer`` sections (:data:`training.run.watchdog.WORK_SECTIONS`), without
-the time it waited in ``grad_sync``.  Per rank and window it takes the median over the window's steps;
-the slowest rank's ratio is to the lower median over ranks (with 2 ranks: the other rank).
+the time it waited in ``grad_sync``.  Per rank and window it takes its *fastest* step (the minimum over
+the window's steps, each column on its own): a rank is named only when even its best step is slow, not
+for a hiccup (a page fault, a preempted core, a garbage collection) that a median of a short window
+still shows; a rank that is slow only now and then is not named.  The slowest rank's ratio is to the
+lower median over ranks (with 2 ranks: the other rank).
 
 Rank 0 writes a ``straggler`` record to ``metrics.jsonl`` for every report (per-rank work and step
 times, the slowest rank, its ratio, and ``straggler``: that rank when the ratio is at least
@@ -60,7 +63,7 @@ class StragglerMonitor:
         if not self.rows:
             return None
         k = len(_COLUMNS)
-        mine = [statistics.median(col) for col in zip(*self.rows)]
+        mine = [min(col) for col in zip(*self.rows)]
         flat = [0.0] * (k * self.world)
         flat[self.rank * k:(self.rank + 1) * k] = mine
         total = self.all_reduce(flat)
@@ -110,7 +113,7 @@ def plot_rank_times(records: List[dict], out_png: str, title: str = "") -> Optio
             ax.annotate(f"r{r['straggler']} {r['ratio']:.1f}x", (r["step"], r["work_s"][r["straggler"]]),
                         fontsize=7, textcoords="offset points", xytext=(2, 4))
     ax.set_xlabel("step")
-    ax.set_ylabel("seconds per step (median over the window)")
+    ax.set_ylabel("seconds per step (the fastest of the window)")
     ax.set_title(title or "work per rank (data + forward/backward + optimizer)")
     ax.grid(alpha=0.3)
     if world <= 16:

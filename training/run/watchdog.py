@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-__all__ = ["EXIT_HANG", "SECTIONS", "Watchdog", "WatchdogSettings", "append_attempt", "count_attempts"]
+__all__ = ["EXIT_HANG", "SECTIONS", "Watchdog", "WatchdogSettings", "append_attempt", "count_attempts", "hang_retry"]
 
 EXIT_HANG = 86
 """Exit status of a rank whose watchdog expired (its own section, or a peer's announced hang): retryable."""
@@ -64,6 +64,7 @@ class WatchdogSettings:
     enabled: bool = True
     startup_s: float = 900.0
     checkpoint_s: float = 1800.0
+    load_s: Optional[float] = None  # None: checkpoint_s
     step_s: Optional[float] = None  # None: factor x the median step time after warm-up, at least min_step_s
     step_factor: float = 20.0
     min_step_s: float = 120.0
@@ -75,11 +76,12 @@ class WatchdogSettings:
     def from_config(cls, cfg) -> "WatchdogSettings":
         r = cfg.reliability
         return cls(enabled=r.watchdog, startup_s=r.startup_timeout_s, checkpoint_s=r.checkpoint_timeout_s,
+                   load_s=r.load_timeout_s,
                    step_s=r.step_timeout_s, step_factor=r.step_timeout_factor, min_step_s=r.min_step_timeout_s,
                    eval_s=r.eval_timeout_s, warmup_steps=r.timeout_warmup_steps, eval_iters=cfg.run.eval_iters)
 
     def shortest(self) -> float:
-        return min(x for x in (self.startup_s, self.checkpoint_s, self.step_s or self.min_step_s,
+        return min(x for x in (self.startup_s, self.checkpoint_s, self.load_s, self.step_s or self.min_step_s,
                                self.eval_s or self.startup_s) if x)
 
 
@@ -223,7 +225,9 @@ class Watchdog:
 
     def timeout_for(self, section: str) -> float:
         s = self.settings
-        if section in ("checkpoint_save", "checkpoint_load"):
+        if section == "checkpoint_load":
+            return s.load_s or s.checkpoint_s
+        if section == "checkpoint_save":
             return s.checkpoint_s
         if section in ("startup", "finish"):
             return s.startup_s
@@ -336,6 +340,11 @@ class Watchdog:
                 except Exception:  # noqa: BLE001
                     pass
         culprit = int(verdict["rank"])
+        if culprit == self.rank and self._store is not None:
+            try:  # the others wait for this before they leave (their leaving breaks this rank's collectives)
+                self._store.set(f"{self._key}/seen", str(self.rank))
+            except Exception:  # noqa: BLE001
+                pass
         stamp = time.strftime("%Y%m%d-%H%M%S")
         stacks = self._write_stacks(stamp, me, verdict, elapsed, timeout)
         writer = (culprit == self.rank) or ("stale_s" in verdict and verdict.get("detected_by") == self.rank) or \
@@ -361,13 +370,16 @@ class Watchdog:
             line = (f"[xhc] watchdog: rank {self.rank} leaves ({section} at step {step} for {elapsed:.1f} s): "
                     f"{where} ({verdict.get('why')}); stacks {stacks}; exiting with status {EXIT_HANG}")
         if self._store is not None:
+            deadline = time.time() + 2 * self.poll_s + 2
             try:
                 if culprit == self.rank:  # let the others write their stacks before the launcher tears down
-                    deadline = time.time() + 2 * self.poll_s + 2
                     while time.time() < deadline and self._store.add(f"{self._key}/left", 0) < self.world - 1:
                         time.sleep(min(0.05, self.poll_s))
                 else:
                     self._store.add(f"{self._key}/left", 1)
+                    if "stale_s" not in verdict:  # a hung rank that still runs records the verdict: wait for it
+                        while time.time() < deadline and not self._store.check([f"{self._key}/seen"]):
+                            time.sleep(min(0.05, self.poll_s))
             except Exception:  # noqa: BLE001
                 pass
         self.log(f"{line} (exit at unix {time.time():.3f})")
@@ -415,18 +427,23 @@ class Watchdog:
         except OSError:
             pass
 
-    def absorb_failure(self) -> None:
-        """The main thread failed (e.g. a collective broke because the hung rank left): when a hang was
-        announced, end as the watchdog does (status 86) instead of with a traceback; else return."""
-        if (self._thread is None or self._store is None) and not self.expiring:
-            return
+    def absorb_failure(self, error: Optional[BaseException] = None) -> None:
+        """The main thread failed: when a hang was announced (e.g. a collective broke because the hung rank
+        or its peers left), end as the watchdog does (status 86) instead of with a traceback; else return.
+
+        Waits (at most two polls and a second) for an announcement only when ``error`` looks like a broken
+        collective (gloo, NCCL, a reset connection); any other error returns at once."""
         if self.expiring:
             while True:  # the watchdog thread is writing its records and exits the process
                 time.sleep(1.0)
-        deadline = time.time() + 2 * self.poll_s + 1
-        while time.time() < deadline:
+        if self._thread is None or self._store is None:
+            return
+        text = f"{type(error).__name__}: {error}" if error is not None else ""
+        broken = any(w in text for w in ("gloo", "NCCL", "Connection", "connection", "DistBackendError", "peer"))
+        deadline = time.time() + (2 * self.poll_s + 1 if broken else 0)
+        while True:
             try:
-                if self._store is not None and self._store.check([f"{self._key}/hang"]):
+                if self._store.check([f"{self._key}/hang"]):
                     verdict = json.loads(self._store.get(f"{self._key}/hang"))
                     section, step, t0 = self._state
                     self._expire(section, step, time.perf_counter() - t0, verdict=verdict)
@@ -435,4 +452,42 @@ class Watchdog:
             if self.expiring:
                 while True:
                     time.sleep(1.0)
-            time.sleep(self.poll_s)
+            if time.time() >= deadline:
+                return
+            time.sleep(min(0.1, self.poll_s))
+
+
+def hang_retry(run_dir: str, exit_status: int, since: float, max_retries: int = 3) -> Tuple[bool, str]:
+    """For ``tools/slurm_pretrain.sh``: did this launch end in a hang, and should the job be requeued?
+
+    A hang: exit status :data:`EXIT_HANG`, or a ``status.json`` hang recorded at or after ``since`` (the
+    launch's start, unix time: a launcher such as torchrun reports a status of its own).  Requeue while
+    the hangs in a row at the end of ``attempts.jsonl`` are at most ``max_retries``.  Returns (requeue,
+    one line saying why); (False, "") when the launch did not hang.
+    """
+    hang = None
+    try:
+        with open(os.path.join(run_dir, "status.json"), encoding="utf-8") as f:
+            hang = json.load(f).get("hang")
+    except (OSError, ValueError):
+        pass
+    if hang is not None and float(hang.get("time") or 0) < since:
+        hang = None  # an earlier launch's
+    if exit_status != EXIT_HANG and hang is None:
+        return False, ""
+    in_a_row = 0
+    try:
+        with open(os.path.join(run_dir, ATTEMPTS), encoding="utf-8") as f:
+            ended = [json.loads(line).get("ended") for line in f if line.strip()]
+    except (OSError, ValueError):
+        ended = []
+    for e in reversed(ended):
+        if e != "hang":
+            break
+        in_a_row += 1
+    in_a_row = max(in_a_row, 1)
+    where = (f"rank {hang.get('rank')} (host {hang.get('host')}) hung in {hang.get('section')} at step "
+             f"{hang.get('step')}" if hang else f"a rank's watchdog expired (exit {EXIT_HANG})")
+    if in_a_row > max_retries:
+        return False, f"{where}; {in_a_row} hangs in a row (XHC_MAX_HANG_RETRIES={max_retries}): not requeueing"
+    return True, f"{where} (hang {in_a_row} in a row, at most {max_retries}): requeueing to resume"
