@@ -249,7 +249,9 @@ def backbone_shape(preset):
         num_experts=int(b.get("num_moe_experts") or 0), top_k=int(b.get("moe_router_topk") or 0),
         shared_expert_ffn=int(b.get("moe_shared_expert_intermediate_size") or 0),
         num_shared_experts=1 if b.get("moe_shared_expert_intermediate_size") else 0,
-        dense_ffn=int(b["ffn_hidden_size"]), num_dense_layers=int(b.get("first_dense_layers", 0)),
+        # a preset without experts is dense in every layer (its MLP counted), whatever first_dense_layers says
+        dense_ffn=int(b["ffn_hidden_size"]),
+        num_dense_layers=int(b.get("first_dense_layers", 0)) if b.get("num_moe_experts") else int(b["num_layers"]),
         vocab=int(b["vocab_size"]), seq_len=int(b["seq_length"]),
         tied_embeddings=not b.get("untie_embeddings", True), qk_norm=bool(b.get("qk_layernorm", False)),
     )

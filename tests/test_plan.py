@@ -170,7 +170,16 @@ def test_flops_and_bytes_come_from_the_accounting(capsys):
     want = vanilla_flops_per_token(shape, "megatron") + training_flops_per_token(preset.hc, 64, 4).f_hc
     assert plan.time.flops_per_token == pytest.approx(want, rel=1e-12)
     tokens = 8 * 64
-    assert plan.time.gemm == pytest.approx(want * tokens / (2 * 989e12 * 0.5), rel=1e-12)
+    # the time model's GEMM inventory (shapes per rank, two ranks of DP) runs exactly the accounting's backbone
+    # FLOPs: every term but the norms' 6·(2C·L + C + 2d·L for QK-norm), which are no GEMMs
+    from training.plan.gpu_model import gemm_inventory, model_dims
+
+    D = model_dims(preset)
+    inv = gemm_inventory(D, plan.lay, list(range(4)), True, True, plan.lay.num_micro)
+    norms = 6 * ((2 * 4 + 1) * preset.hidden_size + (2 * D.d * 4 if D.qk_norm else 0))
+    assert sum(g.flops for g in inv) * 2 / tokens + norms + training_flops_per_token(preset.hc, 64, 4).f_hc == \
+        pytest.approx(want, rel=1e-12)
+    assert plan.time.gemm >= sum(g.flops for g in inv if g.kind == "gemm") / (989e12 * eff.gemm)
     traffic = memory_traffic_summary(preset.hc).total  # elements of C per sublayer, forward
     hbm = traffic * 64 * 2 * 3 * 2 * 4 * (tokens / 2) / (3.35e12 * 0.5)  # bf16, x3 training, 2 sublayers, 4 layers
     assert plan.time.hc_memory == pytest.approx(hbm, rel=1e-12)

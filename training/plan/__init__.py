@@ -1,6 +1,7 @@
 """The planner room: memory and time per GPU of a run, before it starts (``python -m tools.plan``).
 
-Modules: ``model`` (the plan: layouts, bytes per rank, activations, step time), ``check`` (the
+Modules: ``model`` (the plan: layouts, bytes per rank, activations, step time), ``gpu_model`` (the GPU path:
+what Megatron-Core and Transformer Engine keep, GEMM shapes, the EP domain, the overlaps), ``check`` (the
 start-up block of a run: the plan beside what the run measures).
 """
 
@@ -14,6 +15,7 @@ _EXPORTS = {
     "Layout": "model", "layout_from_config": "model", "load_run_preset": "model", "make_plan": "model",
     "param_specs": "model", "PlanError": "model", "planned_vocab": "model", "rank_tensors": "model",
     "SavedTensorMeter": "model", "state_bytes": "model",
+    "ModelNotPlaceable": "gpu_model", "gemm_efficiency": "gpu_model",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -54,8 +54,8 @@ SHARDED_MUON_DEFAULT = True
 ``optimizer.use_distributed_optimizer`` is false (``tools.plan --no-sharded-muon`` plans it replicated)."""
 
 
-class PlanError(ValueError):
-    """A plan that cannot be made (message names the key or option and the fix)."""
+from training.plan.gpu_model import (PlanError, gpu_layer_saved_elements, gpu_time,  # noqa: E402
+                                     megatron_grad_bytes, model_dims)
 
 
 # ================================================================================================
@@ -73,18 +73,25 @@ class GPU:
     nvlink_gbs: float
     network_gbs: float
     per_node: int = 8
+    memory_mib: Optional[float] = None
+    """The device memory as the driver reports it (``nvidia-smi``'s total, MiB); the capacity when set
+    (an "80 GB" H100 reports 81,559 MiB = 79.6 GiB), else ``memory_gb``·1e9."""
+    fp32_tflops: float = 0.0
+    """Dense fp32 (non-tensor-core) peak: the fp32 router GEMM (``moe_router_dtype: fp32``) runs there."""
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+        return self.memory_mib * 2 ** 20 if self.memory_mib else self.memory_gb * 1e9
 
 
 GPUS: Dict[str, GPU] = {
     # vendor data sheets (SXM parts); network: one 400 Gb/s NIC per GPU (50 GB/s), A100: 200 Gb/s
-    "a100": GPU("a100", 80, 312, 2.039, 300, 25),
-    "h100": GPU("h100", 80, 989, 3.35, 450, 50),
-    "h200": GPU("h200", 141, 989, 4.8, 450, 50),
-    "b200": GPU("b200", 180, 2250, 8.0, 900, 50),
+    # memory_mib: nvidia-smi's total of the SXM parts (A100 80GB 81,920; H100 80GB HBM3 81,559; H200 143,771);
+    # B200: the data sheet's 180 GB.  fp32: the data sheets' non-tensor FP32 peaks.
+    "a100": GPU("a100", 80, 312, 2.039, 300, 25, memory_mib=81920, fp32_tflops=19.5),
+    "h100": GPU("h100", 80, 989, 3.35, 450, 50, memory_mib=81559, fp32_tflops=67),
+    "h200": GPU("h200", 141, 989, 4.8, 450, 50, memory_mib=143771, fp32_tflops=67),
+    "b200": GPU("b200", 180, 2250, 8.0, 900, 50, fp32_tflops=80),
 }
 
 
@@ -92,17 +99,47 @@ GPUS: Dict[str, GPU] = {
 class Efficiencies:
     """Named assumptions of the time model, as fractions of the peaks (printed with every plan)."""
 
-    gemm: float = 0.45
-    """Achieved fraction of the bf16 peak on the GEMMs (attention scores included)."""
+    gemm: float = 0.75
+    """The GEMM efficiency's asymptote: the fraction of the bf16 peak a large GEMM reaches; each GEMM gets
+    :func:`training.plan.gpu_model.gemm_efficiency` of its shape (a roofline on arithmetic intensity), at most
+    this.  0.75 (742 of 989 TFLOP/s on an H100): cuBLASLt's large bf16 GEMMs run at 0.7-0.8 of the dense peak."""
+    attn: float = 0.45
+    """Fraction of the bf16 peak of the fused (flash / cuDNN) attention on its forward FLOPs + 2.5x them backward
+    (the backward recomputes the scores): FlashAttention-2/3 and cuDNN reach 0.35-0.6 of the H100's peak at
+    head dim 128 (FlashAttention-3 paper, Figs. 4-6)."""
+    elementwise: float = 0.7
+    """Fraction of HBM bandwidth of the backbone's memory-bound ops (norms, SwiGLU, RoPE, residual adds, permute,
+    loss) and the optimizer step: an H100 copies at 2.9 of 3.35 TB/s (0.87); fused TE kernels less."""
     hbm: float = 0.3
     """Achieved fraction of HBM bandwidth on the HC streams' accounted memory traffic (calibrated: the geometric
     mean of the compile-path mHC, xHC and Flash-4sub units measured on the H200, docs/planning.md)."""
     link: float = 0.7
     """Achieved fraction of NVLink / network bandwidth on collectives and pipeline sends."""
+    a2a: float = 0.5
+    """Fraction of the link bandwidth NCCL's all-to-all (``alltoall`` dispatcher) reaches on the EP dispatch."""
+    deepep: float = 0.85
+    """Fraction DeepEP's dispatch / combine (``flex`` dispatcher) reaches: its README measures 153 of 160 GB/s
+    NVLink and 43-47 of 50 GB/s RDMA with the normal (training) kernels."""
     overlap_dp: float = 1.0
-    """Fraction of the DP gradient reduce hidden behind backward with ``overlap_grad_reduce`` (0 without)."""
+    """Fraction of the DP reduce-scatter / all-gather hideable behind the backward of the last / forward of the
+    first micro-batch that ``overlap_grad_reduce`` / ``overlap_param_gather`` hide."""
+    overlap_tp: float = 0.8
+    """Fraction of the TP collectives ``parallel.tp_comm_overlap`` (TE userbuffers) hides behind the GEMMs."""
+    overlap_ep: float = 0.8
+    """Fraction of the expert all-to-all ``parallel.ep_overlap`` (1F1B A2A overlap) hides behind compute."""
+    overlap_pp: float = 0.75
+    """Fraction of the pipeline sends the interleaved schedule overlaps with compute (``overlap_p2p_comm``)."""
+    moe_imbalance: float = 1.15
+    """The most loaded expert rank's share over the mean under dropless routing (expert GEMMs and all-to-all):
+    Megatron-MoE-ModelZoo's Qwen3-235B runs measure 1.09-1.25 between forced-balance and dropless routing."""
     layer_overhead_ms: float = 0.0
     """Fixed time per layer per micro-batch (kernel launches, router, host): the small-model floor."""
+    moe_layer_overhead_ms: float = 1.0
+    """Fixed time per MoE layer per forward or backward pass: the host waits for the routed token counts (a
+    device-to-host sync for the grouped GEMM's split sizes and the dispatcher's layout) before it launches the
+    experts.  Megatron-Core captures ``moe_router`` / ``moe_preprocess`` in CUDA graphs to remove it
+    (Megatron-MoE-ModelZoo's GB200 recipes).  Fitted on the five published MoE rows: ``python -m
+    bench.plan_public --fit`` gives 1.03, rounded (docs/planning.md)."""
 
 
 # ================================================================================================
@@ -131,6 +168,13 @@ class Layout:
     gpu: bool = True
     bf16: bool = True
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_fp32: bool = True
+    """GPU: the DDP main-grad buffer and reduce in fp32 (``parallel.grad_reduce_in_fp32``), else bf16."""
+    tp_comm_overlap: bool = False
+    ep_overlap: bool = False
+    dispatcher: Optional[str] = None
+    """The MoE token dispatcher (``moe_token_dispatcher_type``; None: the preset's)."""
     vocab: Optional[int] = None
     """Embedding rows, padded (None: the preset's vocabulary)."""
 
@@ -180,6 +224,10 @@ class Layout:
             parts.append(f"cp={self.cp}")
         parts += [f"dp={self.dp}", f"mbs={self.micro_batch}", f"recompute={self.recompute}",
                   f"hc_recompute={'on' if self.hc_recompute else 'off'}"]
+        over = [n for n, on in (("tp", self.tp_comm_overlap), ("ep", self.ep_overlap),
+                                ("dp", self.overlap_grad_reduce)) if on]
+        if self.gpu and over:
+            parts.append("overlap=" + "+".join(over))
         return " ".join(parts)
 
 
@@ -229,7 +277,10 @@ def layout_from_config(cfg, preset, gpus: int, gpu: bool = True, sharded_muon: O
                   micro_batch=b.micro_batch_size, global_batch=b.global_batch_size,
                   seq=int(b.seq_length or preset.seq_length), recompute=m.recompute, hc_recompute=bool(hc_rec),
                   optimizer=cfg.optimizer.name, distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                  sharded_muon=sharded_muon, gpu=gpu, bf16=bf16, overlap_grad_reduce=p.overlap_grad_reduce)
+                  sharded_muon=sharded_muon, gpu=gpu, bf16=bf16, overlap_grad_reduce=p.overlap_grad_reduce,
+                  overlap_param_gather=p.overlap_param_gather, grad_reduce_fp32=p.grad_reduce_in_fp32,
+                  tp_comm_overlap=p.tp_comm_overlap, ep_overlap=p.ep_overlap,
+                  dispatcher=preset.backbone.get("moe_token_dispatcher_type"))
 
 
 # ================================================================================================
@@ -426,7 +477,7 @@ def state_bytes(tensors: Sequence[Tuple[ParamSpec, Tuple[int, ...]]], lay: Layou
         return out
     for (s, _), n in zip(tensors, numel):
         out.weights += n * (4 if (s.hc or not lay.bf16) else 2)
-        out.grads += 4 * n  # Megatron DDP's fp32 main-grad buffer (grad_reduce_in_fp32)
+        out.grads += megatron_grad_bytes(lay) * n  # Megatron DDP's main-grad buffer (grad_reduce_in_fp32: fp32)
     master = [0 if (s.hc or not lay.bf16) else 4 for s, _ in tensors]  # fp32 master copy of a bf16 param
     if lay.uses_sharded_muon and lay.dp > 1:
         per = [n * (m + (4 if o == "muon" else 8)) for n, o, m in zip(numel, opt, master)]
@@ -620,16 +671,9 @@ class ActivationBytes:
 
 
 def _dims(preset):
-    b = preset.backbone
-    C = preset.hidden_size
-    a = int(b["num_attention_heads"])
-    E = int(b.get("num_moe_experts") or 0)
-    return SimpleNamespace(
-        C=C, a=a, g=int(b.get("num_query_groups") or a), d=int(b.get("kv_channels") or C // a),
-        F=int(b["ffn_hidden_size"]), E=E, K=int(b.get("moe_router_topk") or 0),
-        Fe=int(b.get("moe_ffn_hidden_size") or b["ffn_hidden_size"]),
-        Fs=int(b.get("moe_shared_expert_intermediate_size") or 0),
-        dense=int(b.get("first_dense_layers", 0)) if E else preset.num_layers, qk_norm=bool(b.get("qk_layernorm")))
+    """The backbone's dimensions (:func:`training.plan.gpu_model.model_dims`: refuses, in one line, a model the
+    accounting cannot place; a preset without experts is dense in every layer)."""
+    return model_dims(preset)
 
 
 def backbone_saved_elements(preset, lay: Layout, layer: int, s: int, b: int) -> float:
@@ -646,6 +690,8 @@ def backbone_saved_elements(preset, lay: Layout, layer: int, s: int, b: int) -> 
     recompute drops core attention's tensors, ``full`` keeps the layer input only (see
     :func:`activation_bytes`)."""
     D = _dims(preset)
+    if lay.gpu:  # what Megatron-Core / TE keep (training.plan.gpu_model); the CPU path below is autograd's
+        return gpu_layer_saved_elements(D, lay, layer, s, b)
     tp = lay.tp
     etp = lay.expert_tp
     seq_split = tp if lay.sp else 1
@@ -726,7 +772,10 @@ def _vocab_rows(preset, lay: Layout) -> int:
 # ================================================================================================
 @dataclass
 class StepTime:
-    """Seconds per optimizer step, by component (docs/planning.md, "Time")."""
+    """Seconds per optimizer step, by component (docs/planning.md, "Time").  On the GPU path the components are
+    the slowest pipeline stage's (``gemm``: the GEMMs at their shapes' efficiency and the fp32 router;
+    ``attention``: the fused attention; ``elementwise``: the memory-bound ops and the loss); the ``*_comm`` ones
+    are what stays exposed after the overlaps, ``hidden`` what the overlaps hide."""
 
     gemm: float = 0.0
     hc_memory: float = 0.0
@@ -739,11 +788,20 @@ class StepTime:
     overhead: float = 0.0
     flops_per_token: float = 0.0
     tokens: int = 0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    hc_flops: float = 0.0
+    optimizer: float = 0.0
+    hidden: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    moe_overhead: float = 0.0
+
+    COMPONENTS = ("gemm", "attention", "elementwise", "hc_flops", "hc_memory", "tp_comm", "ep_comm", "cp_comm",
+                  "dp_comm", "pp_comm", "moe_overhead", "bubble", "optimizer", "overhead")
 
     @property
     def total(self) -> float:
-        return (self.gemm + self.hc_memory + self.tp_comm + self.ep_comm + self.cp_comm + self.dp_comm + self.pp_comm + self.bubble
-                + self.overhead)
+        return sum(getattr(self, k) for k in self.COMPONENTS)
 
 
 HC_TRAINING_TRAFFIC = 3.0
@@ -751,8 +809,14 @@ HC_TRAINING_TRAFFIC = 3.0
 reads the forward's inputs and writes their gradients: about twice the forward)."""
 
 
-def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank: float, vocab: int) -> StepTime:
-    """Predicted seconds per step on ``lay.gpus`` GPUs of kind ``gpu`` (each component in docs/planning.md)."""
+def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank: float, vocab: int,
+              stages: Optional[Sequence[Tuple[List[int], bool, bool, float, float]]] = None) -> StepTime:
+    """Predicted seconds per step on ``lay.gpus`` GPUs of kind ``gpu`` (each component in docs/planning.md).
+
+    ``stages``: per pipeline stage ``(layers, first, last, dense params, expert params)`` of one rank (default:
+    the uniform split, with ``params_per_rank`` as dense parameters).  The FLOPs per token (the MFU numerator)
+    are training's (``xhc.accounting`` via ``training.run.model_flops_per_token``); the time is
+    :func:`training.plan.gpu_model.gpu_time` on the GEMM shapes, plus the HC terms below."""
     from training.run import model_flops_per_token
     from xhc.accounting import memory_traffic_summary
 
@@ -762,50 +826,32 @@ def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank:
     out = StepTime(tokens=lay.global_batch * lay.seq)
     flops = model_flops_per_token(preset, lay.seq, vocab, "megatron", hc)
     out.flops_per_token = flops["total"]
-    executed = flops["total"]
-    if lay.recompute == "full":
-        executed += flops["total"] / 3  # one more forward
-    elif lay.recompute == "selective":
-        executed += 2.0 * D.a * D.d * lay.seq * L  # the causal attention scores' forward again
-    if lay.hc_recompute:
-        executed += flops["hc"] / 3
     peak = gpu.bf16_tflops * 1e12
-    out.gemm = executed * out.tokens / (lay.gpus * peak * eff.gemm)
     # HC streams: forward traffic per sublayer (units of C elements per token), bf16, on the SP shard
     seq_split = lay.tp if lay.sp else 1
     tokens_rank = out.tokens / lay.dp / lay.cp / seq_split  # tokens one rank's HC ops touch per step
     layers_rank = L / lay.pp
+    hc_seconds = 0.0
     if hc.enabled:
         try:
             per_sub = memory_traffic_summary(hc).total
         except ValueError:  # no published formula (e.g. Flash-4sub outside N = 16, k = 4): mHC's as a stand-in
             per_sub = 8 * hc.n + 2
         reps = HC_TRAINING_TRAFFIC + (1.0 if lay.hc_recompute else 0.0)
-        out.hc_memory = per_sub * C * 2 * reps * 2 * layers_rank * tokens_rank / (gpu.hbm_tbs * 1e12 * eff.hbm)
-    nvlink, net = gpu.nvlink_gbs * 1e9 * eff.link, gpu.network_gbs * 1e9 * eff.link
-    tok_mp = out.tokens / lay.dp / lay.cp  # tokens through one model-parallel replica per step
-    if lay.tp > 1:  # per sublayer: all-gather + reduce-scatter forward, the same backward (bf16 [s, b, C])
-        vol = 2 * 2 * 2 * layers_rank * tok_mp * C * 2 * (lay.tp - 1) / lay.tp
-        out.tp_comm = vol / (nvlink if lay.tp <= gpu.per_node else net)
-    if lay.cp > 1:  # ring attention: each rank's K and V pass the ring, forward and backward (twice)
-        vol = 3 * layers_rank * tok_mp * 2 * D.g * D.d / lay.tp * 2 * (lay.cp - 1) / lay.cp
-        out.cp_comm = vol / (nvlink if lay.cp * lay.tp <= gpu.per_node else net)
-    moe_layers = max(0, L - D.dense) / lay.pp
-    if lay.ep > 1 and moe_layers:  # dispatch + combine, forward and backward, K copies per token
-        vol = 4 * moe_layers * tok_mp / seq_split * D.K * C * 2 * (lay.ep - 1) / lay.ep
-        out.ep_comm = vol / (nvlink if lay.ep * lay.tp <= gpu.per_node else net)
-    if lay.dp > 1:  # gradient reduce-scatter (fp32) + parameter all-gather (bf16), or an all-reduce
-        per_param = 4 + 2 if lay.uses_distributed_optimizer else 2 * 4
-        vol = params_per_rank * per_param * (lay.dp - 1) / lay.dp
-        t = vol / (nvlink if lay.gpus <= gpu.per_node else net)
-        out.dp_comm = t * (1 - (eff.overlap_dp if lay.overlap_grad_reduce else 0.0))
-    if lay.pp > 1:  # every stage boundary: the [s, b, N·C] state forward and its gradient back, per micro-batch
-        n = hc.n if hc.enabled else 1
-        vol = 2 * lay.num_micro * lay.micro_batch * lay.seq / lay.cp / seq_split * n * C * 2
-        out.pp_comm = vol / (net if lay.gpus > gpu.per_node else nvlink)
-    busy = out.gemm + out.hc_memory + out.tp_comm + out.ep_comm + out.cp_comm
-    if lay.pp > 1:
-        out.bubble = busy * (lay.pp - 1) / (lay.num_micro * (lay.vpp or 1))
+        hc_seconds = per_sub * C * 2 * reps * 2 * layers_rank * tokens_rank / (gpu.hbm_tbs * 1e12 * eff.hbm)
+    # the HC maps' FLOPs (F_HC = 6·P_HC per token, on the SP shard; HC recompute: their forward again)
+    hc_flops = flops["hc"] * (1 + (1 / 3 if lay.hc_recompute else 0)) * tokens_rank / lay.pp
+    if stages is None:
+        stages = [(stage_layers(L, lay.pp, lay.vpp, st), st == 0, st == lay.pp - 1, params_per_rank, 0.0)
+                  for st in range(lay.pp)]
+    comps = gpu_time(D, lay, gpu, eff, list(stages), hc_seconds, hc_flops / (peak * eff.gemm),
+                     (hc.n if hc.enabled else 1) * C)
+    out.gemm = comps["gemm"] + comps["router"]
+    out.attention, out.elementwise = comps["attention"], comps["elementwise"]
+    out.hc_memory, out.hc_flops = hc_seconds, hc_flops / (peak * eff.gemm)
+    for k in ("tp_comm", "ep_comm", "cp_comm", "dp_comm", "pp_comm", "moe_overhead", "bubble", "optimizer"):
+        setattr(out, k, comps[k])
+    out.hidden = {k[:2]: comps[k] for k in ("tp_hidden", "ep_hidden", "dp_hidden") if comps.get(k)}
     out.overhead = eff.layer_overhead_ms * 1e-3 * 3 * layers_rank * lay.num_micro
     return out
 
@@ -878,6 +924,10 @@ class Plan:
                 "total_gib": pk.total / GIB, "capacity_gib": None if self.capacity is None else self.capacity / GIB,
                 "fits": self.fits, "step_s": None if self.time is None else self.time.total,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "tokens_per_s_per_gpu": None if self.tokens_per_s is None else self.tokens_per_s / self.lay.gpus,
+                "headroom_gib": None if self.capacity is None else (self.capacity - pk.total) / GIB,
+                "time_s": None if self.time is None else {k: getattr(self.time, k) for k in StepTime.COMPONENTS},
+                "hidden_s": None if self.time is None else dict(self.time.hidden),
                 "stages_gib": [s.total / GIB for s in self.stages]}
 
     def lines(self) -> List[str]:
@@ -889,7 +939,7 @@ class Plan:
                f"[plan] most loaded rank: {pk.describe(lay.pp)}"]
         if lay.gpu:
             wdesc = "bf16 backbone, fp32 HC" if lay.bf16 else "fp32"
-            gdesc = "fp32 main grads"
+            gdesc = "fp32 main grads" if lay.grad_reduce_fp32 else "bf16 main grads"
         else:
             wdesc, gdesc = "fp32", "fp32 .grad"
         # the torch backend (CPU) shards either optimizer's state with optimizer.use_distributed_optimizer=true
@@ -926,13 +976,17 @@ class Plan:
                        + " GiB")
         if self.time is not None:
             t, e = self.time, self.eff
-            parts = [(k, getattr(t, k)) for k in ("gemm", "hc_memory", "tp_comm", "ep_comm", "cp_comm", "dp_comm", "pp_comm",
-                                                  "bubble", "overhead")]
+            parts = [(k, getattr(t, k)) for k in StepTime.COMPONENTS]
             out.append(f"[plan] time: {t.total:.3f} s/step = " + " + ".join(f"{k} {v:.3f}" for k, v in parts if v)
-                       + f"; {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}")
-            out.append(f"[plan] assumptions: GEMM {e.gemm:g} of peak, HBM {e.hbm:g}, links {e.link:g}, DP overlap "
-                       f"{e.overlap_dp:g}, {e.layer_overhead_ms:g} ms per layer per micro-batch pass "
-                       "(docs/planning.md)")
+                       + f"; {self.tokens_per_s:,.0f} tokens/s ({self.tokens_per_s / lay.gpus:,.0f} per GPU), "
+                       f"MFU {self.mfu:.1%}")
+            if t.hidden:
+                out.append("[plan] hidden by overlap: " + ", ".join(f"{k} {v:.3f} s" for k, v in t.hidden.items()))
+            out.append(f"[plan] assumptions: GEMM {e.gemm:g} of peak at large shapes (roofline on intensity), "
+                       f"attention {e.attn:g}, elementwise {e.elementwise:g} of HBM, HC {e.hbm:g} of HBM, links "
+                       f"{e.link:g}, all-to-all {e.a2a:g} (DeepEP {e.deepep:g}), MoE imbalance {e.moe_imbalance:g}, "
+                       f"overlaps TP {e.overlap_tp:g} EP {e.overlap_ep:g} DP {e.overlap_dp:g} PP {e.overlap_pp:g}, "
+                       f"{e.layer_overhead_ms:g} ms per layer per micro-batch pass (docs/planning.md)")
         return out
 
     def format(self) -> str:
@@ -956,6 +1010,7 @@ def make_plan(cfg, gpus: int, gpu: Optional[GPU], eff: Efficiencies = Efficienci
     from training.config import validate_runtime
 
     preset = preset if preset is not None else load_run_preset(cfg)
+    _dims(preset)  # a model the accounting cannot place is refused here, in one line
     if validate:
         validate_runtime(cfg, gpus, preset, cuda=gpu is not None)
     lay = layout_from_config(cfg, preset, gpus, gpu=gpu is not None, sharded_muon=sharded_muon)
@@ -966,7 +1021,7 @@ def make_plan(cfg, gpus: int, gpu: Optional[GPU], eff: Efficiencies = Efficienci
         _SPECS_CACHE.clear()  # one model at a time (a search plans one preset under many layouts)
         _SPECS_CACHE[pkey] = param_specs(preset, vocab)
     specs = _SPECS_CACHE[pkey]
-    stages = []
+    stages, timing = [], []
     for st in range(lay.pp):
         tkey = (pkey, lay.tp, lay.expert_tp, lay.ep, lay.pp, lay.vpp, st)
         if tkey not in _SPECS_CACHE:
@@ -974,14 +1029,17 @@ def make_plan(cfg, gpus: int, gpu: Optional[GPU], eff: Efficiencies = Efficienci
         tensors = _SPECS_CACHE[tkey]
         skey = (tkey, lay.gpu, lay.bf16, lay.optimizer, lay.uses_distributed_optimizer, lay.uses_sharded_muon,
                 lay.distributed_optimizer,  # the CPU path shards by it alone (state_bytes)
-                lay.dp, lay.cp, lay.expert_dp)
+                lay.dp, lay.cp, lay.expert_dp, lay.grad_reduce_fp32)
         if skey not in _SPECS_CACHE:
-            _SPECS_CACHE[skey] = (state_bytes(tensors, lay), sum(math.prod(sh) for _, sh in tensors))
-        state, numel = _SPECS_CACHE[skey]
+            _SPECS_CACHE[skey] = (state_bytes(tensors, lay), sum(math.prod(sh) for _, sh in tensors),
+                                  sum(math.prod(sh) for sp_, sh in tensors if sp_.expert))
+        state, numel, expert_numel = _SPECS_CACHE[skey]
         stages.append(StagePlan(st, state, activation_bytes(preset, lay, st), numel, st == 0, st == lay.pp - 1))
-    plan = Plan(cfg.model.preset, lay, gpu, eff, stages, hc_desc=hc_description(preset.hc))
+        timing.append((stage_layers(preset.num_layers, lay.pp, lay.vpp, st), st == 0, st == lay.pp - 1,
+                       numel - expert_numel, expert_numel))
+    plan = Plan(preset.name, lay, gpu, eff, stages, hc_desc=hc_description(preset.hc))
     if gpu is not None:
-        plan.time = step_time(preset, lay, gpu, eff, plan.peak.params, vocab)
+        plan.time = step_time(preset, lay, gpu, eff, plan.peak.params, vocab, stages=timing)
     return plan
 
 
