@@ -417,6 +417,12 @@ class Builder:
         run.log(f"[xhc] flops      {run.flops['total'] / 1e6:.2f} MFLOP/token (backbone {run.flops['backbone'] / 1e6:.2f}, "
                 f"HC {run.flops['hc'] / 1e6:.3f}); MFU vs {run.peak:g} TFLOP/s/device ({run.peak_note})")
         run.log(f"[xhc] run dir    {run.run_dir}")
+        # the hardware, once per start (a resume adds one): tools.sweep's time to loss uses the logged tokens/s
+        # of runs on the GPU kind and count it is asked about
+        run.metrics.write("setup", run.step, {"devices": run.world, "device": run.device.type,
+                                              "device_name": torch.cuda.get_device_name() if run.cuda else "cpu",
+                                              "precision": "bf16" if run.tf_config.bf16 else "fp32",
+                                              "tokens_per_step": run.tokens_per_step})
 
     def _preset_variant_keys(self) -> List[str]:
         run = self.run

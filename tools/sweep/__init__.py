@@ -5,18 +5,21 @@
     python -m tools.sweep fit     --config configs/sweeps/tiny-cpu.yaml
     python -m tools.sweep run     --config configs/sweeps/paper-2p5b.yaml --executor slurm --dry-run
     python -m tools.sweep print   --config configs/sweeps/paper-2p5b.yaml
+    python -m tools.sweep fit     --config configs/sweeps/paper-2p5b.yaml --gpu h100 --gpus 16 [--laws paper]
 
 ``run`` trains every unfinished arm (one ``training.pretrain`` run each, in ``<out_dir>/arms/<arm>``;
 rerunning skips finished arms and resumes the others from their checkpoints); ``collect`` writes
 the per-arm table (console, ``summary/arms.csv``, ``summary/arms.json``); ``fit`` fits
 L(C) = E + A·C^(−α) per variant (Huber on log residuals, L-BFGS from a grid, bootstrap intervals),
 L(N) at fixed compute, L(P, D) where sizes and budgets both vary, the compute multipliers against
-the baselines, and draws ``summary/frontier.png``, ``loss_vs_n.png``, ``multipliers.png``
+the baselines (with ``--gpu``/``--gpus`` also in GPU-hours on that cluster: :mod:`tools.sweep.gpu_time`),
+and draws ``summary/frontier.png``, ``loss_vs_n.png``, ``multipliers.png``
 (docs/sweeps.md, docs/math.md §6.5).
 
 The package: :mod:`tools.sweep.spec` (sweep files -> arms), :mod:`tools.sweep.runner` (local and
 SLURM executors), :mod:`tools.sweep.collect` (the per-arm table), :mod:`tools.sweep.fit` (the robust
-scaling-law fits and the sweep fit) and :mod:`tools.sweep.plots`.
+scaling-law fits and the sweep fit), :mod:`tools.sweep.gpu_time` (time to loss: the multipliers in
+GPU-hours) and :mod:`tools.sweep.plots`.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import shlex
 import sys
 
 from tools.sweep.collect import CELL_COLUMNS, COLUMNS, aggregate, collect, format_table, read_metrics, write_table
-from tools.sweep.fit import FitError, fit_markdown, fit_sweep
+from tools.sweep.fit import FitError, fit_markdown, fit_sweep, significance
+from tools.sweep.gpu_time import add_gpu_hours, gpu_time_markdown, paper_law_result, variant_times
 from tools.sweep.runner import ARM_STATE, arm_finished, run_local, slurm_commands
 from tools.sweep.spec import Arm, Sweep, SweepError, load_sweep
 
 __all__ = ["main", "Arm", "Sweep", "SweepError", "load_sweep", "run_local", "slurm_commands", "collect",
            "read_metrics", "write_table", "format_table", "aggregate", "fit_sweep", "fit_markdown", "FitError", "COLUMNS",
+           "variant_times", "add_gpu_hours", "paper_law_result",
            "ARM_STATE", "arm_finished"]
 
 # The runner only launches and reads files: keep OpenMP from spinning on a shared machine.
@@ -58,6 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name == "fit":
             s.add_argument("--no-plots", action="store_true",
                            help="fit.json and fit.md only (the plots need matplotlib: pip install 'xhc[plot]')")
+            s.add_argument("--gpu", default=None,
+                           help="also give the multipliers in GPU-hours on this GPU kind (the planner's table: "
+                                "a100, h100, h200, b200), from each variant's planned step time or its measured "
+                                "tokens/s where its arms logged that hardware")
+            s.add_argument("--gpus", type=int, default=None,
+                           help="GPUs of the cluster for --gpu (default: the sweep's executor.nproc)")
+            s.add_argument("--laws", choices=("fit", "paper"), default="fit",
+                           help="fit: fit the arms' losses (default); paper: [xHC]'s published L(C) for its "
+                                "vanilla, mHC N=4 and xHC N=16 k=4 arms (docs/math.md §6.5), nothing fitted")
         if name == "run":
             s.add_argument("--executor", choices=("local", "slurm", "print"), default="local")
             s.add_argument("--parallel", type=int, default=None,
@@ -88,7 +102,11 @@ def _print_arms(sweep, mfu: float = 0.4, peak_tflops: float = 989.0) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.cmd == "fit" and not args.no_plots:
+    if args.cmd == "fit" and args.gpus is not None and (args.gpus < 1 or not args.gpu):
+        print(f"error: --gpus {args.gpus}: give a count >= 1 together with --gpu (e.g. --gpu h100 --gpus 16)",
+              file=sys.stderr)
+        return 2
+    if args.cmd == "fit" and not args.no_plots and args.laws == "fit":
         from tools._cli import MissingExtra, require
 
         try:
@@ -136,8 +154,22 @@ def main(argv=None) -> int:
             paths = write_table(sweep, rows)
             print(f"[collect] table -> {paths['csv']}, {paths['json']}")
             return 0
+        times = (variant_times(sweep, rows, args.gpu, args.gpus,
+                               variants=None if args.laws == "fit" else list(paper_law_result(sweep)[0]))
+                 if args.gpu else None)
+        if args.laws == "paper":
+            fits, result = paper_law_result(sweep)
+            if times:
+                add_gpu_hours(result, fits, times, significance)
+            print(f"[fit] {result['law_source']}, mapped onto {', '.join(fits)}; nothing fitted")
+            for m in result["multipliers"]:
+                print(f"{m['baseline']} needs {m['multiplier']:.3f}x the compute of {m['variant']} at "
+                      f"C_b = {m['at']['compute']:.3g} FLOPs")
+            if times:
+                print("\n" + gpu_time_markdown(result))
+            return 0
         write_table(sweep, rows)
-        result = fit_sweep(sweep, rows, plots=not args.no_plots)
+        result = fit_sweep(sweep, rows, plots=not args.no_plots, times=times)
         print(fit_markdown(result))
         print(f"\n[fit] -> {os.path.join(sweep.summary_dir, 'fit.json')}, fit.md"
               + "".join(f", {p}" for p in result.get("plots", {}).values()))

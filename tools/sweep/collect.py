@@ -6,12 +6,12 @@ import csv
 import json
 import math
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from tools.sweep.runner import ARM_STATE, _last_error_line, _pid_alive, _read_json, _write_json
 from tools.sweep.spec import Arm, Sweep
 
-__all__ = ["COLUMNS", "CELL_COLUMNS", "read_metrics", "collect_arm", "collect", "aggregate", "format_table",
+__all__ = ["COLUMNS", "CELL_COLUMNS", "read_metrics", "read_hardware", "collect_arm", "collect", "aggregate", "format_table",
            "write_table"]
 
 COLUMNS = ("arm", "variant", "size", "N", "k", "steps", "seed", "state", "params_total", "params_activated",
@@ -59,7 +59,8 @@ def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
            "params_total": arm.params_total, "params_activated": arm.params_activated, "params_hc": arm.params_hc,
            "flops_per_token": arm.flops_per_token, "tokens": arm.tokens, "compute": arm.compute,
            "train_loss": None, "valid_loss": None, "wall_s": None, "cpu_s": None, "tokens_per_s": None, "commit": None,
-           "data": _data_fingerprint(arm.run_dir), "reason": ""}
+           "data": _data_fingerprint(arm.run_dir), "hardware": read_hardware(os.path.join(arm.run_dir, "metrics.jsonl")),
+           "reason": ""}
     status = _read_json(os.path.join(arm.run_dir, "status.json"))
     record = _read_json(os.path.join(arm.run_dir, ARM_STATE)) or {}
     row["cpu_s"] = record.get("cpu_s")
@@ -102,6 +103,30 @@ def collect_arm(arm: Arm, tail_fraction: float = 0.1) -> dict:
         row["state"] = "not started"
         row["reason"] = "not started"
     return row
+
+
+def read_hardware(path: str) -> Optional[dict]:
+    """``{"device_name", "devices"}`` from the ``setup`` records of a metrics.jsonl (training writes one per
+    start); None without one, and None where the starts ran on different hardware (a resume elsewhere: the
+    logged tokens/s then mix two machines)."""
+    seen = set()
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if '"setup"' not in line:
+                    continue
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("kind") == "setup":
+                    seen.add((str(r.get("device_name")), r.get("devices")))
+    except OSError:
+        return None
+    if len(seen) != 1:
+        return None
+    name, devices = seen.pop()
+    return {"device_name": name, "devices": devices}
 
 
 def _data_fingerprint(run_dir: str):

@@ -34,6 +34,7 @@ import numpy as np
 from xhc.scaling import ScalingFit
 
 from tools.sweep.collect import _finite
+from tools.sweep.gpu_time import add_gpu_hours, gpu_time_markdown
 from tools.sweep.plots import plot_sweep
 from tools.sweep.runner import _write_json
 from tools.sweep.spec import Sweep, SweepError
@@ -570,9 +571,12 @@ def fit_chinchilla(params: Sequence[float], tokens: Sequence[float], loss: Seque
 # ================================================================================================
 # Fit
 # ================================================================================================
-def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True) -> dict:
+def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True, times: Optional[Mapping] = None) -> dict:
     """Fit L(C) per variant, L(N) at a fixed compute, L(P, D) when sizes and budgets both vary, and the
     compute multipliers against the baselines; write ``fit.json``, ``fit.md`` and the plots.
+
+    ``times``: :func:`tools.sweep.gpu_time.variant_times` of the sweep on a GPU cluster: each multiplier
+    then also comes in GPU-hours (:func:`tools.sweep.gpu_time.add_gpu_hours`).
 
     Every finished run is a point (seeds of one arm share its compute); the bootstrap resamples arms
     and, within them, seeds.  Multipliers whose interval covers 1 and loss differences whose interval
@@ -635,6 +639,8 @@ def fit_sweep(sweep: Sweep, rows: List[dict], log=print, plots: bool = True) -> 
             mults.append({"baseline": b, "variant": v, "at": kw, "multiplier": m, "interval": [lo, hi],
                           "significance": significance(lo, hi, 1.0)})
     result["multipliers"] = mults
+    if times:
+        add_gpu_hours(result, fits, times, significance)
     # L(N) at a fixed compute
     c_n = float(c_ref) if c_ref is not None else (max(by_var[baselines[0]][0]) if baselines else
                                                    math.exp(sum(math.log(r["compute"]) for r in used) / len(used)))
@@ -725,6 +731,8 @@ def fit_markdown(result: dict) -> str:
             at = ", ".join(f"{k}={v:.3g}" for k, v in m["at"].items())
             out.append(f"| {m['baseline']} | {m['variant']} | {at} | {_iv(m['multiplier'], *m['interval'], '{:.3f}')} "
                        f"| {_mark(m.get('significance'))} |")
+    if result.get("gpu_time"):
+        out += ["", gpu_time_markdown(result)]
     ln = result["loss_vs_n"]
     ref = ln.get("reference")
     out += ["", f"L(N) at fixed compute C = {ln['compute']:.3g} (fitted)"
