@@ -2,7 +2,7 @@
 
 The tree of commit ``MOVE_BASE`` (main just before the move: flat ``training/`` and ``tools/``) is
 extracted from the git history (``git archive``) and run beside today's, both as the Quickstart's
-default run (``python -m training.pretrain``, its embedded config, 2 threads as in the README) for its
+default run (``python -m training.pretrain``, its embedded config; one thread each, the same for both) for its
 first 20 steps with an evaluation every 10 (steps 0, 10 and 20), stopping at step 20 with a
 checkpoint (``run.exit_at_step``; the schedule stays the 300-step run's).  Then:
 
@@ -34,7 +34,7 @@ STEPS = ["run.exit_at_step=20", "run.eval_interval=10", "logging.plot=false", "l
 
 
 def _run(code_root: str, cwd: str, *args: str, module: str = "training.pretrain") -> str:
-    env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
