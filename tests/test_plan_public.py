@@ -208,3 +208,28 @@ def test_hc_overheads_at_18b_agree_with_the_paper():
     assert abs(tps["mhc"] / tps["vanilla"] - 1 / 1.15) <= 0.06, tps
     assert abs(tps["xhc-flash4"] / tps["vanilla"] - 0.78) <= 0.06, tps
     assert math.isfinite(tps["vanilla"])
+
+
+@pytest.mark.slow
+def test_search_covers_vpp_etp_and_the_overlaps():
+    """``--search`` tries every vpp that validation accepts (not only 2), etp = 1 beside etp = tp, and the overlap
+    options where they are valid; it returns only layouts training accepts and that fit, fastest first."""
+    from training.config import load_config, validate_runtime
+    from training.plan import GPUS, Efficiencies, load_run_preset
+    from tools.plan import _overrides_of, search
+
+    cfg = load_config(None, ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=256", "batch.seq_length=64",
+                             "batch.micro_batch_size=1", "batch.global_batch_size=16", "model.preset=tiny-moe:vanilla",
+                             "model.backbone.num_layers=8", "model.backbone.first_dense_layers=0"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = search(cfg, 4, GPUS["h100"], Efficiencies(), top=10 ** 6)
+    keys = [key for _, key, _, _ in rows]
+    assert {k[3] for k in keys} >= {None, 2, 4}  # vpp: 8 layers over pp = 2 give 2 and 4
+    assert any(k[6] == 1 and k[0] > 1 for k in keys)  # etp = 1 under TP
+    assert any(k[10] for k in keys) and any(k[11] for k in keys)  # tp_comm_overlap, ep_overlap
+    tps = [r[0] for r in rows]
+    assert tps == sorted(tps, reverse=True)
+    for tps_, key, plan, c in rows[:: max(1, len(rows) // 25)]:
+        assert plan.fits and validate_runtime(c, 4, load_run_preset(c), cuda=True) == plan.lay.dp
+        assert f"parallel.tp_comm_overlap={'true' if key[10] else 'false'}" in _overrides_of(key)

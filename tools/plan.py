@@ -46,6 +46,8 @@ def _gpu(args):
     for k, v in fields.items():
         if v <= 0:
             raise PlanCliError(f"--{k.replace('_', '-')} {v!r} must be > 0")
+    if "memory_gb" in fields:
+        fields["memory_mib"] = None  # the given GB, not the table's driver figure
     return dataclasses.replace(base, name=base.name + ("*" if fields else ""), **fields) if fields else base
 
 
@@ -76,7 +78,12 @@ def _load(config: Optional[str], overrides: Sequence[str]):
 
 def search(cfg, gpus: int, gpu, eff, top: int = 10, sharded_muon: Optional[bool] = None) -> List:
     """Every layout of ``gpus`` GPUs that training's validation accepts (``validate_runtime``) and that fits,
-    ranked by predicted tokens/s: tp, sp, ep, etp, pp, vpp, cp, micro-batch, recompute, HC recompute."""
+    ranked by predicted tokens/s: tp (with SP), pp, vpp (every divisor of the layers per stage that validation
+    accepts), cp, ep, etp, micro-batch, recompute, HC recompute, and the overlap options
+    ``parallel.tp_comm_overlap`` and ``parallel.ep_overlap`` where valid.  A row is ``(tokens/s, key, plan,
+    config)`` with ``key = (tp, sp, pp, vpp, cp, ep, etp, mbs, recompute, hc_recompute, tp_comm_overlap,
+    ep_overlap)`` (:func:`_overrides_of` gives its ``key=value`` overrides).  The overlaps change no byte, so
+    they are tried only on layouts that fit."""
     from training.config import ConfigError
     from training.plan import load_run_preset, make_plan
 
@@ -84,44 +91,55 @@ def search(cfg, gpus: int, gpu, eff, top: int = 10, sharded_muon: Optional[bool]
     b = preset.backbone
     L = preset.num_layers
     E = int(b.get("num_moe_experts") or 0)
+    a2a = (b.get("moe_token_dispatcher_type") or "allgather") in ("alltoall", "flex")
     divisors = [d for d in (1, 2, 4, 8, 16, 32, 64) if gpus % d == 0]
     results = []
     seen = set()
     for tp in [d for d in divisors if d <= 8]:
-        for sp in ((False, True) if tp > 1 else (False,)):
-            if tp > 1 and not sp:
-                continue  # Megatron's advice: TP > 1 always with SP (same maths, less memory)
-            for pp in [d for d in divisors if L % d == 0 and d <= 16]:
-                for vpp in (None, 2):
-                    if vpp and pp == 1:
+        sp = tp > 1  # Megatron's advice: TP > 1 always with SP (same maths, less memory)
+        for pp in [d for d in divisors if L % d == 0 and d <= 16]:
+            vpps = [None] + ([v for v in range(2, L // pp + 1) if (L // pp) % v == 0] if pp > 1 else [])
+            for vpp in vpps:
+                for cp in (1, 2):
+                    if tp * pp * cp > gpus:
                         continue
-                    for cp in (1, 2):
-                        if tp * pp * cp > gpus:
-                            continue
-                        for ep in [d for d in divisors if (not E and d == 1) or (E and E % d == 0)]:
-                            for etp in ((None, 1) if tp > 1 and E else (None,)):
-                                for mbs in (1, 2, 4):
-                                    for rec in ("none", "selective", "full"):
-                                        for hc_rec in ((False, True) if preset.hc.enabled else (False,)):
-                                            key = (tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec)
-                                            if key in seen:
-                                                continue
-                                            seen.add(key)
-                                            c = _with_layout(cfg, key)
-                                            try:
-                                                plan = make_plan(c, gpus, gpu, eff, preset=preset, sharded_muon=sharded_muon)
-                                            except (ConfigError, ValueError):
-                                                continue
-                                            if plan.fits:
+                    for ep in [d for d in divisors if (not E and d == 1) or (E and E % d == 0)]:
+                        for etp in ((None, 1) if tp > 1 and E else (None,)):
+                            for mbs in (1, 2, 4):
+                                for rec in ("none", "selective", "full"):
+                                    for hc_rec in ((False, True) if preset.hc.enabled else (False,)):
+                                        base = (tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec, False, False)
+                                        if base in seen:
+                                            continue
+                                        seen.add(base)
+                                        tps = (False, True) if tp > 1 else (False,)
+                                        eps = (False, True) if (ep > 1 and a2a and rec != "full"
+                                                                and (pp == 1 or vpp)) else (False,)
+                                        for tp_ov in tps:
+                                            for ep_ov in eps:
+                                                key = base[:10] + (tp_ov, ep_ov)
+                                                c = _with_layout(cfg, key)
+                                                try:
+                                                    plan = make_plan(c, gpus, gpu, eff, preset=preset,
+                                                                     sharded_muon=sharded_muon)
+                                                except (ConfigError, ValueError):
+                                                    break
+                                                if not plan.fits:
+                                                    break
                                                 results.append((plan.tokens_per_s, key, plan, c))
+                                            else:
+                                                continue
+                                            break
     results.sort(key=lambda r: -r[0])
     return results[:top]
 
 
 def _with_layout(cfg, key):
-    tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec = key
+    tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec = key[:10]
+    tp_ov, ep_ov = (key[10], key[11]) if len(key) > 10 else (False, False)
     return dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, sp=sp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=None),
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, sp=sp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=None,
+                                          tp_comm_overlap=tp_ov, ep_overlap=ep_ov),
         batch=dataclasses.replace(cfg.batch, micro_batch_size=mbs),
         model=dataclasses.replace(cfg.model, recompute=rec, hc_recompute=hc_rec))
 
@@ -276,7 +294,7 @@ def _run(args, make_plan) -> int:
 
 
 def _overrides_of(key) -> List[str]:
-    tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec = key
+    tp, sp, pp, vpp, cp, ep, etp, mbs, rec, hc_rec = key[:10]
     out = [f"parallel.tp={tp}", f"parallel.sp={'true' if sp else 'false'}", f"parallel.pp={pp}"]
     if vpp:
         out.append(f"parallel.vpp={vpp}")
@@ -286,6 +304,9 @@ def _overrides_of(key) -> List[str]:
     if etp:
         out.append(f"parallel.etp={etp}")
     out += [f"batch.micro_batch_size={mbs}", f"model.recompute={rec}", f"model.hc_recompute={'true' if hc_rec else 'false'}"]
+    if len(key) > 10:
+        out += [f"parallel.tp_comm_overlap={'true' if key[10] else 'false'}",
+                f"parallel.ep_overlap={'true' if key[11] else 'false'}"]
     return out
 
 
