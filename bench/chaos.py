@@ -5,9 +5,10 @@ requeue, then compared with an undisturbed run of the same seed.
     python -m bench.chaos --seed 7 --steps 40 --faults 2 --interval 8
     python -m bench.chaos --seed 7 --kinds sigterm,kill_rank,layout --keep
 
-The model is tiny-moe:xhc on mock data (vocab 256: one padded vocabulary at TP 1 and 2; 32 tokens: the xHC halo at TP 2 + SP, global batch 4, AdamW), trained with
-asynchronous saves every ``--interval`` steps under ``torchrun --nproc_per_node 2`` (CPU, gloo); ``run.seed``
-is the seed.  From the seed the schedule is drawn (the same seed always draws the same schedule):
+The model is tiny-moe:xhc on mock data (vocabulary 256, padded alike at TP 1 and 2; 32 tokens, which
+the xHC halo needs at TP 2 + SP; global batch 4; AdamW), trained with asynchronous saves every
+``--interval`` steps under ``torchrun --nproc_per_node 2`` (CPU, gloo); ``run.seed`` is the seed.
+From the seed the schedule is drawn (the same seed always draws the same schedule):
 
 =================  ==================================================================================
 ``sigterm``        SIGTERM to every process group of the job (the launcher's and each worker's, what SLURM
@@ -34,8 +35,9 @@ seed at the starting layout:
   and the final tensors within the elastic tolerance of docs/parallelism-and-checkpoints.md ("Resuming
   on another layout"), measured as there: an undisturbed run on each other layout visited, started
   from the reference's first checkpoint, gives the largest difference the layouts' arithmetic makes;
-  the chaos run may differ by twice that, and at least 1e-5.  Dropout is off in such runs (a resume
-  on another layout reseeds the RNG, so dropout masks differ by design); on.
+  the chaos run may differ by twice that, and at least 1e-5.  Dropout (0.1) is on in a schedule that
+  keeps the layout (the RNG restore counts) and off in one that changes it (a resume on another
+  layout reseeds the RNG, so its dropout masks differ by design).
 - work lost per fault: the steps trained again, ``last step before the fault - step resumed from``,
   at most one checkpoint interval; plus, where an asynchronous save was still being written when the
   fault struck (that checkpoint never became one), the steps since that save began; plus one interval
@@ -309,14 +311,16 @@ class Chaos:
                     fire_at = now
                 elif saving and fire_at is None and step >= fault.step + 1:
                     fire_at = now  # the save window was missed: strike now (the fault is noted as late)
-                    att.problems.append(f"note: the save of step {fault.step} was over before it was seen")
+                    att.notes.append(f"the save of step {fault.step} was over before it was seen: struck after it")
                 elif not saving and fire_at is None and step >= fault.step:
                     median = statistics.median(step_times[-5:]) if step_times else 0.1
                     fire_at = now + fault.delay * median
                 if fire_at is not None and now >= fire_at:
                     _scan(proc, tree)
                     fired_at = time.time()
-                    self.strike(fault, proc, tree)
+                    missed = self.strike(fault, proc, tree)
+                    if missed:
+                        att.problems.append(missed)
                     bound = EXIT_BOUND_S
             if injected and fault.kind == "hang" and fired_at is None and step is not None and step >= fault.step - 1:
                 fired_at, bound = now, self.o.hang_wait_s  # the hang strikes inside the run from here on
@@ -346,20 +350,22 @@ class Chaos:
         self.check_outcome(fault, att, proc, started)
         return att
 
-    def strike(self, fault: Fault, proc, tree: Dict[int, object]) -> None:
+    def strike(self, fault: Fault, proc, tree: Dict[int, object]) -> Optional[str]:
+        """Deliver ``fault`` now; what went wrong delivering it, if anything."""
         workers = _workers(proc, tree)
         if fault.kind == "sigterm":  # every process group of the job, as SLURM signals every task
-            groups = {os.getpgid(p) for p in [proc.pid, *workers.values()] if _alive(p)}
-            for g in groups:
+            for g in {_pgid(p) for p in [proc.pid, *workers.values()]} - {None}:
                 _signal_group(g, signal.SIGTERM)
         elif fault.kind == "kill_rank":
             pid = workers.get(fault.rank, proc.pid if proc.world == 1 else None)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
+            if pid is None:
+                return f"rank {fault.rank}'s process was not found among the launcher's workers ({workers})"
+            os.kill(pid, signal.SIGKILL)
         elif fault.kind == "kill_launcher":
             os.kill(proc.pid, signal.SIGKILL)
         elif fault.kind == "disk_full":
             self.ballast = _fill(self.disk, LEAVE_FREE)
+        return None
 
     def _unpublished(self, att: Attempt) -> Optional[int]:
         from training.checkpoint import list_checkpoints
@@ -550,12 +556,11 @@ def _workers(proc, tree: Dict[int, object]) -> Dict[int, int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def _pgid(pid: int) -> Optional[int]:
     try:
-        os.kill(pid, 0)
-        return True
+        return os.getpgid(pid)
     except ProcessLookupError:
-        return False
+        return None
 
 
 def _signal_group(pgid: int, sig) -> None:
@@ -677,7 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--faults", type=int, default=6, help="faults drawn (default 6)")
     p.add_argument("--interval", type=int, default=20, help="checkpoint.interval (default 20)")
     p.add_argument("--eval-interval", type=int, default=50, help="run.eval_interval (default 50; 0: at the end only)")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to draw from (default all: {','.join(KINDS)})")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"fault kinds to draw from (default all: {','.join(KINDS)})")
     p.add_argument("--work", help="work directory (default: a new temporary one, removed when the verdict passes)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--hang-wait", type=float, default=180.0,

@@ -177,6 +177,7 @@ class Attempt:
     launcher_exit: Optional[int] = None
     ended: str = ""  # how it ended, in words
     problems: List[str] = dataclasses.field(default_factory=list)  # what the driver saw go wrong
+    notes: List[str] = dataclasses.field(default_factory=list)  # worth saying, not a failure
     seconds: float = 0.0
 
 
@@ -353,6 +354,7 @@ def format_report(seed: int, verdict: dict, attempts: Sequence[Attempt], command
         out.append(f"compared with the undisturbed run: the layout changed; max |dloss| {d['loss']:.3g} "
                    f"(tolerance {t['loss']:.3g}: other layouts differ by up to {t['loss_noise']:.3g}), max "
                    f"|dtensor| {d['tensors']:.3g} (tolerance {t['tensors']:.3g}, noise {t['tensor_noise']:.3g})")
+    out += [f"note (attempt {a.number}): {n}" for a in attempts for n in a.notes]
     out.append(f"steps lost in all: {verdict['lost']}; wall time {sum(a.seconds for a in attempts):.0f} s in attempts")
     if verdict["passed"]:
         out.append(f"verdict: PASS (seed {seed})")
