@@ -233,3 +233,21 @@ def test_search_covers_vpp_etp_and_the_overlaps():
     for tps_, key, plan, c in rows[:: max(1, len(rows) // 25)]:
         assert plan.fits and validate_runtime(c, 4, load_run_preset(c), cuda=True) == plan.lay.dp
         assert f"parallel.tp_comm_overlap={'true' if key[10] else 'false'}" in _overrides_of(key)
+
+
+@pytest.mark.slow
+def test_docs_table_is_the_benchs_output(public_rows):
+    """docs/planning.md's published-runs table ("after" column) holds what ``python -m bench.plan_public`` prints:
+    planned tokens/s/GPU, ratio and peak GiB of every row, in order."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "planning.md")
+    text = open(path, encoding="utf-8").read()
+    table = text.split("## Published runs")[1].split("Remaining error per row")[0]
+    after = re.findall(r"\| ([\d,]+) \(([\d.]+)×\), ([\d.]+): (yes|NO) \|\s*$", table, re.M)
+    assert len(after) == len(public_rows)
+    for (planned, ratio, peak, fits), r in zip(after, public_rows):
+        assert int(planned.replace(",", "")) == round(r["planned"]), r["name"]
+        assert float(ratio) == round(r["ratio"], 2) and float(peak) == round(r["peak_gib"], 1), r["name"]
+        assert (fits == "yes") == r["fits"]
