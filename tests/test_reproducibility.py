@@ -154,7 +154,8 @@ def test_same_seed_same_losses_across_backends_and_env_vars(tmp_path):
     ``auto`` resolves to on CPU), and with every optional environment variable the project reads set
     (XHC_HC_KERNELS_AUTO, retired, only warns; XHC_INDUCTOR_OPTIONS only shapes torch.compile;
     OMP_WAIT_POLICY; TRITON_INTERPRET, which only lets an explicit ``triton`` run on CPU tensors;
-    TORCHDYNAMO_DISABLE=0 and =1, which the CPU entry points otherwise set themselves)."""
+    TORCHDYNAMO_DISABLE=0 and =1, which the CPU entry points otherwise set themselves;
+    XHC_FAULT_INJECT with a short sleep, which only delays a step)."""
     from xhc.kernels import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "compile"
@@ -162,7 +163,8 @@ def test_same_seed_same_losses_across_backends_and_env_vars(tmp_path):
     assert _losses(tmp_path, "compile", ["model.hc_kernels=compile"]) == ref
     assert _losses(tmp_path, "env", XHC_HC_KERNELS_AUTO="eager",
                    XHC_INDUCTOR_OPTIONS='{"realize_reads_threshold": 8}', OMP_WAIT_POLICY="ACTIVE",
-                   TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="0") == ref
+                   TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="0",
+                   XHC_FAULT_INJECT="rank=0,step=2,section=forward_backward,action=sleep:0.01") == ref
     assert _losses(tmp_path, "nodynamo", TORCHDYNAMO_DISABLE="1") == ref
     # the losses depend on the seed at all (the comparison above can fail)
     assert _losses(tmp_path, "seed6", ["run.seed=6"]) != ref

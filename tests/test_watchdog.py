@@ -149,6 +149,221 @@ def _report(times_per_rank, threshold=1.5):
 def test_straggler_names_the_slow_rank_and_nobody_otherwise():
     slow = _report([[0.1, 0.1, 0.5, 0.1], [0.3, 0.31, 0.29, 0.3], [0.1, 0.11, 0.1, 0.1]])
     assert slow["straggler"] == 1 and slow["slowest_rank"] == 1
-    assert slow["ratio"] == pytest.approx((0.01 + 0.30 + 0.02) / (0.01 + 0.10 + 0.02), rel=1e-4)  # medians
-    even = _report([[0.1, 0.1, 0.1, 0.1], [0.1, 0.12, 0.1, 0.11], [0.1, 0.1, 0.1, 0.1]])
-    assert even["straggler"] is None and even["ratio"] < 1.5
+    assert slow["ratio"] == pytest.approx((0.01 + 0.29 + 0.02) / (0.01 + 0.10 + 0.02), rel=1e-4)  # best steps
+    # a hiccup (one slow step of rank 0, 5x) names nobody; rank 2 slightly slower is under the threshold
+    even = _report([[0.1, 0.1, 0.5, 0.1], [0.1, 0.12, 0.1, 0.11], [0.12, 0.12, 0.13, 0.12]])
+    assert even["straggler"] is None and even["ratio"] == pytest.approx(0.15 / 0.13, rel=1e-4)
+
+
+def test_hang_retry_requeues_a_hang_of_this_launch_a_bounded_number_of_times(tmp_path):
+    from training.run.watchdog import append_attempt, hang_retry
+
+    run = str(tmp_path)
+    assert hang_retry(run, 1, since=100.0) == (False, "")  # an error that is no hang: not requeued
+    (tmp_path / "status.json").write_text(json.dumps({"hang": {"rank": 1, "host": "n7", "section": "data",
+                                                               "step": 5, "time": 150.0}}))
+    assert hang_retry(run, 1, since=200.0) == (False, "")  # an earlier launch's hang
+    for n in (1, 2, 3):
+        append_attempt(run, {"ended": "hang"})
+        ok, why = hang_retry(run, 1, since=100.0, max_retries=3)  # torchrun's own status, status.json says hang
+        assert ok and "rank 1 (host n7) hung in data at step 5" in why and f"hang {n} in a row" in why
+    append_attempt(run, {"ended": "hang"})
+    ok, why = hang_retry(run, 86, since=100.0, max_retries=3)
+    assert not ok and "4 hangs in a row" in why
+    append_attempt(run, {"ended": "finished"})
+    append_attempt(run, {"ended": "hang"})
+    assert hang_retry(run, 86, since=100.0)[0]  # the count restarts after a launch that did not hang
+
+
+@pytest.mark.slow  # two bash + python starts (about 1 s idle)
+def test_slurm_script_requeues_after_a_hang(tmp_path):
+    """tools/slurm_pretrain.sh's block after the launch: a hang recorded in status.json makes it call
+    ``scontrol requeue`` and exit 86, whatever status the launcher gave."""
+    src = open(os.path.join(REPO, "tools", "slurm_pretrain.sh")).read()
+    start = src.index('if [ "$status" -ne 0 ] && [ -n "${SLURM_JOB_ID:-}" ]; then')
+    end = src.index("\nfi\n", src.index("    exit 86\n  fi\n", start)) + 4
+    block = src[start:end]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/scontrol.args\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"hang": {"rank": 0, "host": "h", "section": "forward_backward",
+                                                          "step": 8, "time": time.time()}}))
+    script = f'status=1\nrun_dir={run}\nlaunched_at={int(time.time()) - 5}\n{block}\necho "no hang"\n'
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", PYTHONPATH=REPO)
+    env.pop("XHC_REQUEUE", None)
+    r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 86, r.stdout + r.stderr
+    assert "rank 0 (host h) hung in forward_backward at step 8" in r.stdout and "requeueing" in r.stdout
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    (run / "status.json").write_text(json.dumps({"finished": False}))
+    r = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "no hang"  # another failure: not this block's business
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: torchrun, 2 ranks, one run directory through three hangs and a slow rank
+# ------------------------------------------------------------------------------------------------
+BASE = ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=64", "batch.seq_length=16",
+        "batch.micro_batch_size=2", "batch.global_batch_size=4", "schedule.warmup_steps=2", "run.num_threads=1",
+        "logging.tensorboard=false", "logging.interval=1", "logging.hc_health_interval=0",
+        "model.backbone.hidden_dropout=0.1", "model.backbone.attention_dropout=0.1",
+        "run.train_steps=12", "run.eval_interval=6", "run.eval_iters=1", "checkpoint.interval=3",
+        "run.dist_timeout_minutes=2", "reliability.straggler_interval=3", "reliability.straggler_threshold=1.75"]
+STEP_TIMEOUT, SAVE_TIMEOUT = 5.0, 6.0
+HANG_OPTS = ["reliability.startup_timeout_s=120", "reliability.timeout_warmup_steps=2",
+             "reliability.eval_timeout_s=120"]
+BOUND = 5.0  # seconds after the timeout by which every rank has left: two polls, the stacks, the records
+HANGS = {  # launch: (rank, step, section) hung; each launch resumes from the previous one's last checkpoint
+    "data": (1, 5, "data"),                          # saved 3; resumes from 3
+    "forward": (0, 8, "forward_backward"),           # saved 6; resumes from 6
+    "save": (1, 9, "checkpoint_save"),               # the save of step 9 hangs; resumes from 6
+}
+# a short timeout for the section that hangs, long ones for the rest (no false alarm on a loaded machine)
+SHORT = {"data": [f"reliability.step_timeout_s={STEP_TIMEOUT}", "reliability.checkpoint_timeout_s=120"],
+         "forward": [f"reliability.step_timeout_s={STEP_TIMEOUT}", "reliability.checkpoint_timeout_s=120"],
+         "save": ["reliability.step_timeout_s=120", f"reliability.checkpoint_timeout_s={SAVE_TIMEOUT}",
+                  "reliability.load_timeout_s=120"]}
+
+
+def _torchrun(run_torchrun, run_dir, fault=None, extra=()):
+    old = os.environ.pop("XHC_FAULT_INJECT", None)
+    if fault:
+        os.environ["XHC_FAULT_INJECT"] = fault
+    try:
+        t0 = time.time()
+        proc = run_torchrun("tests/dist/pretrain_main.py", nproc=2, args=[*BASE, f"run.dir={run_dir}", *extra],
+                            timeout=300, check=False)
+        proc.wall_s = time.time() - t0
+        return proc
+    finally:
+        os.environ.pop("XHC_FAULT_INJECT", None)
+        if old is not None:
+            os.environ["XHC_FAULT_INJECT"] = old
+
+
+def _exit_codes(out: str) -> dict:
+    """Every rank's exit status: 'rank R exit C' (pretrain_main.py) or torchrun's failure summary."""
+    codes = {int(r): int(c) for r, c in re.findall(r"^rank (\d+) exit (-?\d+)$", out, re.M)}
+    for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out):
+        codes.setdefault(int(r), int(c))
+    return codes
+
+
+def _curves(run_dir):
+    from training.run.metrics import read_metrics
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    train = {r["step"]: (r["loss"], r["grad_norm"], r["lr"]) for r in read_metrics(path, "train")}
+    evals = {r["step"]: r["loss"] for r in read_metrics(path, "eval")}
+    return train, evals
+
+
+def _stragglers(run_dir):
+    from training.run.metrics import read_jsonl
+
+    return [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r.get("kind") == "straggler"]
+
+
+@pytest.fixture(scope="module")
+def hangs(run_torchrun, tmp_path_factory):
+    base = tmp_path_factory.mktemp("watchdog")
+    ref = str(base / "ref")
+    p = _torchrun(run_torchrun, ref)
+    assert p.returncode == 0, p.stdout[-4000:]
+    out = {"ref": ref, "ref_proc": p, "launches": {}}
+    run = str(base / "run")
+    for name, (rank, step, section) in HANGS.items():
+        out["launches"][name] = _torchrun(run_torchrun, run, f"rank={rank},step={step},section={section},action=hang",
+                                          [*HANG_OPTS, *SHORT[name]])
+        out["launches"][name].status = json.loads(open(os.path.join(run, "status.json")).read())
+        out["launches"][name].hang_files = sorted(glob.glob(os.path.join(run, "hangs", "*.txt")))
+    # rank 1 three times slower: it sleeps twice its own median work per step in the reference
+    work = [rec["work_s"][1] for rec in _stragglers(ref)]
+    out["sleep"] = 2 * sorted(work)[len(work) // 2]
+    last = _torchrun(run_torchrun, run, f"rank=1,step=*,section=forward_backward,action=sleep:{out['sleep']:.4f}")
+    assert last.returncode == 0, last.stdout[-4000:]
+    out["last"], out["run"] = last, run
+    return out
+
+
+@pytest.mark.parametrize("name", list(HANGS))
+def test_a_hung_rank_ends_every_rank_with_the_retryable_status_in_time(hangs, name):
+    rank, step, section = HANGS[name]
+    p = hangs["launches"][name]
+    text = p.stdout
+    assert _exit_codes(text) == {0: 86, 1: 86}, text[-4000:]
+    fired = re.findall(r"\[xhc\] fault injected at ([\d.]+): rank=(\d+),step=(\d+),section=(\w+)", text)
+    assert len(fired) == 1 and fired[0][1:] == (str(rank), str(step), section)
+    t_hang = float(fired[0][0])
+    exits = {int(r): float(t) for r, t in re.findall(
+        r"\[xhc\] watchdog: rank (\d+) (?:\(host [^)]*\) hung|leaves).*\(exit at unix ([\d.]+)\)", text)}
+    assert sorted(exits) == [0, 1], text[-4000:]
+    timeout = SAVE_TIMEOUT if section == "checkpoint_save" else STEP_TIMEOUT
+    took = {r: round(t - t_hang, 2) for r, t in exits.items()}
+    print(f"hang in {section} (rank {rank}, step {step}): exit after {took} s (timeout {timeout} s); "
+          f"torchrun wall {p.wall_s:.1f} s")
+    assert all(timeout <= t <= timeout + BOUND for t in took.values()), took
+    # one line per rank names the hung rank, its section and step
+    named = re.findall(rf"\[xhc\] watchdog: .*rank {rank} \(host [^)]*\) hung in {section} at step {step}", text)
+    assert len(named) == 2, text[-4000:]
+    hang = p.status["hang"]
+    assert (hang["rank"], hang["section"], hang["step"]) == (rank, section, step)
+    assert p.status["failed"]["exit_code"] == 86 and p.status["finished"] is False
+    mine = [f for f in p.hang_files if os.path.basename(f).startswith(f"rank{rank}-")]
+    theirs = [f for f in p.hang_files if os.path.basename(f).startswith(f"rank{1 - rank}-")]
+    assert mine and theirs
+    culprit = open(mine[-1]).read()
+    assert f"# hung: rank {rank} " in culprit and f"in section {section} at step {step}" in culprit
+    assert "in _fire" in culprit and "training/run/faults.py" in culprit  # the hung frame is in the stacks
+    assert "waiting in a collective" in open(theirs[-1]).read().splitlines()[1]
+
+
+def test_attempts_history_and_nothing_half_written(hangs):
+    run = hangs["run"]
+    attempts = [json.loads(x) for x in open(os.path.join(run, "attempts.jsonl"))]
+    assert [(a["ended"], a.get("section")) for a in attempts] == [
+        ("hang", "data"), ("hang", "forward_backward"), ("hang", "checkpoint_save"), ("finished", None)]
+    assert [a["attempt"] for a in attempts] == [1, 2, 3, 4]
+    leftovers = [p for p in glob.glob(os.path.join(run, "**", "*"), recursive=True)
+                 + glob.glob(os.path.join(run, "**", ".*"), recursive=True) if ".tmp" in os.path.basename(p)]
+    assert not leftovers
+    status = json.loads(open(os.path.join(run, "status.json")).read())
+    assert status["finished"] is True and status.get("hang") is None
+    resumed = re.findall(r"resumed from \S+step_(\d+)", "".join(
+        hangs["launches"][n].stdout for n in ("forward", "save")) + hangs["last"].stdout)
+    assert [int(s) for s in resumed] == [3, 6, 6]  # the last verified checkpoint each time
+
+
+def test_the_resumed_run_equals_the_undisturbed_one_bit_for_bit(hangs):
+    ref_train, ref_eval = _curves(hangs["ref"])
+    train, evals = _curves(hangs["run"])
+    assert sorted(train) == sorted(ref_train) == list(range(1, 13))
+    for s in sorted(ref_train):
+        assert train[s] == ref_train[s], (s, train[s], ref_train[s])  # bitwise: JSON floats round-trip
+    assert evals == ref_eval
+    import torch
+
+    from training.checkpoint import list_checkpoints, read_whole_tensors
+
+    a = read_whole_tensors(list_checkpoints(os.path.join(hangs["ref"], "checkpoints"))[-1][1])
+    b = read_whole_tensors(list_checkpoints(os.path.join(hangs["run"], "checkpoints"))[-1][1])
+    assert "embedding.word_embeddings.weight" in a and sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]  # every tensor of the final checkpoint, bit for bit
+    assert not differ, differ[:5]
+
+
+def test_the_straggler_report_names_the_slow_rank_and_nobody_otherwise(hangs):
+    ref = _stragglers(hangs["ref"])
+    assert [r["step"] for r in ref] == [3, 6, 9, 12]
+    assert all(r["straggler"] is None for r in ref), [(r["ratio"], r["work_s"]) for r in ref]
+    slow = _stragglers(hangs["run"])[-2:]  # the last launch's: steps 7-9 and 10-12
+    assert [r["window"] for r in slow] == [[7, 9], [10, 12]]
+    print(f"straggler ratios: undisturbed {[r['ratio'] for r in ref]}, rank 1 slowed by {hangs['sleep']:.3f} s "
+          f"{[r['ratio'] for r in slow]}")
+    for r in slow:
+        assert r["straggler"] == 1 and r["ratio"] >= 1.75, r  # 3x on an idle machine; 2.2-2.6 seen on a loaded one
+    assert re.search(r"\[xhc\] straggler: rank 1 works .* the median", hangs["last"].stdout)
+    assert os.path.getsize(os.path.join(hangs["run"], "rank_times.png")) > 0
