@@ -251,3 +251,25 @@ def test_docs_table_is_the_benchs_output(public_rows):
         assert int(planned.replace(",", "")) == round(r["planned"]), r["name"]
         assert float(ratio) == round(r["ratio"], 2) and float(peak) == round(r["peak_gib"], 1), r["name"]
         assert (fits == "yes") == r["fits"]
+
+
+def test_local_spec_keeps_the_softmax_probabilities():
+    """The local spec's unfused attention keeps its softmax output (a·s per token and TP rank) where TE's fused
+    attention keeps two fp32 statistics per head; core_attn recompute drops either."""
+    from training.plan.gpu_model import gpu_layer_saved_elements, model_dims
+
+    plan = _mixtral({})
+    D, lay = model_dims(_public_preset("mixtral-8x22b")), plan.lay
+    s, b = lay.seq, lay.micro_batch
+    te = gpu_layer_saved_elements(D, lay, 0, s, b)
+    local = gpu_layer_saved_elements(D, dataclasses.replace(lay, te=False), 0, s, b)
+    assert local - te == pytest.approx((D.a * s - 2 * D.a) / lay.tp * s * b, rel=1e-12)
+    rec = dataclasses.replace(lay, recompute="selective")
+    assert gpu_layer_saved_elements(D, rec, 0, s, b) == gpu_layer_saved_elements(
+        D, dataclasses.replace(rec, te=False), 0, s, b)
+
+
+def _public_preset(model):
+    from bench.plan_public import run_preset
+
+    return run_preset(model)

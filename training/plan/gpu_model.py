@@ -16,6 +16,8 @@ Every term names the code or document it follows.  Sources (read, not copied):
   split of ``mixed_qkv``, k and v views of it) and the fused RoPE (``apply_rope_fusion``, TE's
   ``fused_rope``: new q, k, nothing saved); [TE-DPA] TE ``DotProductAttention`` (flash / cuDNN fused
   attention): saves q, k, v, the output and the fp32 softmax statistics (one per head and token).
+- [MC-DPA] Megatron-Core ``transformer/dot_product_attention.py`` (the local spec): ``baddbmm`` scores,
+  ``FusedScaleMaskSoftmax`` keeps its output (``a·s`` per token), ``bmm`` with v.
 - [MC-MLP] Megatron-Core ``transformer/mlp.py`` and ``fusions/fused_bias_swiglu.py``: the fused SwiGLU
   (``bias_activation_fusion``) saves its input (the FC1 output, 2F) and FC2 saves the SwiGLU output (F); the
   unfused path keeps ``silu(gate)`` as well (one more F).
@@ -108,7 +110,9 @@ def gpu_layer_saved_elements(D, lay, layer: int, s: int, b: int) -> float:
     RoPE'd q, k               ``(a+g)d/tp``                                [MC-ATT] fused RoPE
     QK-norm                   ``2(a+g)/tp`` (fp32 rsigma)                  [TE-LNL]
     core attention            ``ad/tp`` (output = proj input) + ``2a/tp``   [TE-DPA]; ``core_attn`` recompute
-                              (fp32 softmax stats)                         drops the statistics
+                              (fp32 softmax stats); the local spec's       drops the statistics / probabilities
+                              unfused attention: ``a·s/tp`` (the softmax
+                              output, [MC-DPA])
     dense SwiGLU              ``2F/tp + F/tp`` (+``F/tp`` unfused)         ``s·b`` [MC-MLP]
     MoE router                ``4E`` (fp32 logits + scores)                SP shard [MC-MOE]
     per routed copy           ``C`` (grouped-GEMM input) + ``3F_e/etp``     ``K·(s·b/tp)·etp`` copies [MC-MOE],
@@ -138,7 +142,10 @@ def gpu_layer_saved_elements(D, lay, layer: int, s: int, b: int) -> float:
     if D.qk_norm:
         attn += 2 * (a + g) / tp * tok_full
     if "core_attn" not in mods:
-        attn += 2 * a / tp * tok_full
+        if getattr(lay, "te", True):  # flash / cuDNN attention: fp32 softmax statistics per head
+            attn += 2 * a / tp * tok_full
+        else:  # the local spec's unfused DotProductAttention: the softmax output, one row of s per head
+            attn += a * s * lay.cp / tp * tok_full
     act_extra = 0 if D.fused_act else 1
     if layer < D.dense:
         if "mlp" in mods:
@@ -253,6 +260,8 @@ def elementwise_bytes_per_token(D, lay, layer: int) -> float:
     seq_split = tp if lay.sp else 1
     C = D.C
     per = (10 * C + 12 * C) / seq_split + 4 * (D.a + D.g) * D.d / tp
+    if not getattr(lay, "te", True):  # the unfused softmax: scores written, read, probabilities written, read
+        per += 4 * D.a * lay.seq / tp
     if layer < D.dense:
         per += 8 * D.F / tp
     else:

@@ -175,6 +175,8 @@ class Layout:
     ep_overlap: bool = False
     dispatcher: Optional[str] = None
     """The MoE token dispatcher (``moe_token_dispatcher_type``; None: the preset's)."""
+    te: bool = True
+    """GPU: Transformer Engine's layer spec (fused attention); false: the local spec (``model.use_transformer_engine``)."""
     vocab: Optional[int] = None
     """Embedding rows, padded (None: the preset's vocabulary)."""
 
@@ -280,7 +282,8 @@ def layout_from_config(cfg, preset, gpus: int, gpu: bool = True, sharded_muon: O
                   sharded_muon=sharded_muon, gpu=gpu, bf16=bf16, overlap_grad_reduce=p.overlap_grad_reduce,
                   overlap_param_gather=p.overlap_param_gather, grad_reduce_fp32=p.grad_reduce_in_fp32,
                   tp_comm_overlap=p.tp_comm_overlap, ep_overlap=p.ep_overlap,
-                  dispatcher=preset.backbone.get("moe_token_dispatcher_type"))
+                  dispatcher=preset.backbone.get("moe_token_dispatcher_type"),
+                  te=m.use_transformer_engine is not False)
 
 
 # ================================================================================================
