@@ -11,7 +11,9 @@
 The config is training's (``--config`` YAML, ``key=value`` overrides, ``--preset`` for ``model.preset``); the
 GPU comes from the table in docs/planning.md (``--gpu a100|h100|h200|b200``) or explicit numbers
 (``--memory-gb``, ``--tflops``, ``--hbm-tbs``, ``--nvlink-gbs``, ``--network-gbs``).  The time model's
-efficiencies are printed with every plan and can be set (``--eff gemm=0.5,hbm=0.7``).  The same plan is
+efficiencies are printed with every plan and can be set (``--eff gemm=0.7,attn=0.5,moe_layer_overhead_ms=0``;
+docs/planning.md lists them and where each comes from; ``python -m bench.plan_public`` checks them on published
+runs).  The same plan is
 printed by training at start-up (training.plan.plan_block).
 """
 
@@ -223,7 +225,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sharded-muon", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU Muon's state sharded over DP (default: as training does, sharded unless "
                          "optimizer.use_distributed_optimizer=false); --no-sharded-muon plans it replicated")
-    ap.add_argument("--search", action="store_true", help="rank every valid layout that fits; print the top ten")
+    ap.add_argument("--search", action="store_true", help="rank every valid layout that fits (tp+sp, pp, every vpp "
+                    "validation accepts, cp, ep, etp, micro-batch, recompute, HC recompute, tp_comm_overlap, ep_overlap) "
+                    "by tokens/s; print the top ten")
     ap.add_argument("--sweep", default=None, help="a sweep file (configs/sweeps/*.yaml): one plan per variant")
     ap.add_argument("--n", default=None, help="comma-separated N values, e.g. 2,4,8,16: one plan per N")
     ap.add_argument("--json", action="store_true", help="print JSON")
