@@ -989,7 +989,8 @@ class Plan:
                        f"attention {e.attn:g}, elementwise {e.elementwise:g} of HBM, HC {e.hbm:g} of HBM, links "
                        f"{e.link:g}, all-to-all {e.a2a:g} (DeepEP {e.deepep:g}), MoE imbalance {e.moe_imbalance:g}, "
                        f"overlaps TP {e.overlap_tp:g} EP {e.overlap_ep:g} DP {e.overlap_dp:g} PP {e.overlap_pp:g}, "
-                       f"{e.layer_overhead_ms:g} ms per layer per micro-batch pass (docs/planning.md)")
+                       f"{e.moe_layer_overhead_ms:g} ms per MoE layer pass, {e.layer_overhead_ms:g} ms per layer per "
+                       "micro-batch pass (docs/planning.md)")
         return out
 
     def format(self) -> str:
