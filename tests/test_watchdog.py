@@ -367,3 +367,62 @@ def test_the_straggler_report_names_the_slow_rank_and_nobody_otherwise(hangs):
         assert r["straggler"] == 1 and r["ratio"] >= 1.75, r  # 3x on an idle machine; 2.2-2.6 seen on a loaded one
     assert re.search(r"\[xhc\] straggler: rank 1 works .* the median", hangs["last"].stdout)
     assert os.path.getsize(os.path.join(hangs["run"], "rank_times.png")) > 0
+
+
+@pytest.mark.extended  # about 40 s more: torchrun waits for the stopped rank before it kills it
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_its_peer_from_its_stale_heartbeat(tmp_path):
+    """SIGSTOP of rank 1 after step 4: it cannot run its own watchdog; rank 0 times out in its section,
+    finds rank 1's heartbeat stale, records it (status.json names rank 1), and leaves with 86 in time."""
+    import signal
+
+    from tests.dist.launch import free_port
+
+    run = str(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("XHC_FAULT_INJECT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", "tests/dist/pretrain_main.py", *BASE, f"run.dir={run}", *HANG_OPTS,
+           f"reliability.step_timeout_s={STEP_TIMEOUT}", "run.train_steps=400", "checkpoint.interval=100"]
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and '"step": 4,' not in _read(os.path.join(run, "metrics.jsonl")):
+            assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        rank1 = [int(p) for p in os.listdir("/proc") if p.isdigit() and _env_of(int(p)).get("RANK") == "1"
+                 and _env_of(int(p)).get("MASTER_PORT") == cmd[4].split("=")[1]]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGSTOP)
+        t_stop = time.time()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "log.txt").read_text()
+    left = re.findall(r"\[xhc\] watchdog: rank 0 leaves .*: rank 1 \(host [^)]*\) hung in (\w+) at step (\d+) "
+                      r"\(no heartbeat for [\d.]+ s.*\(exit at unix ([\d.]+)\)", text)
+    assert len(left) == 1, text[-4000:]
+    took = float(left[0][2]) - t_stop
+    print(f"rank 1 stopped: rank 0 left after {took:.2f} s (timeout {STEP_TIMEOUT} s)")
+    assert took <= STEP_TIMEOUT + BOUND
+    status = json.loads(open(os.path.join(run, "status.json")).read())
+    assert status["hang"]["rank"] == 1 and status["hang"]["detected_by"] == 0 and "heartbeat" in status["hang"]["why"]
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*86", text)
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _env_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+    except OSError:
+        return {}
