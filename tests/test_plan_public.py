@@ -11,6 +11,8 @@ import warnings
 
 import pytest
 
+pytestmark = pytest.mark.megatron  # the parameter inventory builds the HC modules (Megatron-Core imports)
+
 BOUNDS = {"dense": 0.15, "coarse-moe": 0.15, "fine-moe": 0.30}
 
 
@@ -194,7 +196,9 @@ def test_hc_overheads_at_18b_agree_with_the_paper():
     within 0.06 (the plan: 0.82x and 0.76x; the HC terms are the accounted traffic at the calibrated HBM
     fraction, docs/planning.md)."""
     from training.config import load_config
-    from training.plan import GPUS, make_plan
+    from training.plan import GPUS, Efficiencies, layout_from_config, load_run_preset, param_specs, planned_vocab
+    from training.plan import rank_tensors
+    from training.plan.model import stage_layers, step_time
 
     over = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", "parallel.ep=8", "batch.seq_length=4096",
             "batch.micro_batch_size=1", "batch.global_batch_size=512", "model.recompute=selective",
@@ -202,9 +206,21 @@ def test_hc_overheads_at_18b_agree_with_the_paper():
     tps = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for v in ("vanilla", "mhc", "xhc-flash4"):
+        for v in ("vanilla", "mhc", "xhc-flash4"):  # make_plan's time path, without its activation probe
             cfg = load_config("configs/pretrain/moe-18b-xhc.yaml", [f"model.preset=moe-18b:{v}", *over])
-            tps[v] = make_plan(cfg, 64, GPUS["h100"]).tokens_per_s
+            preset = load_run_preset(cfg)
+            lay = layout_from_config(cfg, preset, 64)
+            vocab = planned_vocab(cfg, preset, lay.tp)
+            lay = dataclasses.replace(lay, vocab=vocab)
+            specs = param_specs(preset, vocab)
+            stages = []
+            for st in range(lay.pp):
+                t = rank_tensors(specs, lay, st)
+                n, ne = sum(math.prod(sh) for _, sh in t), sum(math.prod(sh) for sp_, sh in t if sp_.expert)
+                stages.append((stage_layers(preset.num_layers, lay.pp, lay.vpp, st), st == 0, st == lay.pp - 1,
+                               n - ne, ne))
+            time = step_time(preset, lay, GPUS["h100"], Efficiencies(), 0, vocab, stages=stages)
+            tps[v] = time.tokens / time.total
     assert abs(tps["mhc"] / tps["vanilla"] - 1 / 1.15) <= 0.06, tps
     assert abs(tps["xhc-flash4"] / tps["vanilla"] - 0.78) <= 0.06, tps
     assert math.isfinite(tps["vanilla"])
@@ -270,6 +286,40 @@ def test_local_spec_keeps_the_softmax_probabilities():
 
 
 def _public_preset(model):
-    from bench.plan_public import run_preset
+    """The preset of the first published run of ``model``, with that run's settings (dispatcher, fusions)."""
+    from bench.plan_public import RUNS, run_preset
 
-    return run_preset(model)
+    return run_preset(model, next(r for r in RUNS if r["model"] == model)["settings"])
+
+
+def test_per_option_terms_of_the_gpu_memory_model():
+    """Each option moves exactly its term: the unfused SwiGLU keeps one more F-wide tensor (dense) and two more
+    F_e-wide ones per routed copy (silu and the product before the probabilities); without moe_permute_fusion an
+    int64 index per copy; moe_act recompute drops the activation's output; grad_reduce_in_fp32=false halves
+    the main-grad buffer."""
+    from training.plan.gpu_model import gpu_layer_saved_elements, model_dims
+    from training.plan.model import param_specs, rank_tensors, state_bytes
+
+    plan = _mixtral({})
+    lay = plan.lay
+    s, b = lay.seq, lay.micro_batch
+    fused = _public_preset("mixtral-8x22b")
+    D = model_dims(fused)
+    import types
+
+    unfused = types.SimpleNamespace(**{**vars(D), "fused_act": False})
+    copies = D.K * s * b / lay.tp  # etp = 1, SP
+    moe = lambda d, l=lay: gpu_layer_saved_elements(d, l, 0, s, b)  # noqa: E731  (every Mixtral layer is MoE)
+    assert moe(unfused) - moe(D) == pytest.approx(copies * 2 * D.Fe, rel=1e-12)
+    nf = types.SimpleNamespace(**{**vars(D), "permute_fusion": False})
+    assert moe(nf) - moe(D) == pytest.approx(copies * 4, rel=1e-12)
+    act = types.SimpleNamespace(**{**vars(D), "modules": ("moe_act",)})
+    sel = dataclasses.replace(lay, recompute="selective")
+    base = types.SimpleNamespace(**{**vars(D), "modules": ()})
+    assert moe(base, sel) - moe(act, sel) == pytest.approx(copies * D.Fe, rel=1e-12)
+    dense = types.SimpleNamespace(**{**vars(D), "dense": D.L})
+    dense_unfused = types.SimpleNamespace(**{**vars(dense), "fused_act": False})
+    assert moe(dense_unfused) - moe(dense) == pytest.approx(D.F / lay.tp * s * b, rel=1e-12)
+    tensors = rank_tensors(param_specs(fused, 32000), lay, 0)
+    fp32 = state_bytes(tensors, lay).grads
+    assert state_bytes(tensors, dataclasses.replace(lay, grad_reduce_fp32=False)).grads * 2 == fp32
