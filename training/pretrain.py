@@ -131,7 +131,8 @@ class Trainer:
         self.attempt = count_attempts(self.run_dir) + 1
         set_attempt(self.attempt)
         self.watchdog = Watchdog(self.run_dir, self.rank, self.world, WatchdogSettings.from_config(self.cfg),
-                                 attempt=self.attempt, status_base=self.status_dict, cleanup=self._remove_partial_saves)
+                                 attempt=self.attempt, status_base=self.status_dict, cleanup=self._remove_partial_saves,
+                                 info=self.log)
         self.watchdog.start()
         r = self.cfg.reliability
         self.straggler = StragglerMonitor(r.straggler_interval, r.straggler_threshold, self.rank, self.world,

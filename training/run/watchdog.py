@@ -151,11 +151,12 @@ class Watchdog:
     def __init__(self, run_dir: str, rank: int, world: int, settings: WatchdogSettings, *,
                  attempt: int = 1, status_base: Optional[Callable[[], dict]] = None,
                  cleanup: Optional[Callable[[], None]] = None, log: Callable[[str], None] = None,
-                 poll_s: Optional[float] = None):
+                 info: Optional[Callable[[str], None]] = None, poll_s: Optional[float] = None):
         self.run_dir, self.rank, self.world, self.settings = run_dir, rank, world, settings
         self.attempt = attempt
         self.status_base, self.cleanup = status_base, cleanup
-        self.log = log or (lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
+        self.log = log or (lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))  # expiry lines
+        self.info = info or (lambda line: None)  # the timeout chosen after warm-up (rank 0's log)
         self.host = socket.gethostname()
         self.poll_s = poll_s or min(5.0, max(0.1, settings.shortest() / 10))
         self.stale_s = max(3 * self.poll_s, 1.0)
@@ -213,7 +214,7 @@ class Watchdog:
                            f"{s.step_factor:g} x the median step {median:.3g} s, at least "
                            f"reliability.min_step_timeout_s={s.min_step_s:g}")
                     if self.rank == 0:
-                        self.log(f"[xhc] watchdog: a step's sections time out after {t:.3g} s ({how}); "
+                        self.info(f"[xhc] watchdog: a step's sections time out after {t:.3g} s ({how}); "
                                  f"saves and loads after {s.checkpoint_s:g} s")
 
     def step_timeout(self) -> Optional[float]:
