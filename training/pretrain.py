@@ -57,7 +57,7 @@ set_omp_wait_policy()
 from training.config import ConfigError, PretrainConfig, load_config  # noqa: E402
 from training.run import (Lifecycle, NonFiniteState, TrainingAborted,  # noqa: E402,F401
                                 first_nonfinite_parameter, write_status)
-from training.run import Watchdog, WatchdogSettings, fault_point  # noqa: E402  (stdlib only)
+from training.run import Watchdog, WatchdogSettings, fault_point, faults_active  # noqa: E402  (stdlib only)
 
 __all__ = ["Trainer", "TrainingAborted", "main", "parse_args"]
 
@@ -115,6 +115,8 @@ class Trainer:
         build.model()
         build.optimizer()
         build.checkpointer()
+        if faults_active():  # XHC_FAULT_INJECT: the save's fault point is where this rank writes its files
+            self.ckpt.write_hook = lambda step: fault_point("checkpoint_save", step)
         self.maybe_resume()
         build.datasets()  # after the checkpoint checks: a refused resume builds no index caches
         build.write_config()
@@ -376,8 +378,7 @@ class Trainer:
         """Save this step: the path, or None when it writes in the background (:mod:`training.checkpoint.run`)."""
         from training.checkpoint import save_run
 
-        prev = self.watchdog.enter("checkpoint_save", self.step)
-        fault_point("checkpoint_save", self.step)
+        prev = self.watchdog.enter("checkpoint_save", self.step)  # its fault point: in the writer (setup())
         try:
             return save_run(self, reason)
         finally:

@@ -70,6 +70,7 @@ one part that does not reshard: a resume on another layout reseeds them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -604,12 +605,14 @@ def snapshot_write_buckets(buckets):
     return out
 
 
-def _write_in_background(async_fn, args) -> None:
+def _write_in_background(async_fn, args, write_hook: Optional[Callable[[], None]] = None) -> None:
     """The body of the writer thread: Megatron's per-file writer, one file after the other, in this
     thread (its own function forks a writer process per file, which a thread should not do); the
     results (or the exception) go to the results queue the finalize step reads."""
     results = args[2] if len(args) > 2 else None
     try:
+        if write_hook is not None:
+            write_hook()
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
         fn = getattr(async_fn, "func", None)
@@ -655,6 +658,10 @@ class Checkpointer:
         self.last_save_seconds: Optional[float] = None
         self.snapshot_seconds: Optional[float] = None  # the caller's share of the last asynchronous save
         self.pending: Optional[_PendingSave] = None  # the asynchronous save in flight
+        # called with the step where this rank's files are written (the synchronous save's writer, or
+        # the background writer thread): the trainer's fault point (XHC_FAULT_INJECT, tests only); an
+        # exception from it is a failed write like any other
+        self.write_hook: Optional[Callable[[int], None]] = None
 
     # ---- discovery -----------------------------------------------------------------------------
     def checkpoints(self) -> List[Tuple[int, str]]:
@@ -777,6 +784,8 @@ class Checkpointer:
         final, tmp = self._begin(step)
         error = None
         try:
+            if self.write_hook is not None:
+                self.write_hook(step)
             with inprocess_results_queue():
                 dist_checkpointing.save(state, tmp)
         except _SAVE_ERRORS as e:
@@ -851,7 +860,8 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {final}: save failed: {error}")
             thread = None
             if request.async_fn is not None:
-                thread = threading.Thread(target=_write_in_background, args=(request.async_fn, args),
+                hook = None if self.write_hook is None else functools.partial(self.write_hook, step)
+                thread = threading.Thread(target=_write_in_background, args=(request.async_fn, args, hook),
                                           name=f"xhc-checkpoint-{step}", daemon=True)
                 thread.start()
             self.pending = _PendingSave(step, final, tmp, info, request, thread, t0)

@@ -22,6 +22,9 @@ Each fault (``;`` between faults) is ``rank=R,step=S,section=NAME,action=ACTION[
 The step a section belongs to: the step being trained (``data``, ``forward_backward``,
 ``optimizer``: 1 for the first step), the step a checkpoint holds (``checkpoint_save``,
 ``checkpoint_load``), the step evaluated (``evaluation``), the step the run starts from (``startup``).
+``checkpoint_save`` fires where the rank writes its files (inside the synchronous save, or in the
+background writer thread of an asynchronous one), so ``enospc`` there fails the save as a full disk
+does (exit 4, the partial save removed) and ``hang`` leaves a partial save behind for the watchdog.
 
 A fault that fires prints one line on stderr (``[xhc] fault injected: ...``, with the wall time) so a
 test can time what follows; a fault with ``step=*`` prints only the first time.  A malformed value
