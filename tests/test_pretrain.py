@@ -165,4 +165,4 @@ def test_the_trainer_keeps_the_recipe_in_at_most_450_lines():
 
     lines = len(inspect.getsourcelines(Trainer)[0])
     assert 100 < lines <= 450, (f"Trainer is {lines} lines (at most 450): move a concern to the module that "
-                                "owns it (training.builder, step_runner, lifecycle, run_checkpoints, metrics)")
+                                "owns it (training.builder, training.run, training.checkpoint)")
