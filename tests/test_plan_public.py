@@ -323,3 +323,40 @@ def test_per_option_terms_of_the_gpu_memory_model():
     tensors = rank_tensors(param_specs(fused, 32000), lay, 0)
     fp32 = state_bytes(tensors, lay).grads
     assert state_bytes(tensors, dataclasses.replace(lay, grad_reduce_fp32=False)).grads * 2 == fp32
+
+
+def test_hc_fraction_from_a_measured_kernel_table(tmp_path, capsys):
+    """``tools.plan --hc-perf hc_perf.json`` takes the HC streams' HBM fraction from ``bench.hc_kernels --perf``'s
+    table of the GPU: fed the H200 compile-path units of docs/gpu.md (in that table's layout) it gives the
+    calibrated default, the geometric mean docs/planning.md computes from the same measurements; a table in
+    another dtype is refused in one line."""
+    import json
+
+    from bench.plan_calibration import hc_units
+    from training.plan import GPUS, Efficiencies, hbm_fraction_from_perf
+    from tools.plan import main
+
+    measured = {r[0]: r[3] for r in hc_units()}  # ms, docs/gpu.md
+    rows = [{"variant": "mhc", "what": "unit", "scope": "sublayer", "seconds": measured["mHC N=4 sublayer"] / 1e3},
+            {"variant": "xhc-mlp", "what": "unit", "scope": "sublayer", "seconds": measured["xHC MLP sublayer"] / 1e3},
+            {"variant": "flash4", "what": "unit", "scope": "sublayer", "seconds": measured["Flash-4sub window"] / 1e3},
+            {"variant": "mhc", "what": "k_read", "scope": "kernel", "seconds": 1e-4}]
+    perf = {"device": "cuda", "C": 2048, "tokens": 8192, "dtype": "torch.bfloat16", "rows": rows}
+    frac = hbm_fraction_from_perf(perf, GPUS["h200"])
+    want = math.prod(r[4] for r in hc_units() if not r[0].startswith("plain")) ** (1 / 3)
+    assert frac == pytest.approx(want, rel=1e-12) and frac == pytest.approx(Efficiencies().hbm, abs=0.005)
+    path = tmp_path / "hc_perf.json"
+    path.write_text(json.dumps({**perf, "rows": [{**rows[0], "seconds": rows[0]["seconds"] / 2}]}))
+    argv = ["--gpus", "2", "--gpu", "h200", "data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=256",
+            "model.preset=tiny-moe:vanilla", "batch.micro_batch_size=1", "batch.global_batch_size=8",
+            "--hc-perf", str(path)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(argv) in (0, 1)
+        out = capsys.readouterr().out
+        half = hbm_fraction_from_perf(json.loads(path.read_text()), GPUS["h200"])  # the mHC unit twice as fast
+        assert f"HC {half:g} of HBM" in out and half > frac
+        path.write_text(json.dumps({**perf, "dtype": "torch.float32"}))
+        assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "--hc-perf" in err

@@ -222,6 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--network-gbs", type=float, help="network bandwidth per GPU in GB/s")
     ap.add_argument("--per-node", type=int, help="GPUs per node (default 8)")
     ap.add_argument("--eff", default=None, help="efficiencies, e.g. gemm=0.5,hbm=0.7,link=0.6 (docs/planning.md)")
+    ap.add_argument("--hc-perf", default=None, help="hc_perf.json of `python -m bench.hc_kernels --perf` on this GPU "
+                    "kind: the HC streams' HBM fraction measured there replaces eff.hbm")
     ap.add_argument("--sharded-muon", action=argparse.BooleanOptionalAction, default=None,
                     help="GPU Muon's state sharded over DP (default: as training does, sharded unless "
                          "optimizer.use_distributed_optimizer=false); --no-sharded-muon plans it replicated")
@@ -255,6 +257,18 @@ def _run(args, make_plan) -> int:
     if args.sweep and args.n:
         raise PlanCliError("--sweep and --n are exclusive; give one")
     gpu, eff = _gpu(args), _eff(args.eff)
+    if args.hc_perf:
+        if gpu is None:
+            raise PlanCliError("--hc-perf needs a GPU kind (the table's bandwidth is that GPU's), not --gpu cpu")
+        try:
+            with open(args.hc_perf, encoding="utf-8") as f:
+                perf = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PlanCliError(f"--hc-perf {args.hc_perf}: cannot read it as JSON ({e}); give bench.hc_kernels "
+                               "--perf's hc_perf.json") from None
+        from training.plan import hbm_fraction_from_perf
+
+        eff = dataclasses.replace(eff, hbm=hbm_fraction_from_perf(perf, gpu))
     if gpu is None and (args.search or args.sweep or args.n):
         raise PlanCliError("--search, --sweep and --n rank by time and capacity: give a GPU kind, not --gpu cpu")
     sharded = args.sharded_muon

@@ -15,7 +15,7 @@ _EXPORTS = {
     "Layout": "model", "layout_from_config": "model", "load_run_preset": "model", "make_plan": "model",
     "param_specs": "model", "PlanError": "model", "planned_vocab": "model", "rank_tensors": "model",
     "SavedTensorMeter": "model", "state_bytes": "model",
-    "ModelNotPlaceable": "gpu_model", "gemm_efficiency": "gpu_model",
+    "ModelNotPlaceable": "gpu_model", "gemm_efficiency": "gpu_model", "hbm_fraction_from_perf": "model",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -812,6 +812,40 @@ HC_TRAINING_TRAFFIC = 3.0
 reads the forward's inputs and writes their gradients: about twice the forward)."""
 
 
+HC_PERF_UNITS = {"mhc": ("moe-2p5b:mhc-n4", 1, "total"), "xhc-mlp": ("moe-2p5b:xhc-n16", 1, "mlp"),
+                 "flash4": ("moe-2p5b:xhc-flash4", 4, "total")}
+"""The units of ``python -m bench.hc_kernels --perf`` (its ``hc_perf.json``): the preset whose HC config gives the
+accounted traffic, the sublayers of the unit, and which traffic (``mlp``: the xHC MLP sublayer's table)."""
+
+
+def hbm_fraction_from_perf(perf: dict, gpu: GPU) -> float:
+    """The HC streams' HBM fraction measured on a GPU: from ``bench.hc_kernels --perf``'s ``hc_perf.json`` (the
+    forward + backward seconds of the mHC, xHC-MLP and Flash-4sub units), each unit's planned bytes (accounted
+    forward traffic × :data:`HC_TRAINING_TRAFFIC` × C × tokens × 2 bytes, as :func:`step_time` plans them) over
+    its seconds and ``gpu``'s HBM bandwidth; the geometric mean over the units, as docs/planning.md calibrates
+    the default ``hbm`` on the H200 table.  ``tools.plan --hc-perf FILE`` plans with it."""
+    from models.zoo import load_preset
+    from xhc.accounting import memory_traffic_summary
+
+    if "bfloat16" not in str(perf.get("dtype", "")):
+        raise PlanError(f"--hc-perf: the table was measured in {perf.get('dtype')!r}; the planner's HC bytes are bf16 "
+                        "(run bench.hc_kernels --perf with --dtype bf16)")
+    C, tokens = int(perf["C"]), int(perf["tokens"])
+    fracs = []
+    for r in perf.get("rows", []):
+        if r.get("what") != "unit" or r.get("variant") not in HC_PERF_UNITS or not r.get("seconds"):
+            continue
+        name, subl, part = HC_PERF_UNITS[r["variant"]]
+        summ = memory_traffic_summary(load_preset(name).hc)
+        per = summ.tables[1].read + summ.tables[1].write if part == "mlp" else summ.total
+        nbytes = per * subl * C * tokens * 2 * HC_TRAINING_TRAFFIC
+        fracs.append(nbytes / float(r["seconds"]) / (gpu.hbm_tbs * 1e12))
+    if not fracs:
+        raise PlanError("--hc-perf: no unit rows (mhc, xhc-mlp, flash4) in the table; give bench.hc_kernels --perf's "
+                        "hc_perf.json")
+    return math.prod(fracs) ** (1 / len(fracs))
+
+
 def step_time(preset, lay: Layout, gpu: GPU, eff: Efficiencies, params_per_rank: float, vocab: int,
               stages: Optional[Sequence[Tuple[List[int], bool, bool, float, float]]] = None) -> StepTime:
     """Predicted seconds per step on ``lay.gpus`` GPUs of kind ``gpu`` (each component in docs/planning.md).
