@@ -189,35 +189,43 @@ class Curves:
     tensors: Optional[Dict[str, "object"]] = None
 
 
-def _max_diff(a: Dict[str, "object"], b: Dict[str, "object"]) -> Tuple[float, List[str]]:
-    """Largest |a - b| over every tensor, and the keys that are not in both (or differ in shape)."""
+def _max_diff(a: Dict[str, "object"], b: Dict[str, "object"]) -> Tuple[float, str, List[str]]:
+    """Largest |a - b| over every tensor, the key where it is, and the keys not in both (or of another shape)."""
     import torch
 
     odd = sorted(set(a) ^ set(b)) + [k for k in a if k in b and a[k].shape != b[k].shape]
-    worst = 0.0
+    worst, where = 0.0, ""
     for k in a:
         if k in b and a[k].shape == b[k].shape and not torch.equal(a[k], b[k]):
-            worst = max(worst, float((a[k].double() - b[k].double()).abs().max()))
-    return worst, odd
+            d = float((a[k].double() - b[k].double()).abs().max())
+            if d > worst or not where:
+                worst, where = d, k
+    return worst, where, odd
 
 
-def tolerance(reference: Curves, others: Sequence[Curves], from_step: int) -> Tuple[float, float, float, float]:
-    """(loss tolerance, tensor tolerance, loss noise, tensor noise): twice the largest difference an undisturbed
-    run on another layout makes after ``from_step``, and at least :data:`FLOOR`."""
+def tolerance(reference: Curves, others: Sequence[Curves], from_step: int) -> Tuple[float, float, float]:
+    """(loss tolerance, loss noise, tensor noise): the loss tolerance is twice the largest loss difference an
+    undisturbed run on another layout makes after ``from_step``, and at least :data:`FLOOR`; the tensor
+    noise (their largest final-tensor difference) is reported beside the chaos run's."""
     loss_noise = tensor_noise = 0.0
     for o in others:
         common = [s for s in reference.train if s > from_step and s in o.train]
         loss_noise = max([loss_noise] + [abs(reference.train[s][0] - o.train[s][0]) for s in common])
         if reference.tensors is not None and o.tensors is not None:
             tensor_noise = max(tensor_noise, _max_diff(reference.tensors, o.tensors)[0])
-    return max(2 * loss_noise, FLOOR), max(2 * tensor_noise, FLOOR), loss_noise, tensor_noise
+    return max(2 * loss_noise, FLOOR), loss_noise, tensor_noise
 
 
-def compare(reference: Curves, run: Curves, steps: int, exact: bool, tol_loss: float = 0.0,
-            tol_tensor: float = 0.0) -> Tuple[List[str], Dict[str, float]]:
-    """Problems (empty: the run matches) and the measured differences.  ``exact``: every number bit for bit;
-    else the data positions, sample ids and learning rates exactly, losses and final tensors within the
-    tolerances."""
+def compare(reference: Curves, run: Curves, steps: int, exact: bool,
+            tol_loss: float = 0.0) -> Tuple[List[str], Dict[str, object]]:
+    """Problems (empty: the run matches) and the measured differences.
+
+    ``exact``: every number bit for bit, the final tensors included.  Else (the layout changed) the data
+    positions, sample ids and learning rates exactly, the training and validation losses within
+    ``tol_loss``; the final tensors must be the same set, their largest difference is reported, not held
+    to a bound: the documented elastic tolerance is on losses, and a MoE run's weights move by discrete
+    steps on another layout's rounding (an expert-bias update of +-rate, a token routed to another
+    expert) that no rounding bound covers."""
     problems: List[str] = []
     want = list(range(1, steps + 1))
     if sorted(reference.train) != want:
@@ -239,21 +247,29 @@ def compare(reference: Curves, run: Curves, steps: int, exact: bool, tol_loss: f
                                 f"{run.train[s][i]!r} vs {reference.train[s][i]!r}")
         if run.evals != reference.evals:
             problems.append(f"validation losses differ: {run.evals} vs {reference.evals}")
-    elif worst_loss > tol_loss:
-        s = max(common, key=lambda s: abs(run.train[s][0] - reference.train[s][0]))
-        problems.append(f"loss differs by {worst_loss:.3g} at step {s}, over the elastic tolerance {tol_loss:.3g}")
-    worst_tensor = 0.0
+    else:
+        if worst_loss > tol_loss:
+            s = max(common, key=lambda s: abs(run.train[s][0] - reference.train[s][0]))
+            problems.append(f"loss differs by {worst_loss:.3g} at step {s}, over the elastic tolerance {tol_loss:.3g}")
+        if sorted(run.evals) != sorted(reference.evals):
+            problems.append(f"validation at steps {sorted(run.evals)}, the undisturbed run's at "
+                            f"{sorted(reference.evals)}")
+        else:
+            bad = {s: abs(run.evals[s] - reference.evals[s]) for s in run.evals
+                   if abs(run.evals[s] - reference.evals[s]) > tol_loss}
+            if bad:
+                problems.append(f"validation losses differ by more than the elastic tolerance {tol_loss:.3g}: {bad}")
+    worst_tensor, where = 0.0, ""
     if reference.tensors is None or run.tensors is None:
         problems.append("no final checkpoint to compare")
     else:
-        worst_tensor, odd = _max_diff(reference.tensors, run.tensors)
+        worst_tensor, where, odd = _max_diff(reference.tensors, run.tensors)
         if odd:
             problems.append(f"the final checkpoints hold different tensors: {odd[:3]}")
-        limit = 0.0 if exact else tol_tensor
-        if worst_tensor > limit:
-            problems.append(f"final weights/optimizer state differ by up to {worst_tensor:.3g} "
-                            f"({'bit-identical expected' if exact else f'elastic tolerance {tol_tensor:.3g}'})")
-    return problems, {"loss": worst_loss, "tensors": worst_tensor}
+        if exact and worst_tensor > 0:
+            problems.append(f"final weights/optimizer state differ by up to {worst_tensor:.3g} ({where}): "
+                            "bit-identical expected")
+    return problems, {"loss": worst_loss, "tensors": worst_tensor, "tensor_key": where}
 
 
 def _span(train: Dict[int, tuple]) -> str:
@@ -324,15 +340,14 @@ def judge(schedule: Sequence[Fault], attempts: Sequence[Attempt], reference: Cur
                 problems.append(f"attempt {last.number}: {p}")
     exact = all(a.layout == START_LAYOUT for a in attempts)
     from_step = min([a.resumed_step for a in attempts if a.layout != START_LAYOUT] or [0])
-    tol_loss, tol_tensor, noise_loss, noise_tensor = (0.0, 0.0, 0.0, 0.0) if exact else \
-        tolerance(reference, others, from_step)
+    tol_loss, noise_loss, noise_tensor = (0.0, 0.0, 0.0) if exact else tolerance(reference, others, from_step)
     if not exact and not others:
         problems.append("the layout changed but no undisturbed run on another layout measured the tolerance")
-    found, diff = compare(reference, run, steps, exact, tol_loss, tol_tensor)
+    found, diff = compare(reference, run, steps, exact, tol_loss)
     problems += found
     return {"passed": not problems, "rows": rows, "problems": problems, "diff": diff, "exact": exact,
-            "tolerance": {"loss": tol_loss, "tensors": tol_tensor, "loss_noise": noise_loss,
-                          "tensor_noise": noise_tensor}, "lost": total_lost}
+            "tolerance": {"loss": tol_loss, "loss_noise": noise_loss, "tensor_noise": noise_tensor},
+            "lost": total_lost}
 
 
 def format_report(seed: int, verdict: dict, attempts: Sequence[Attempt], command: str) -> str:
@@ -352,8 +367,9 @@ def format_report(seed: int, verdict: dict, attempts: Sequence[Attempt], command
                    f"max |dloss| {d['loss']:.3g}, max |dtensor| {d['tensors']:.3g}")
     else:
         out.append(f"compared with the undisturbed run: the layout changed; max |dloss| {d['loss']:.3g} "
-                   f"(tolerance {t['loss']:.3g}: other layouts differ by up to {t['loss_noise']:.3g}), max "
-                   f"|dtensor| {d['tensors']:.3g} (tolerance {t['tensors']:.3g}, noise {t['tensor_noise']:.3g})")
+                   f"(tolerance {t['loss']:.3g}: other layouts differ by up to {t['loss_noise']:.3g}); final "
+                   f"tensors differ by up to {d['tensors']:.3g} ({d.get('tensor_key') or '-'}; reported, not bounded; "
+                   f"undisturbed runs on the other layouts: {t['tensor_noise']:.3g})")
     out += [f"note (attempt {a.number}): {n}" for a in attempts for n in a.notes]
     out.append(f"steps lost in all: {verdict['lost']}; wall time {sum(a.seconds for a in attempts):.0f} s in attempts")
     if verdict["passed"]:

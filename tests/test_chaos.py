@@ -113,7 +113,7 @@ def _attempts(last=15, resumed=10, unpublished=None, layout2=START_LAYOUT, probl
 def test_runs_that_agree_pass():
     v = judge(_schedule(), _attempts(), _run(), _run(), STEPS, INTERVAL, median_step_s=0.1, recovered={1: 112.1})
     assert v["passed"], v["problems"]
-    assert v["exact"] and v["diff"] == {"loss": 0.0, "tensors": 0.0}
+    assert v["exact"] and v["diff"] == {"loss": 0.0, "tensors": 0.0, "tensor_key": ""}
     row = v["rows"][0]
     assert row["lost"] == "5 (<= 10)" and row["resumed"] == "10" and math.isclose(row["cost_s"], 12.0)
 
@@ -197,18 +197,25 @@ def test_a_layout_change_is_held_to_twice_the_measured_layout_noise():
     v = judge(sched, att, _run(), _off(1.5e-4), STEPS, INTERVAL, [noise])
     assert v["passed"] and not v["exact"], v["problems"]
     assert math.isclose(v["tolerance"]["loss"], 2e-4, rel_tol=1e-6) and v["tolerance"]["loss_noise"] > 0
+    assert math.isclose(v["diff"]["tensors"], 1.5e-4, rel_tol=1e-3)  # reported, not bounded
     v = judge(sched, att, _run(), _off(3e-4), STEPS, INTERVAL, [noise])
     assert any("over the elastic tolerance" in p for p in v["problems"]), v["problems"]
-    assert any("elastic tolerance" in p and "final weights" in p for p in v["problems"]), v["problems"]
+    # the validation losses too
+    evals_off = _run()
+    evals_off.evals = {STEPS: 0.5 + 3e-4}
+    v = judge(sched, att, _run(), evals_off, STEPS, INTERVAL, [noise])
+    assert any("validation losses differ" in p for p in v["problems"]), v["problems"]
     # layouts that agree to the bit leave the floor, 1e-5
     v = judge(sched, att, _run(), _off(2e-5), STEPS, INTERVAL, [_run()])
     assert v["tolerance"]["loss"] == FLOOR and not v["passed"]
     # no run on the other layout measured the noise: no verdict but a failing one
     v = judge(sched, att, _run(), _run(), STEPS, INTERVAL, [])
     assert any("no undisturbed run on another layout" in p for p in v["problems"]), v["problems"]
-    # exact numbers still: the learning rate of a step
+    # exact numbers still: the learning rate of a step, the set of final tensors
     v = judge(sched, att, _run(), _run(lambda t: {**t, 22: (*t[22][:2], 2e-3, *t[22][3:])}), STEPS, INTERVAL, [noise])
     assert any("learning rate differ" in p for p in v["problems"]), v["problems"]
+    v = judge(sched, att, _run(), _run(tensors={"w": _run().tensors["w"]}), STEPS, INTERVAL, [noise])
+    assert any("different tensors" in p for p in v["problems"]), v["problems"]
 
 
 def test_the_report_holds_the_table_and_the_command_that_reproduces_a_failure():
@@ -244,7 +251,7 @@ def test_kills_and_a_full_disk_end_bit_identical(tmp_path):
     v = _chaos(54, ("sigterm", "kill_rank", "kill_launcher", "disk_full"), tmp_path)
     assert [r["fault"] for r in v["rows"]] == ["kill_rank", "disk_full", "kill_launcher"]
     assert v["passed"], v["report"]
-    assert v["exact"] and v["diff"] == {"loss": 0.0, "tensors": 0.0} and len(v["attempts"]) == 4
+    assert v["exact"] and v["diff"]["loss"] == v["diff"]["tensors"] == 0.0 and len(v["attempts"]) == 4
     assert v["attempts"][1]["exits"] == {0: 4, 1: 4} and v["attempts"][2]["exits"] == {0: 0, 1: 0}
 
 
