@@ -652,13 +652,15 @@ def worker(argv: Sequence[str]) -> int:
             real_exit(code)
 
     os._exit = _exit
-    from training.pretrain import main as pretrain
-
     try:
+        from training.pretrain import main as pretrain
+
         code = pretrain(overrides)
     except BaseException:
         record(1)
         raise
+    finally:
+        os._exit = real_exit
     record(code)
     return code
 

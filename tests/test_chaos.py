@@ -231,6 +231,72 @@ def test_the_report_holds_the_table_and_the_command_that_reproduces_a_failure():
 
 
 # ------------------------------------------------------------------------------------------------
+# The driver's pieces (no process started)
+# ------------------------------------------------------------------------------------------------
+def test_bad_options_end_the_command_with_one_line_and_status_2(capsys):
+    from bench.chaos import main
+
+    assert main(["--seed", "1", "--kinds", "sigterm,meteor"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: --kinds: unknown fault kind(s) meteor")
+
+
+def test_the_command_that_reproduces_names_every_option():
+    from bench.chaos import Options
+
+    assert Options(seed=4).command() == "python -m bench.chaos --seed 4 --steps 200 --faults 6 --interval 20 " \
+                                        "--eval-interval 50"
+    cmd = Options(seed=4, steps=24, faults=3, interval=6, eval_interval=12, kinds=("hang", "layout")).command()
+    assert cmd.endswith("--steps 24 --faults 3 --interval 6 --eval-interval 12 --kinds hang,layout")
+
+
+def test_the_metrics_tail_reads_complete_records_only(tmp_path):
+    from bench.chaos import _Tail
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n')
+    tail = _Tail(str(path))  # starts at the end: an earlier attempt's records are not this one's
+    with open(path, "a") as f:
+        f.write('{"kind": "train", "step": 2}\n{"kind": "tr')
+    assert [r["step"] for r in tail.read()] == [2]
+    with open(path, "a") as f:
+        f.write('ain", "step": 3}\n')
+    assert [r["step"] for r in tail.read()] == [3] and len(tail.records) == 2
+
+
+def test_corrupt_newest_flips_one_byte_of_the_newest_checkpoints_largest_file(tmp_path):
+    from bench.chaos import corrupt_newest
+
+    ck = tmp_path / "checkpoints"
+    for step in (10, 20):
+        d = ck / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(bytes(range(200)))
+        (d / "__1_0.distcp").write_bytes(bytes(50))
+    (ck / ".step_00000030.tmp").mkdir()  # a partial save is not a checkpoint
+    assert corrupt_newest(str(ck), 0.5) == str(ck / "step_00000020")
+    data = (ck / "step_00000020" / "__0_0.distcp").read_bytes()
+    assert [i for i in range(200) if data[i] != i] == [99] and data[99] == 99 ^ 0xFF
+    assert (ck / "step_00000010" / "__0_0.distcp").read_bytes() == bytes(range(200))
+    assert corrupt_newest(str(tmp_path / "none"), 0.5) is None
+
+
+def test_the_worker_records_its_rank_exit_status(tmp_path, monkeypatch):
+    import os
+
+    import training.pretrain
+    from bench.chaos import worker
+
+    seen = []
+    monkeypatch.setattr(training.pretrain, "main", lambda argv: seen.append(argv) or 4)
+    monkeypatch.setenv("RANK", "1")
+    real_exit = os._exit
+    assert worker([str(tmp_path), "run.train_steps=3"]) == 4
+    assert seen == [["run.train_steps=3"]] and (tmp_path / "rank1.exit").read_text() == "4\n"
+    assert os._exit is real_exit  # the hook (for the watchdog's exit) is gone with the run
+
+
+# ------------------------------------------------------------------------------------------------
 # Chaos runs (2 CPU ranks under torchrun)
 # ------------------------------------------------------------------------------------------------
 def _chaos(seed, kinds, tmp_path, steps=24, faults=3):
