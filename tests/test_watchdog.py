@@ -211,7 +211,7 @@ BASE = ["data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=64", "bat
         "logging.tensorboard=false", "logging.interval=1", "logging.hc_health_interval=0",
         "model.backbone.hidden_dropout=0.1", "model.backbone.attention_dropout=0.1",
         "run.train_steps=12", "run.eval_interval=6", "run.eval_iters=1", "checkpoint.interval=3",
-        "run.dist_timeout_minutes=2", "reliability.straggler_interval=3", "reliability.straggler_threshold=1.75"]
+        "run.dist_timeout_minutes=2", "reliability.straggler_interval=6", "reliability.straggler_threshold=1.75"]
 STEP_TIMEOUT, SAVE_TIMEOUT = 5.0, 6.0
 HANG_OPTS = ["reliability.startup_timeout_s=120", "reliability.timeout_warmup_steps=2",
              "reliability.eval_timeout_s=120"]
@@ -280,9 +280,8 @@ def hangs(run_torchrun, tmp_path_factory):
                                           [*HANG_OPTS, *SHORT[name]])
         out["launches"][name].status = json.loads(open(os.path.join(run, "status.json")).read())
         out["launches"][name].hang_files = sorted(glob.glob(os.path.join(run, "hangs", "*.txt")))
-    # rank 1 three times slower: it sleeps twice its own median work per step in the reference
-    work = [rec["work_s"][1] for rec in _stragglers(ref)]
-    out["sleep"] = 2 * sorted(work)[len(work) // 2]
+    # rank 1 three times slower: it sleeps twice its own work per step in the reference (its fastest window)
+    out["sleep"] = 2 * min(rec["work_s"][1] for rec in _stragglers(ref))
     last = _torchrun(run_torchrun, run, f"rank=1,step=*,section=forward_backward,action=sleep:{out['sleep']:.4f}")
     assert last.returncode == 0, last.stdout[-4000:]
     out["last"], out["run"] = last, run
@@ -357,10 +356,10 @@ def test_the_resumed_run_equals_the_undisturbed_one_bit_for_bit(hangs):
 
 def test_the_straggler_report_names_the_slow_rank_and_nobody_otherwise(hangs):
     ref = _stragglers(hangs["ref"])
-    assert [r["step"] for r in ref] == [3, 6, 9, 12]
+    assert [r["step"] for r in ref] == [6, 12]
     assert all(r["straggler"] is None for r in ref), [(r["ratio"], r["work_s"]) for r in ref]
-    slow = _stragglers(hangs["run"])[-2:]  # the last launch's: steps 7-9 and 10-12
-    assert [r["window"] for r in slow] == [[7, 9], [10, 12]]
+    slow = _stragglers(hangs["run"])[-1:]  # the last launch's: steps 7-12
+    assert [r["window"] for r in slow] == [[7, 12]]
     print(f"straggler ratios: undisturbed {[r['ratio'] for r in ref]}, rank 1 slowed by {hangs['sleep']:.3f} s "
           f"{[r['ratio'] for r in slow]}")
     for r in slow:
