@@ -261,6 +261,11 @@ def _curves(run_dir):
     return train, evals
 
 
+def _half_written(run_dir):
+    return [p for p in glob.glob(os.path.join(run_dir, "**", "*"), recursive=True)
+            + glob.glob(os.path.join(run_dir, "**", ".*"), recursive=True) if ".tmp" in os.path.basename(p)]
+
+
 def _stragglers(run_dir):
     from training.run.metrics import read_jsonl
 
@@ -280,6 +285,7 @@ def hangs(run_torchrun, tmp_path_factory):
                                           [*HANG_OPTS, *SHORT[name]])
         out["launches"][name].status = json.loads(open(os.path.join(run, "status.json")).read())
         out["launches"][name].hang_files = sorted(glob.glob(os.path.join(run, "hangs", "*.txt")))
+        out["launches"][name].leftovers = _half_written(run)  # before the next launch's start-up cleans up
     # rank 1 three times slower: it sleeps twice its own work per step in the reference (its fastest window)
     out["sleep"] = 2 * min(rec["work_s"][1] for rec in _stragglers(ref))
     last = _torchrun(run_torchrun, run, f"rank=1,step=*,section=forward_backward,action=sleep:{out['sleep']:.4f}")
@@ -326,9 +332,9 @@ def test_attempts_history_and_nothing_half_written(hangs):
     assert [(a["ended"], a.get("section")) for a in attempts] == [
         ("hang", "data"), ("hang", "forward_backward"), ("hang", "checkpoint_save"), ("finished", None)]
     assert [a["attempt"] for a in attempts] == [1, 2, 3, 4]
-    leftovers = [p for p in glob.glob(os.path.join(run, "**", "*"), recursive=True)
-                 + glob.glob(os.path.join(run, "**", ".*"), recursive=True) if ".tmp" in os.path.basename(p)]
-    assert not leftovers
+    for name in HANGS:  # the save that hung had begun its .step_00000009.tmp: the watchdog removed it
+        assert hangs["launches"][name].leftovers == [], (name, hangs["launches"][name].leftovers)
+    assert not _half_written(run)
     status = json.loads(open(os.path.join(run, "status.json")).read())
     assert status["finished"] is True and status.get("hang") is None
     resumed = re.findall(r"resumed from \S+step_(\d+)", "".join(
