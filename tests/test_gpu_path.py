@@ -220,6 +220,13 @@ def test_megatron_step_computes_the_grad_norm_once(parallel, bf16_megatron_on_cp
 # Finding 3: checkpoint.load_optimizer=false
 # ------------------------------------------------------------------------------------------------
 @cpu_only
+def _marks_only():
+    """The Trainer's watchdog before setup() starts it: section marks, no thread."""
+    from training.run import Watchdog, WatchdogSettings
+
+    return Watchdog("", 0, 1, WatchdogSettings(enabled=False))
+
+
 def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_on_cpu, tmp_path,  # noqa: F811
                                                         monkeypatch):
     """Trainer.load_checkpoint with load_optimizer=false, then one step == a fresh optimiser built
@@ -247,7 +254,8 @@ def test_load_optimizer_false_refreshes_the_main_params(parallel, bf16_megatron_
     monkeypatch.setattr(rc, "compat_info", lambda run: {})  # nothing to compare: tested in test_reliability
     fake = types.SimpleNamespace(
         cfg=types.SimpleNamespace(checkpoint=CheckpointConfig(load_optimizer=False, load_rng=False)),
-        chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap, log=lambda *_: None)
+        chunks=[resumed], optimizer=opt_r, scheduler=None, ckpt=ckpt, _unwrap=Trainer._unwrap, log=lambda *_: None,
+        watchdog=_marks_only())
     Trainer.load_checkpoint(fake, path)
     assert fake.step == 1
     train_step(resumed, opt_r, 1)
@@ -416,7 +424,7 @@ def test_save_checkpoint_syncs_params_before_reading_them(monkeypatch):
     runner.chunks = [Chunk()]
     fake = types.SimpleNamespace(
         chunks=runner.chunks, runner=runner, optimizer=None, scheduler=None, step=3, world=1, consumed_samples=6,
-        ckpt=Ckpt(),
+        ckpt=Ckpt(), watchdog=_marks_only(),
         cfg=types.SimpleNamespace(model=types.SimpleNamespace(preset="tiny-moe:xhc"), parallel=ParallelConfig(),
                                   checkpoint=CheckpointConfig()),
         metrics=types.SimpleNamespace(event=lambda *a, **k: None),

@@ -106,11 +106,12 @@ class Trainer:
         warnings.filterwarnings("ignore", message="full scope is deprecated")
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         from training.builder import Builder
+        from training.run import start_guard
 
         build = Builder(self)
         build.parallel()
         build.run_dir()
-        self.start_watchdog()
+        start_guard(self)  # this rank's watchdog and straggler report (training.run.guard)
         build.data()
         build.model()
         build.optimizer()
@@ -125,40 +126,11 @@ class Trainer:
         self.plan_check = PlanCheck(self)
         fault_point("startup", self.step)
 
-    def start_watchdog(self) -> None:
-        """This rank's watchdog thread and the straggler report (docs/reliability.md, "Hangs"), once the
-        process group and the run directory exist."""
-        from training.run import StragglerMonitor, count_attempts, set_attempt
-
-        self.attempt = count_attempts(self.run_dir) + 1
-        set_attempt(self.attempt)
-        self.watchdog = Watchdog(self.run_dir, self.rank, self.world, WatchdogSettings.from_config(self.cfg),
-                                 attempt=self.attempt, status_base=self.status_dict, cleanup=self._remove_partial_saves,
-                                 info=self.log)
-        self.watchdog.start()
-        r = self.cfg.reliability
-        self.straggler = StragglerMonitor(r.straggler_interval, r.straggler_threshold, self.rank, self.world,
-                                          self._all_reduce)
-
-    def _remove_partial_saves(self) -> None:
-        from training.checkpoint import remove_partial_saves
-
-        remove_partial_saves(self.paths["checkpoints"])
-
     def train_iterators(self) -> list:
         """The training data iterators from the current data position, one per model chunk; each fetch
         is the watchdog's ``data`` section (and its fault point, once per step)."""
         return [_DataSection(self.data_iterator(self.train_ds, self.consumed_samples, cycle=self.skipped_samples > 0),
                              self) for _ in self.chunks]
-
-    def report_stragglers(self) -> None:
-        """All ranks: share the window's step and section times (one all-reduce); rank 0 records them."""
-        rec = self.straggler.report(self.step)
-        if rec is None or not self.is_main:
-            return
-        self.metrics.write("straggler", self.step, rec)
-        if rec["straggler"] is not None:
-            self.log(self.straggler.line(self.step, rec))
 
     def maybe_resume(self) -> None:
         """Load the checkpoint ``checkpoint.load`` selects (``auto``: the newest verified one in
@@ -203,6 +175,8 @@ class Trainer:
 
     def _train_loop(self, t_loop: float) -> Optional[str]:
         """Steps until ``run.train_steps`` (None) or a stop reason; raises :class:`NonFiniteState`."""
+        from training.run import report_stragglers
+
         r, ck, lg = self.cfg.run, self.cfg.checkpoint, self.cfg.logging
         its = self.train_iterators()
         while self.step < r.train_steps:
@@ -212,7 +186,7 @@ class Trainer:
             rec = self.train_step(its)
             self.steps_this_run += 1
             if self.straggler is not None and self.straggler.due(self.step):
-                self.report_stragglers()
+                report_stragglers(self)
             self.poll_checkpoint()
             self.history.append({"step": self.step, "loss": rec["loss"]})
             self.metrics.write("train", self.step, rec)
@@ -329,12 +303,8 @@ class Trainer:
     # Evaluation
     # ----------------------------------------------------------------------------------------
     def run_eval(self) -> Optional[float]:
-        prev = self.watchdog.enter("evaluation", self.step)
-        fault_point("evaluation", self.step)
-        try:
+        with self.watchdog.during("evaluation", self.step):
             return self._run_eval()
-        finally:
-            self.watchdog.enter(prev)
 
     def _run_eval(self) -> Optional[float]:
         t0 = time.perf_counter()
@@ -378,11 +348,8 @@ class Trainer:
         """Save this step: the path, or None when it writes in the background (:mod:`training.checkpoint.run`)."""
         from training.checkpoint import save_run
 
-        prev = self.watchdog.enter("checkpoint_save", self.step)  # its fault point: in the writer (setup())
-        try:
+        with self.watchdog.during("checkpoint_save", self.step, fault=False):  # its fault point: in the writer
             return save_run(self, reason)
-        finally:
-            self.watchdog.enter(prev)
 
     def poll_checkpoint(self, blocking: bool = False) -> None:
         """Finalize the asynchronous save in flight once every rank's write is done (``blocking``: wait)."""
@@ -390,11 +357,8 @@ class Trainer:
 
         if self.ckpt is None or not self.ckpt.in_flight:
             return
-        prev = self.watchdog.enter("checkpoint_save")  # finalizing (or waiting for) a background save
-        try:
+        with self.watchdog.during("checkpoint_save", fault=False):  # finalizing (or waiting for) a background save
             poll_run_save(self, blocking)
-        finally:
-            self.watchdog.enter(prev)
 
     def wait_for_checkpoint(self) -> None:
         """Finish the asynchronous save in flight, if any."""
@@ -408,12 +372,8 @@ class Trainer:
 
         m = re.search(r"step_(\d+)$", os.path.normpath(path))
         step = int(m.group(1)) if m else self.step
-        prev = self.watchdog.enter("checkpoint_load", step)
-        fault_point("checkpoint_load", step)
-        try:
+        with self.watchdog.during("checkpoint_load", step):
             load_run(self, path, body)
-        finally:
-            self.watchdog.enter(prev)
 
     # ----------------------------------------------------------------------------------------
     # Non-finite state: never saved; abort, or roll back (the policy: training.run.lifecycle)
@@ -517,22 +477,6 @@ class Trainer:
                 "last_train_loss": self.history[-1]["loss"] if self.history else None,
                 "last_valid_loss": self.evals[-1]["loss"] if self.evals else None,
                 "failed": failed}
-
-    def record_attempt(self, code: int) -> None:
-        """Rank 0: one line in ``<run.dir>/attempts.jsonl`` saying how this launch ended (not for a refused
-        start; a hang writes its own line from the watchdog)."""
-        if not getattr(self, "is_main", False) or self.failed or self.metrics is None:
-            return
-        from training.run import append_attempt
-
-        finished = self.step >= self.cfg.run.train_steps
-        ended = "error" if code else ("finished" if finished else "stopped")
-        try:
-            append_attempt(self.run_dir, {"attempt": self.attempt, "ended": ended, "exit_code": code,
-                                          "step": self.step, "reason": getattr(self, "stopped_early", None),
-                                          "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        except OSError:
-            pass
 
     def abandon_checkpoint(self) -> None:
         """A failing run: the asynchronous save in flight is never finalized; its partial directory is
@@ -682,8 +626,10 @@ def _main(argv=None, entry=None) -> int:
         if code == SAVE_FAILED:
             trainer.record_failure(str(e), code)
     finally:
+        from training.run import record_attempt  # how this launch ended: attempts.jsonl
+
         trainer.abandon_checkpoint()
-        trainer.record_attempt(code)
+        record_attempt(trainer, code)
         trainer.close()
     return code
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "unwrap": "step_runner",
     "fault_point": "faults", "faults_active": "faults", "FaultSpecError": "faults", "parse_faults": "faults",
     "set_attempt": "faults",
+    "record_attempt": "guard", "report_stragglers": "guard", "start_guard": "guard",
     "append_attempt": "watchdog", "count_attempts": "watchdog", "EXIT_HANG": "watchdog", "Watchdog": "watchdog",
     "WatchdogSettings": "watchdog", "hang_retry": "watchdog",
     "plot_rank_times": "straggler", "StragglerMonitor": "straggler",

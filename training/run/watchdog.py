@@ -33,6 +33,7 @@ whether or not the hung rank can still run.  See docs/reliability.md, "Hangs".
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -42,7 +43,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+from training.run.faults import fault_point
 
 __all__ = ["EXIT_HANG", "SECTIONS", "Watchdog", "WatchdogSettings", "append_attempt", "count_attempts", "hang_retry"]
 
@@ -187,6 +190,18 @@ class Watchdog:
         self.section_seconds[prev] = self.section_seconds.get(prev, 0.0) + (now - t0)
         self._state = (section, prev_step if step is None else step, now)
         return prev
+
+    @contextlib.contextmanager
+    def during(self, section: str, step: Optional[int] = None, fault: bool = True) -> Iterator[None]:
+        """``with watchdog.during("evaluation", step):``: the block is ``section`` (and its fault point
+        fires first, unless ``fault=False``); the previous section again after it."""
+        prev = self.enter(section, step)
+        try:
+            if fault:
+                fault_point(section, self._state[1])
+            yield
+        finally:
+            self.enter(prev)
 
     @property
     def section(self) -> str:
