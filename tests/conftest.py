@@ -117,7 +117,8 @@ def pytest_addoption(parser):
 # reordering them by their number of tests.
 _LONGEST_FILES = ("test_hc_kernels.py", "test_convert_hf.py", "test_reliability.py", "test_triton_aot.py",
                   "test_bad_inputs.py", "test_elastic_resume.py", "test_gpu_check.py", "test_journeys_more.py",
-                  "test_pretrain_dist.py", "test_chaos.py", "test_journeys.py", "test_bench_hc_kernels.py",
+                  "test_pretrain_dist.py", "test_chaos.py", "test_watchdog.py", "test_rooms_move.py", "test_journeys.py",
+                  "test_bench_hc_kernels.py",
                   "test_hc_kernels_model.py",
                   "test_async_checkpoint.py", "test_xhc_kernels_fused.py", "test_grouped_experts.py",
                   "test_reproducibility.py", "test_old_checkpoint.py", "test_inspect.py", "test_hc_megatron.py",
