@@ -185,8 +185,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.what == "bytes":
         overrides = [f"parallel.{k}={getattr(args, k)}" for k in ("tp", "pp", "ep") if getattr(args, k) is not None]
-        if args.tp == 1:
-            overrides.append("parallel.sp=false")  # sequence parallelism needs TP > 1
+        if args.tp == 1:  # sequence parallelism and TP communication overlap need TP > 1
+            overrides += ["parallel.sp=false", "parallel.tp_comm_overlap=false"]
         state_bytes(overrides, args.world)
     else:
         time_steps(args.shrink, args.steps)

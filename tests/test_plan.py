@@ -321,9 +321,9 @@ def test_sharded_muon_bench_prints_the_planners_bytes(capsys):
         specs = param_specs(preset, planned_vocab(cfg, preset, sh.tp))
         out = capsys.readouterr().out
         rows = re.findall(r"stage (\d) .*?replicated +([\d.]+) GB; sharded +([\d.]+) GB on the fullest", out)
-        assert len(rows) == sh.pp == 2, out
+        assert len(rows) == sh.pp, out  # one row per pipeline stage of the recipe's layout
         for stage, replicated, fullest in rows:
             tensors = rank_tensors(specs, sh, int(stage))
             assert float(replicated) == round(state_bytes(tensors, rep).optimizer / 1e9, 2)
             assert float(fullest) == round(state_bytes(tensors, sh).optimizer / 1e9, 2)
-            assert float(fullest) < 0.6 * float(replicated)  # sharded over DP = 16 (experts 2): well under half
+            assert float(fullest) < 0.6 * float(replicated)  # sharded over DP (and expert-DP): well under half

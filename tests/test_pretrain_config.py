@@ -68,17 +68,25 @@ def test_pad_vocab_size_is_megatrons_rule():
     assert pad_vocab_size(151_665, 128, 1) == 151_680
 
 
-@pytest.mark.parametrize("name", ["moe-18b-xhc", "moe-18b-xhc-muon", "moe-2p5b-nsweep"])
+@pytest.mark.parametrize("name", ["moe-18b-xhc", "moe-18b-xhc-muon", "moe-2p5b-nsweep", "moe-10b-xhc", "moe-28b-xhc"])
 def test_gpu_configs_validate_for_their_layout(name):
+    import re
+
     from models.zoo import load_preset
 
-    cfg = load_config(os.path.join(PRETRAIN_CONFIGS, f"{name}.yaml"))
-    world = 64 if "18b" in name else 16
+    path = os.path.join(PRETRAIN_CONFIGS, f"{name}.yaml")
+    cfg = load_config(path)
+    with open(path, encoding="utf-8") as f:
+        world = int(re.search(r"^# cluster: (\d+) x ", f.read(), re.M).group(1))  # the recipe's cluster
+    assert world == {"moe-2p5b-nsweep": 16, "moe-10b-xhc": 32, "moe-28b-xhc": 128}.get(name, 64)
     dp = validate_runtime(cfg, world, load_preset(cfg.model.preset), cuda=True)
-    assert dp == world // (cfg.parallel.tp * cfg.parallel.pp)
+    assert dp == world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
     assert cfg.run.precision == "bf16" and cfg.batch.seq_length == 8192
     assert cfg.schedule.kind == "wsd" and cfg.schedule.warmup_steps == 500  # docs/math.md §6.4
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.eps == 1e-15 and cfg.optimizer.clip_grad == 1.0
+    size = name.split("-")[1]  # the peak LR of each size ([xHC] App. A, docs/math.md §6.1)
+    assert cfg.optimizer.lr == {"2p5b": 6.95e-4, "10b": 4.82e-4, "18b": 3.97e-4, "28b": 3.5e-4}[size]
+    assert cfg.model.preset.startswith(f"moe-{size}:")
     if "muon" in name:
         assert cfg.optimizer.name == "muon" and load_preset(cfg.model.preset).hc.gram_schmidt is False
 
