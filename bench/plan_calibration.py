@@ -22,8 +22,8 @@ HC_UNITS = (  # (name, preset giving the HCConfig or None, sublayers, measured m
 THROUGHPUT = {"vanilla": (25477, 0.014), "mhc": (21858, 0.012), "xhc-flash4": (16787, 0.010)}
 SHRUNK = ["model.backbone.num_layers=4", "batch.seq_length=2048", "batch.micro_batch_size=4", "batch.global_batch_size=8",
           "data.mock=true", "tokenizer.type=none", "tokenizer.vocab_size=32768", "model.recompute=selective"]
-CLUSTERS = (("moe-2p5b", "configs/pretrain/moe-2p5b-nsweep.yaml", 16), ("moe-10b", "configs/pretrain/moe-2p5b-nsweep.yaml", 32),
-            ("moe-18b", "configs/pretrain/moe-18b-xhc.yaml", 64))
+CLUSTERS = (("moe-2p5b", "configs/pretrain/moe-2p5b-nsweep.yaml", 16), ("moe-10b", "configs/pretrain/moe-10b-xhc.yaml", 32),
+            ("moe-18b", "configs/pretrain/moe-18b-xhc.yaml", 64), ("moe-28b", "configs/pretrain/moe-28b-xhc.yaml", 128))
 
 
 def hc_units():
